@@ -1,0 +1,24 @@
+"""pipelab: distributed deep-learning training, taught by running it.
+
+Submodules are imported on first use (`pipelab.timeline`, `pipelab.launch`, ...) so that
+`import pipelab` stays fast in worker processes and in notebooks.
+"""
+
+from __future__ import annotations
+
+import importlib
+
+__version__ = "0.1.0"
+
+_SUBMODULES = {
+    "cli", "data", "ddp", "display", "hardware", "launch", "model_parallel", "models", "pipeline",
+    "plots", "streams", "timeline", "widgets",
+}
+
+
+def __getattr__(name: str):
+    if name in _SUBMODULES:
+        return importlib.import_module(f"pipelab.{name}")
+    if name in ("show", "headline"):
+        return getattr(importlib.import_module("pipelab.display"), name)
+    raise AttributeError(f"module 'pipelab' has no attribute {name!r}")

@@ -1,0 +1,88 @@
+"""What this machine has, and which path a lesson takes on it.
+
+Every notebook prints `describe()` first, so a reader of an executed notebook knows whether the
+timelines came from GPUs with NCCL or from CPU processes with gloo.
+"""
+
+from __future__ import annotations
+
+import os
+import platform
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Hardware:
+    cpu_cores: int
+    gpus: tuple[str, ...]  # names of the visible CUDA devices
+    torch_version: str
+    cuda_version: str | None
+
+    @property
+    def gpu_count(self) -> int:
+        return len(self.gpus)
+
+
+def cpu_cores() -> int:
+    """Cores this process may run on (respects taskset / container limits)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        return os.cpu_count() or 1
+
+
+def detect() -> Hardware:
+    """Look at the machine: CPU cores, CUDA devices and their names, torch version."""
+    import torch
+
+    gpus: tuple[str, ...] = ()
+    if torch.cuda.is_available():
+        gpus = tuple(torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count()))
+    return Hardware(cpu_cores(), gpus, torch.__version__, torch.version.cuda)
+
+
+def gpu_count() -> int:
+    import torch
+
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
+def choose_backend(world_size: int, backend: str = "auto") -> str:
+    """The process-group backend for `world_size` ranks on this machine.
+
+    NCCL needs one GPU per rank; with fewer GPUs than ranks the ranks run on CPU with gloo.
+    """
+    if backend not in ("auto", "gloo", "nccl"):
+        raise ValueError(f"backend must be 'auto', 'gloo' or 'nccl', got {backend!r}")
+    gpus = gpu_count()
+    if backend == "nccl" and gpus < world_size:
+        raise ValueError(
+            f"backend='nccl' needs one GPU per rank: world_size={world_size} but this machine has "
+            f"{gpus} GPU(s); use backend='gloo' (CPU) or a smaller world_size"
+        )
+    if backend == "auto":
+        return "nccl" if gpus >= world_size else "gloo"
+    return backend
+
+
+def rank_device(rank: int, backend: str):
+    """The device a rank computes on: its own GPU under NCCL, the CPU under gloo."""
+    import torch
+
+    return torch.device("cuda", rank) if backend == "nccl" else torch.device("cpu")
+
+
+def describe(world_size: int = 2) -> str:
+    """One line: the machine, and the path `world_size` ranks take on it."""
+    hw = detect()
+    backend = choose_backend(world_size)
+    if hw.gpus:
+        names = ", ".join(sorted(set(hw.gpus)))
+        machine = f"{hw.gpu_count} GPU(s) ({names}), {hw.cpu_cores} CPU cores, CUDA {hw.cuda_version}"
+    else:
+        machine = f"no GPU, {hw.cpu_cores} CPU cores ({platform.processor() or platform.machine()})"
+    if backend == "nccl":
+        path = f"GPU path: {world_size} ranks on cuda:0..{world_size - 1} with NCCL"
+    else:
+        path = f"CPU path: {world_size} ranks on CPU with gloo, one thread each"
+    return f"{path} | {machine} | torch {hw.torch_version}"

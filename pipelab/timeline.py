@@ -1,0 +1,299 @@
+"""One timeline for every lesson: spans, recorders, metrics and trace export.
+
+A `Span` says that one rank (or one device, in single-process lessons) was busy on one lane
+(`compute`, `comm`, `copy`, ...) doing one kind of work (`F`, `B`, `W`, `allreduce`, ...) for one
+micro-batch, from `start` to `end`. Times are seconds on a clock that all processes of the machine
+share (`time.perf_counter`, which is CLOCK_MONOTONIC on Linux), so spans recorded by different
+ranks line up on one axis. CUDA work is timed with CUDA events and mapped onto the same clock.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from contextlib import contextmanager
+from dataclasses import dataclass, field, replace
+from typing import Any, Iterable, Iterator
+
+now = time.perf_counter  # the shared clock: system-wide monotonic, in seconds
+
+
+@dataclass(frozen=True)
+class Span:
+    """One busy interval of one rank (or device) on one lane."""
+
+    rank: int | str  # a rank number, or a device name such as "cpu:1" / "cuda:0"
+    lane: str  # "compute", "comm", "copy", ... (a row of the Gantt chart)
+    kind: str  # "F", "B", "W", "allreduce", "send", ... (the colour)
+    start: float  # seconds on the shared clock
+    end: float
+    mb: int | None = None  # micro-batch index, when the work belongs to one
+    meta: dict[str, Any] = field(default_factory=dict, compare=False)
+
+    @property
+    def duration(self) -> float:
+        return self.end - self.start
+
+
+def _union_length(intervals: Iterable[tuple[float, float]]) -> float:
+    """Total length covered by intervals, counting overlapping parts once."""
+    total, cur_start, cur_end = 0.0, None, None
+    for s, e in sorted(intervals):
+        if cur_end is None or s > cur_end:
+            if cur_end is not None:
+                total += cur_end - cur_start
+            cur_start, cur_end = s, e
+        else:
+            cur_end = max(cur_end, e)
+    if cur_end is not None:
+        total += cur_end - cur_start
+    return total
+
+
+def _merged(intervals: Iterable[tuple[float, float]]) -> list[tuple[float, float]]:
+    """Intervals merged into disjoint, sorted pieces."""
+    out: list[list[float]] = []
+    for s, e in sorted(intervals):
+        if out and s <= out[-1][1]:
+            out[-1][1] = max(out[-1][1], e)
+        else:
+            out.append([s, e])
+    return [(s, e) for s, e in out]
+
+
+def _intersection_length(a: list[tuple[float, float]], b: list[tuple[float, float]]) -> float:
+    """Length of time covered by both of two disjoint, sorted interval lists."""
+    i = j = 0
+    total = 0.0
+    while i < len(a) and j < len(b):
+        lo, hi = max(a[i][0], b[j][0]), min(a[i][1], b[j][1])
+        if hi > lo:
+            total += hi - lo
+        if a[i][1] < b[j][1]:
+            i += 1
+        else:
+            j += 1
+    return total
+
+
+@dataclass
+class Timeline:
+    """The spans of one run, from one rank or merged from many."""
+
+    spans: list[Span] = field(default_factory=list)
+
+    # ---- building -------------------------------------------------------------------------
+    @classmethod
+    def merge(cls, timelines: Iterable["Timeline"]) -> "Timeline":
+        """One timeline holding the spans of all given timelines (e.g. every rank's)."""
+        spans = [s for tl in timelines if tl is not None for s in tl.spans]
+        return cls(sorted(spans, key=lambda s: (s.start, str(s.rank), s.lane)))
+
+    def filter(self, rank=None, lane=None, kind=None) -> "Timeline":
+        """The spans that match every given field (a value or a collection of values)."""
+
+        def ok(value, wanted):
+            if wanted is None:
+                return True
+            if isinstance(wanted, (list, tuple, set, frozenset)):
+                return value in wanted
+            return value == wanted
+
+        return Timeline([s for s in self.spans if ok(s.rank, rank) and ok(s.lane, lane) and ok(s.kind, kind)])
+
+    def shifted(self, origin: float | None = None) -> "Timeline":
+        """The same spans with times measured from `origin` (default: the first start)."""
+        origin = self.start if origin is None else origin
+        return Timeline([replace(s, start=s.start - origin, end=s.end - origin) for s in self.spans])
+
+    def __len__(self) -> int:
+        return len(self.spans)
+
+    def __iter__(self) -> Iterator[Span]:
+        return iter(self.spans)
+
+    # ---- shape ----------------------------------------------------------------------------
+    @property
+    def start(self) -> float:
+        return min((s.start for s in self.spans), default=0.0)
+
+    @property
+    def end(self) -> float:
+        return max((s.end for s in self.spans), default=0.0)
+
+    @property
+    def makespan(self) -> float:
+        """Seconds from the first span's start to the last span's end: the step time."""
+        return self.end - self.start
+
+    @property
+    def ranks(self) -> list:
+        return sorted({s.rank for s in self.spans}, key=lambda r: (isinstance(r, str), r))
+
+    @property
+    def lanes(self) -> list[str]:
+        order = {"compute": 0, "comm": 1, "copy": 2}
+        return sorted({s.lane for s in self.spans}, key=lambda l: (order.get(l, 9), l))
+
+    def rows(self) -> list[tuple]:
+        """(rank, lane) pairs that have spans, in display order: by rank, then lane."""
+        have = {(s.rank, s.lane) for s in self.spans}
+        return [(r, l) for r in self.ranks for l in self.lanes if (r, l) in have]
+
+    # ---- metrics --------------------------------------------------------------------------
+    def busy_time(self, rank=None, lane="compute") -> float:
+        """Seconds during which `rank` had work on `lane` (overlapping spans counted once).
+
+        With rank=None, the sum over ranks."""
+        ranks = self.ranks if rank is None else [rank]
+        return sum(_union_length((s.start, s.end) for s in self.filter(rank=r, lane=lane)) for r in ranks)
+
+    def utilization(self, lane="compute", window: tuple[float, float] | None = None) -> dict:
+        """Busy fraction of the step for each rank on `lane`: busy time / step time.
+
+        The step runs from the first to the last span of the whole timeline (all ranks), unless
+        `window` = (start, end) is given."""
+        lo, hi = window if window is not None else (self.start, self.end)
+        length = hi - lo
+        out = {}
+        for r in self.ranks:
+            pieces = [(max(s.start, lo), min(s.end, hi)) for s in self.filter(rank=r, lane=lane)]
+            busy = _union_length((a, b) for a, b in pieces if b > a)
+            out[r] = busy / length if length > 0 else 0.0
+        return out
+
+    def bubble_fraction(self, lane="compute", window: tuple[float, float] | None = None) -> float:
+        """Idle fraction of the step, averaged over ranks: 1 - mean utilization.
+
+        For a pipeline this is the 'bubble'; GPipe's theory says (p-1)/(m+p-1)."""
+        util = self.utilization(lane, window)
+        return 1.0 - sum(util.values()) / len(util) if util else 0.0
+
+    def overlap_time(self, lane_a="compute", lane_b="comm", rank=None) -> float:
+        """Seconds during which a rank was busy on both lanes at once (summed over ranks)."""
+        ranks = self.ranks if rank is None else [rank]
+        total = 0.0
+        for r in ranks:
+            a = _merged((s.start, s.end) for s in self.filter(rank=r, lane=lane_a))
+            b = _merged((s.start, s.end) for s in self.filter(rank=r, lane=lane_b))
+            total += _intersection_length(a, b)
+        return total
+
+    def overlap(self, lane_a="compute", lane_b="comm", rank=None) -> float:
+        """Fraction of `lane_b`'s busy time hidden under `lane_a` (e.g. communication hidden
+        behind computation): 1.0 means every byte moved while the rank computed."""
+        busy_b = self.busy_time(rank, lane_b)
+        return self.overlap_time(lane_a, lane_b, rank) / busy_b if busy_b > 0 else 0.0
+
+    def summary(self) -> dict:
+        """Headline numbers of this timeline, for printing."""
+        return {
+            "step_ms": self.makespan * 1e3,
+            "utilization": {r: round(u, 3) for r, u in self.utilization().items()},
+            "bubble_fraction": round(self.bubble_fraction(), 3),
+        }
+
+    # ---- export ---------------------------------------------------------------------------
+    def to_chrome_trace(self, path: str | None = None) -> dict:
+        """Chrome trace JSON (open it in https://ui.perfetto.dev or chrome://tracing).
+
+        One complete event ("ph": "X") per span; a process per rank, a thread per lane.
+        Returns the dict and writes it to `path` when given."""
+        origin = self.start
+        pids = {r: i for i, r in enumerate(self.ranks)}
+        tids = {l: i for i, l in enumerate(self.lanes)}
+        events: list[dict] = []
+        for r, pid in pids.items():
+            label = f"rank {r}" if isinstance(r, int) else str(r)
+            events.append({"name": "process_name", "ph": "M", "pid": pid, "tid": 0, "args": {"name": label}})
+            for lane, tid in tids.items():
+                events.append({"name": "thread_name", "ph": "M", "pid": pid, "tid": tid, "args": {"name": lane}})
+        for s in self.spans:
+            name = s.kind if s.mb is None else f"{s.kind}{s.mb}"
+            args = {"mb": s.mb, **{k: v for k, v in s.meta.items() if isinstance(v, (int, float, str, bool))}}
+            events.append({
+                "name": name, "cat": s.kind, "ph": "X", "pid": pids[s.rank], "tid": tids[s.lane],
+                "ts": (s.start - origin) * 1e6, "dur": s.duration * 1e6, "args": args,
+            })
+        trace = {"traceEvents": events, "displayTimeUnit": "ms"}
+        if path is not None:
+            with open(path, "w") as f:
+                json.dump(trace, f)
+        return trace
+
+
+class Recorder:
+    """Records spans for one rank (or device): `with rec.span("F", mb=0): ...`.
+
+    On CPU a span is timed with the shared clock around the block. On a CUDA device the block
+    only *enqueues* kernels, so the span is timed with CUDA events recorded on the current stream
+    (or `stream`), and resolved to the shared clock when `timeline()` is called."""
+
+    def __init__(self, rank: int | str = 0, device=None, enabled: bool = True):
+        self.rank = rank
+        self.device = device
+        self.enabled = enabled
+        self._spans: list[Span] = []
+        self._pending: list[tuple] = []  # CUDA spans: (start_event, end_event, fields)
+        self._cuda_ref = None  # (event, host time) pair mapping event times onto the clock
+
+    def _is_cuda(self) -> bool:
+        return self.device is not None and getattr(self.device, "type", str(self.device)).startswith("cuda")
+
+    @contextmanager
+    def span(self, kind: str, lane: str = "compute", mb: int | None = None, stream=None,
+             rank: int | str | None = None, **meta):
+        """Time the block as one span of `kind` on `lane`."""
+        if not self.enabled:
+            yield
+            return
+        who = self.rank if rank is None else rank
+        if self._is_cuda():
+            import torch
+
+            start_ev = torch.cuda.Event(enable_timing=True)
+            end_ev = torch.cuda.Event(enable_timing=True)
+            self._ensure_cuda_ref()
+            start_ev.record(stream)
+            yield
+            end_ev.record(stream)
+            self._pending.append((start_ev, end_ev, dict(rank=who, lane=lane, kind=kind, mb=mb, meta=meta)))
+        else:
+            t0 = now()
+            yield
+            self._spans.append(Span(who, lane, kind, t0, now(), mb, meta))
+
+    def add(self, kind: str, start: float, end: float, lane: str = "compute", mb: int | None = None,
+            rank: int | str | None = None, **meta) -> None:
+        """Add a span timed elsewhere (times on the shared clock)."""
+        if self.enabled:
+            self._spans.append(Span(self.rank if rank is None else rank, lane, kind, start, end, mb, meta))
+
+    def _ensure_cuda_ref(self) -> None:
+        if self._cuda_ref is None:
+            import torch
+
+            ref = torch.cuda.Event(enable_timing=True)
+            torch.cuda.synchronize(self.device)
+            ref.record()
+            torch.cuda.synchronize(self.device)
+            self._cuda_ref = (ref, now())
+
+    def timeline(self) -> Timeline:
+        """All spans recorded so far (waits for pending CUDA work to be timed)."""
+        if self._pending:
+            import torch
+
+            torch.cuda.synchronize(self.device)
+            ref, host = self._cuda_ref
+            for start_ev, end_ev, f in self._pending:
+                start = host + ref.elapsed_time(start_ev) / 1e3
+                end = host + ref.elapsed_time(end_ev) / 1e3
+                self._spans.append(Span(f["rank"], f["lane"], f["kind"], start, end, f["mb"], f["meta"]))
+            self._pending.clear()
+        return Timeline(sorted(self._spans, key=lambda s: s.start))
+
+    def clear(self) -> None:
+        """Forget recorded spans (e.g. after a warm-up step)."""
+        self._spans.clear()
+        self._pending.clear()
