@@ -1,0 +1,99 @@
+"""Lessons in JupyterLab in a real browser (headless Chromium driven by Playwright).
+
+Skipped where Chromium or Playwright is missing: `apt-get install chromium` and
+`pip install playwright` (the browser itself comes from Debian; nothing is downloaded at run time).
+"""
+
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+CHROMIUM = os.environ.get("PIPELAB_CHROMIUM") or shutil.which("chromium") or shutil.which("chromium-browser")
+playwright = pytest.importorskip("playwright.sync_api", reason="pip install playwright for browser tests")
+pytestmark = pytest.mark.skipif(CHROMIUM is None, reason="no Chromium: apt-get install chromium")
+
+CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
+                 "--disable-background-networking", "--disable-component-update", "--disable-sync"]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def jupyterlab(tmp_path_factory):
+    """A JupyterLab server on localhost serving a copy of the notebooks."""
+    root = tmp_path_factory.mktemp("lab")
+    for name in os.listdir(os.path.join(ROOT, "notebooks")):
+        if name.endswith(".ipynb"):
+            shutil.copy(os.path.join(ROOT, "notebooks", name), root / name)
+    port = _free_port()
+    jupyter = os.path.join(os.path.dirname(sys.executable), "jupyter")
+    server = subprocess.Popen(
+        [jupyter, "lab", "--no-browser", "--allow-root", f"--port={port}", "--ServerApp.ip=127.0.0.1",
+         "--IdentityProvider.token=", "--ServerApp.password=", "--LabApp.expose_app_in_browser=True",
+         f"--ServerApp.root_dir={root}"],
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    )
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 60
+    while True:
+        try:
+            urllib.request.urlopen(f"{url}/api/status", timeout=2)
+            break
+        except OSError:
+            if time.monotonic() > deadline or server.poll() is not None:
+                server.kill()
+                pytest.fail("JupyterLab did not start")
+            time.sleep(0.5)
+    yield url, root
+    server.terminate()
+    try:
+        server.wait(timeout=20)
+    except subprocess.TimeoutExpired:
+        server.kill()
+
+
+@pytest.fixture()
+def page():
+    with playwright.sync_playwright() as p:
+        browser = p.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
+        page = browser.new_page(viewport={"width": 1400, "height": 1000})
+        yield page
+        browser.close()
+
+
+def run_all_cells(page, url: str, notebook: str, timeout_s: float = 180) -> None:
+    """Open a notebook in JupyterLab, run every cell, wait until the headline is shown."""
+    page.goto(f"{url}/lab/tree/{notebook}")
+    page.wait_for_function("window.jupyterapp !== undefined", timeout=60_000)
+    page.wait_for_selector(".jp-Notebook", timeout=60_000)
+    # Run only once the notebook's kernel is connected and idle, or the command does nothing.
+    page.wait_for_function(
+        "window.jupyterapp.shell.currentWidget?.sessionContext?.session?.kernel?.status === 'idle'",
+        timeout=60_000)
+    page.evaluate("window.jupyterapp.commands.execute('notebook:run-all-cells')")
+    try:
+        page.get_by_text("Headline:").wait_for(state="attached", timeout=timeout_s * 1000)
+    except Exception:
+        os.makedirs(os.path.join(ROOT, "build"), exist_ok=True)
+        page.screenshot(path=os.path.join(ROOT, "build", f"failed-{notebook}.png"))
+        raise
+
+
+def test_lesson_00_runs_in_jupyterlab(jupyterlab, page):
+    url, _ = jupyterlab
+    run_all_cells(page, url, "00_workers_and_timelines.ipynb")
+    assert page.locator(".jp-OutputArea-output img").count() >= 3  # sweep, Gantt, utilization
+    assert page.get_by_text("sum of ranks = 1").count() >= 1
+    os.makedirs(os.path.join(ROOT, "build"), exist_ok=True)
+    page.screenshot(path=os.path.join(ROOT, "build", "lesson00-jupyterlab.png"))
