@@ -1,0 +1,130 @@
+"""Schedules: every built-in schedule is valid, matches the order torch.distributed.pipelining
+uses, and the validator rejects broken ones."""
+
+import pytest
+from torch.distributed.pipelining import schedules as torch_schedules
+
+from pipelab.pipeline.schedules import (B, F, W, Schedule, Schedule1F1B, ScheduleError, ScheduleGPipe,
+                                        ScheduleInterleaved1F1B, ScheduleZeroBubble, make_schedule,
+                                        validate)
+
+SIZES = [(p, m) for p in (1, 2, 3, 4) for m in (1, 2, 3, 4, 5, 6, 8, 12)]
+
+
+def torch_order(cls, p: int, m: int, v: int | None = None) -> dict[int, list[str]]:
+    """The per-rank compute actions torch's schedule class plans, asked without running it."""
+    sched = object.__new__(cls)  # no stages or process group needed to compute the order
+    sched._num_stages, sched._n_microbatches = p, m
+    if v is None:
+        order = cls._get_pipeline_order(sched)
+    else:
+        sched.pp_group_size, sched.n_local_stages = p, v
+        sched.number_of_rounds = max(1, m // p)
+        sched.microbatches_per_round = m // sched.number_of_rounds
+        order = {r: sched._calculate_single_rank_operations(r) for r in range(p)}
+    return {r: [str(a) for a in acts if a is not None and a.is_compute_op] for r, acts in order.items()}
+
+
+def our_order(schedule: Schedule) -> dict[int, list[str]]:
+    # torch calls a split-off input backward "I"; we call it B.
+    rename = (lambda s: s.replace("B", "I")) if schedule.split_backward else (lambda s: s)
+    return {r: [rename(str(a)) for a in acts] for r, acts in enumerate(schedule.actions)}
+
+
+@pytest.mark.parametrize("name", ["gpipe", "1f1b", "zb-h1"])
+@pytest.mark.parametrize("p,m", SIZES)
+def test_builtin_schedules_are_valid(name, p, m):
+    schedule = make_schedule(name, p, m)
+    validate(schedule)
+    assert schedule.num_stages == p
+
+
+@pytest.mark.parametrize("v", [2, 3])
+@pytest.mark.parametrize("p,m", SIZES)
+def test_interleaved_is_valid_or_refused_with_a_reason(p, m, v):
+    rounds = max(1, m // p)
+    if m % rounds:
+        with pytest.raises(ValueError, match=f"num_microbatches={m}"):
+            ScheduleInterleaved1F1B(p, m, v)
+    else:
+        validate(ScheduleInterleaved1F1B(p, m, v))
+
+
+@pytest.mark.parametrize("p,m", SIZES)
+def test_gpipe_order_equals_torch(p, m):
+    assert our_order(ScheduleGPipe(p, m)) == torch_order(torch_schedules.ScheduleGPipe, p, m)
+
+
+@pytest.mark.parametrize("p,m", [(p, m) for p, m in SIZES if m >= p])
+def test_1f1b_order_equals_torch_plan(p, m):
+    # torch's plan for 1F1B (pipeline_order) misnumbers the last rank's forwards (it starts at
+    # micro-batch 1); its executed order, which the runtime test records, is right for every rank.
+    ours, theirs = our_order(Schedule1F1B(p, m)), torch_order(torch_schedules.Schedule1F1B, p, m)
+    for rank in range(p - 1):
+        assert ours[rank] == theirs[rank]
+
+
+@pytest.mark.parametrize("v", [2, 3])
+@pytest.mark.parametrize("p,m", [(p, m) for p, m in SIZES if p > 1 and m % max(1, m // p) == 0])
+def test_interleaved_order_equals_torch(p, m, v):
+    ours = our_order(ScheduleInterleaved1F1B(p, m, v))
+    assert ours == torch_order(torch_schedules.ScheduleInterleaved1F1B, p, m, v)
+
+
+@pytest.mark.parametrize("p,m", SIZES)
+def test_zero_bubble_order_equals_torch_with_one_stage_per_rank(p, m):
+    assert our_order(ScheduleZeroBubble(p, m)) == torch_order(torch_schedules.ScheduleInterleavedZeroBubble, p, m, 1)
+
+
+def test_1f1b_bounds_warmup_forwards_by_distance_to_the_end():
+    s = Schedule1F1B(4, 8)
+    for rank, actions in enumerate(s.actions):
+        first_b = next(i for i, a in enumerate(actions) if a.kind == "B")
+        assert first_b == 4 - rank  # p - rank forwards before the first backward
+
+
+def test_validator_rejects_a_missing_backward():
+    good = ScheduleGPipe(2, 2).actions
+    broken = [good[0], [a for a in good[1] if a != B(1, 1)]]
+    with pytest.raises(ScheduleError, match="1B1 appears 0 times"):
+        validate(Schedule(2, 2, actions=broken))
+
+
+def test_validator_rejects_a_repeated_forward():
+    good = ScheduleGPipe(2, 2).actions
+    with pytest.raises(ScheduleError, match="0F0 appears 2 times"):
+        validate(Schedule(2, 2, actions=[[F(0, 0)] + good[0], good[1]]))
+
+
+def test_validator_rejects_a_stage_on_the_wrong_rank():
+    good = ScheduleGPipe(2, 1).actions
+    with pytest.raises(ScheduleError, match="stage 1 lives on rank 1"):
+        validate(Schedule(2, 1, actions=[good[0] + [F(1, 0)], good[1]]))
+
+
+def test_validator_rejects_a_deadlock():
+    # Rank 0 waits for the gradient of micro-batch 1 before sending micro-batch 1's activation.
+    actions = [[F(0, 0), B(0, 1), F(0, 1), B(0, 0)], [F(1, 0), F(1, 1), B(1, 0), B(1, 1)]]
+    with pytest.raises(ScheduleError, match="deadlocks"):
+        validate(Schedule(2, 2, actions=actions))
+
+
+def test_validator_rejects_backward_before_forward_on_one_rank():
+    with pytest.raises(ScheduleError, match="deadlocks"):
+        validate(Schedule(1, 1, actions=[[B(0, 0), F(0, 0)]]))
+
+
+def test_validator_wants_w_exactly_when_the_backward_is_split():
+    with pytest.raises(ScheduleError, match="is not an action"):
+        validate(Schedule(1, 1, actions=[[F(0, 0), B(0, 0), W(0, 0)]]))
+    with pytest.raises(ScheduleError, match="0W0 appears 0 times"):
+        validate(Schedule(1, 1, actions=[[F(0, 0), B(0, 0)]], split_backward=True))
+
+
+def test_bad_arguments_are_refused():
+    with pytest.raises(ValueError, match="unknown schedule 'pipedream'"):
+        make_schedule("pipedream", 2, 4)
+    with pytest.raises(ValueError, match="num_microbatches must be"):
+        ScheduleGPipe(2, 0)
+    with pytest.raises(ValueError, match="cannot take num_microbatches=5"):
+        make_schedule("interleaved", 2, 5)
