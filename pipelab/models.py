@@ -20,3 +20,21 @@ def mlp(widths: list[int], activation: type[nn.Module] = nn.ReLU) -> nn.Sequenti
         if i < len(widths) - 2:
             layers.append(activation())
     return nn.Sequential(*layers)
+
+
+def alexnet_layers(num_classes: int = 10) -> list[nn.Module]:
+    """AlexNet as a flat layer list (DeepSpeed pipeline example style), ready to cut into stages."""
+    return [
+        nn.Conv2d(3, 64, kernel_size=11, stride=4, padding=2), nn.ReLU(inplace=True),
+        nn.MaxPool2d(kernel_size=3, stride=2),
+        nn.Conv2d(64, 192, kernel_size=5, padding=2), nn.ReLU(inplace=True),
+        nn.MaxPool2d(kernel_size=3, stride=2),
+        nn.Conv2d(192, 384, kernel_size=3, padding=1), nn.ReLU(inplace=True),
+        nn.Conv2d(384, 256, kernel_size=3, padding=1), nn.ReLU(inplace=True),
+        nn.Conv2d(256, 256, kernel_size=3, padding=1), nn.ReLU(inplace=True),
+        nn.MaxPool2d(kernel_size=3, stride=2),
+        nn.AdaptiveAvgPool2d((6, 6)), nn.Flatten(1),
+        nn.Dropout(), nn.Linear(256 * 6 * 6, 4096), nn.ReLU(inplace=True),
+        nn.Dropout(), nn.Linear(4096, 4096), nn.ReLU(inplace=True),
+        nn.Linear(4096, num_classes),
+    ]
