@@ -41,7 +41,7 @@ def jupyterlab(tmp_path_factory):
     server = subprocess.Popen(
         [jupyter, "lab", "--no-browser", "--allow-root", f"--port={port}", "--ServerApp.ip=127.0.0.1",
          "--IdentityProvider.token=", "--ServerApp.password=", "--LabApp.expose_app_in_browser=True",
-         f"--ServerApp.root_dir={root}"],
+         f"--ServerApp.root_dir={root}", f"--LabApp.workspaces_dir={root / 'workspaces'}"],
         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
     )
     url = f"http://127.0.0.1:{port}"
@@ -74,9 +74,10 @@ def page():
 
 def run_all_cells(page, url: str, notebook: str, timeout_s: float = 180) -> None:
     """Open a notebook in JupyterLab, run every cell, wait until the headline is shown."""
-    page.goto(f"{url}/lab/tree/{notebook}")
+    page.goto(f"{url}/lab/tree/{notebook}?reset")  # ?reset: a fresh workspace, only this notebook open
     page.wait_for_function("window.jupyterapp !== undefined", timeout=60_000)
-    page.wait_for_selector(".jp-Notebook", timeout=60_000)
+    page.wait_for_function("([name]) => window.jupyterapp.shell.currentWidget?.context?.path === name",
+                           arg=[notebook], timeout=60_000)
     # Run only once the notebook's kernel is connected and idle, or the command does nothing.
     page.wait_for_function(
         "window.jupyterapp.shell.currentWidget?.sessionContext?.session?.kernel?.status === 'idle'",
@@ -97,3 +98,24 @@ def test_lesson_00_runs_in_jupyterlab(jupyterlab, page):
     assert page.get_by_text("sum of ranks = 1").count() >= 1
     os.makedirs(os.path.join(ROOT, "build"), exist_ok=True)
     page.screenshot(path=os.path.join(ROOT, "build", "lesson00-jupyterlab.png"))
+
+
+def _image_sources(locator) -> list[str]:
+    return [locator.nth(i).get_attribute("src") for i in range(locator.count())]
+
+
+def test_schedule_explorer_redraws_when_the_schedule_changes(jupyterlab, page):
+    """Lesson 07's explorer is a live ipywidget: picking another schedule redraws the timeline."""
+    url, _ = jupyterlab
+    run_all_cells(page, url, "07_schedules_1f1b_interleaved_zero_bubble.ipynb", timeout_s=300)
+    explorer = page.locator(".widget-vbox").filter(has=page.locator("select")).last
+    explorer.scroll_into_view_if_needed()
+    image = explorer.locator("img")
+    image.first.wait_for(state="visible", timeout=60_000)
+    before = _image_sources(image)
+    explorer.locator("select").first.select_option("gpipe")
+    page.wait_for_function(
+        "([el, before]) => { const img = el.querySelector('img'); return img && img.src !== before; }",
+        arg=[explorer.element_handle(), before[0]], timeout=60_000)
+    assert _image_sources(image) != before
+    page.screenshot(path=os.path.join(ROOT, "build", "lesson07-schedule-explorer.png"))

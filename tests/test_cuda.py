@@ -1,0 +1,101 @@
+"""The CUDA paths: CUDA-event spans, NCCL process groups, CUDA streams, events and copies.
+
+Skipped on machines without a GPU (CI). On a one-GPU machine the single-process lessons' two
+"devices" are two Device objects on the same GPU, each with its own streams: that exercises the
+same stream, event and copy code as two GPUs do (it does not show idle devices, which needs two)."""
+
+import copy
+
+import pytest
+import torch
+
+from pipelab import launch
+from pipelab import model_parallel as mp
+from pipelab.streams import Device, Event, timeline
+from pipelab.timeline import Recorder
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+
+def test_recorder_times_kernels_with_cuda_events():
+    dev = torch.device("cuda", 0)
+    rec = Recorder(rank=0, device=dev)
+    a = torch.randn(2048, 2048, device=dev)
+    for mb in range(3):
+        with rec.span("F", mb=mb):
+            a = a @ a
+            a = a / a.norm()
+    spans = list(rec.timeline())
+    assert [s.mb for s in spans] == [0, 1, 2]
+    assert all(s.end > s.start for s in spans)
+    # kernels on one stream run in order: each span starts after the previous one ends
+    assert all(b.start >= a.end - 1e-6 for a, b in zip(spans, spans[1:]))
+
+
+def _nccl_worker(ctx):
+    import torch.distributed as dist
+
+    t = torch.full((4,), float(ctx.rank + 1), device=ctx.device)
+    with ctx.rec.span("allreduce", lane="comm"):
+        dist.all_reduce(t)
+    return {"device": str(ctx.device), "backend": ctx.backend, "sum": t.cpu(), "timeline": ctx.timeline()}
+
+
+def test_spawn_with_nccl_one_rank_per_gpu():
+    n = torch.cuda.device_count()
+    results = launch.spawn(_nccl_worker, n, backend="nccl", timeout=120)
+    expected = torch.full((4,), float(n * (n + 1) // 2))
+    for rank, r in enumerate(results):
+        assert r["backend"] == "nccl" and r["device"] == f"cuda:{rank}"
+        torch.testing.assert_close(r["sum"], expected)
+        assert [s.kind for s in r["timeline"]] == ["allreduce"]
+
+
+@pytest.fixture
+def gpu_devs():
+    # two Device objects on one GPU: separate streams and recorders, the same code path as two GPUs
+    ds = [Device("cuda:0"), Device(f"cuda:{min(1, torch.cuda.device_count() - 1)}")]
+    yield ds
+    for d in ds:
+        d.close()
+
+
+def test_stream_waits_for_event_on_cuda(gpu_devs):
+    dev = gpu_devs[0]
+    side, main = dev.stream("side"), dev.stream("compute")
+    x = dev.own(torch.ones(4096, 4096))
+    slow = side.submit(lambda t: (t @ t) @ t, x, kind="F")  # long kernels on the side stream
+    done = Event()
+    done.record(side)
+    main.wait(done)
+    y = main.submit(lambda t: t.sum(), slow, kind="F").result()
+    dev.synchronize()
+    # ones @ ones = 4096 everywhere, @ ones again = 4096**2; summed over 4096**2 entries
+    assert y.item() == pytest.approx(4096.0 ** 4, rel=1e-3)
+    spans = timeline([dev]).filter(kind="F")
+    side_span = spans.filter(lane="side").spans[0]
+    main_span = spans.filter(lane="compute").spans[0]
+    assert main_span.start >= side_span.end - 1e-6
+
+
+@pytest.mark.parametrize("variant,split", [("one_device", None), ("naive", None), ("pipelined", 4),
+                                           ("dual_stream", 4)])
+def test_model_parallel_variants_on_cuda_match_cpu_reference(gpu_devs, variant, split):
+    torch.manual_seed(0)
+    model = mp.SplitResNet(channels=8, blocks_per_half=1)
+    x, y = torch.randn(12, 3, 8, 8), torch.randint(0, 10, (12,))
+    ref = copy.deepcopy(model)
+    ref_loss = torch.nn.functional.cross_entropy(ref(x), y)
+    ref_loss.backward()
+    if variant == "one_device":
+        model.to(gpu_devs[0].torch_device)
+    else:
+        mp.place(model, gpu_devs)
+    loss, tl = mp.train_step(model, x, y, gpu_devs, variant=variant, split_size=split)
+    torch.testing.assert_close(loss.cpu(), ref_loss.detach(), atol=1e-4, rtol=1e-4)
+    grads = dict(ref.named_parameters())
+    for name, p in model.named_parameters():
+        torch.testing.assert_close(p.grad.cpu(), grads[name].grad, atol=1e-4, rtol=1e-4)
+    assert len(tl.filter(kind="F")) >= 1
+    if variant == "dual_stream":
+        assert len(tl.filter(lane="copy")) == 3
