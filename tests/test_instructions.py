@@ -4,7 +4,7 @@ import pytest
 from pipelab.pipeline.instructions import (BackwardPass, ForwardPass, InferenceSchedule,
                                            LoadMicroBatch, OptimizerStep, RecvActivation, RecvGrad,
                                            ReduceGrads, ReduceTiedGrads, SendActivation, SendGrad,
-                                           TrainSchedule)
+                                           TrainSchedule, format_instruction_table)
 
 END = [ReduceTiedGrads(), ReduceGrads(), OptimizerStep()]
 
@@ -28,6 +28,31 @@ def test_train_two_stages_two_micro_batches():
         [BackwardPass(1)],
         [SendGrad(1)] + END,
     ]
+
+
+def test_train_middle_of_three_stages():
+    # Stage 1 of 3 computes forwards on odd steps and backwards on even ones; two buffers.
+    assert TrainSchedule(2, 3, 1).num_pipe_buffers() == 2
+    assert list(TrainSchedule(2, 3, 1).steps()) == [
+        [],
+        [RecvActivation(0), ForwardPass(0)],
+        [SendActivation(0)],
+        [RecvActivation(1), ForwardPass(1)],
+        [RecvGrad(0), SendActivation(1), BackwardPass(0)],
+        [SendGrad(0)],
+        [RecvGrad(1), BackwardPass(1)],
+        [SendGrad(1)] + END,
+    ]
+
+
+def test_buffers_and_printing():
+    assert [TrainSchedule(8, 4, s).num_pipe_buffers() for s in range(4)] == [4, 3, 2, 2]
+    assert repr(ForwardPass(1)) == "ForwardPass(buffer_id=1)" and str(ForwardPass(1)) == "ForwardPass(1)"
+    assert ForwardPass(1).kwargs == {"buffer_id": 1} and OptimizerStep().kwargs == {}
+    table = format_instruction_table(TrainSchedule, 4, 2).splitlines()
+    assert table[0].split() == ["step", "stage", "0", "stage", "1"]
+    assert len(table) == 2 + 2 * (4 + 2 - 1)
+    assert table[2].split() == ["0", "LoadMicroBatch(0),", "ForwardPass(0)", "-"]
 
 
 @pytest.mark.parametrize("stages,micro_batches", [(2, 4), (3, 5), (4, 4), (4, 2)])
@@ -70,8 +95,10 @@ def test_bad_stage_id_raises():
 
 def test_matches_deepspeed_schedule():
     ds = pytest.importorskip("deepspeed.runtime.pipe.schedule")
-    for S, M in [(2, 4), (3, 5), (4, 8)]:
+    for S, M in [(1, 1), (1, 3), (2, 1), (2, 4), (3, 5), (4, 2), (4, 8), (5, 3)]:
         for s in range(S):
-            ours = [[repr(c) for c in step] for step in TrainSchedule(M, S, s).steps()]
-            theirs = [[repr(c) for c in step] for step in ds.TrainSchedule(M, S, s).steps()]
-            assert ours == theirs
+            for ours_cls, theirs_cls in ((TrainSchedule, ds.TrainSchedule), (InferenceSchedule, ds.InferenceSchedule)):
+                ours, theirs = ours_cls(M, S, s), theirs_cls(M, S, s)
+                assert ours.num_pipe_buffers() == theirs.num_pipe_buffers()
+                assert [[repr(c) for c in step] for step in ours.steps()] == \
+                       [[repr(c) for c in step] for step in theirs.steps()], (ours_cls.__name__, S, M, s)

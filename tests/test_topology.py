@@ -2,7 +2,7 @@
 import pytest
 
 from pipelab.pipeline.topology import (PipeDataParallelTopology, PipeModelDataParallelTopology,
-                                       ProcessTopology)
+                                       ProcessTopology, draw_topology)
 
 
 def test_pipe_data_grid_puts_data_axis_fastest():
@@ -37,8 +37,27 @@ def test_bad_coordinates_raise():
         ProcessTopology(["pipe"], [0])
 
 
+def test_draw_topology_labels_every_rank():
+    import matplotlib
+
+    matplotlib.use("Agg")
+    ax = draw_topology(PipeDataParallelTopology(2, 3))
+    labels = [t.get_text() for t in ax.texts if t.get_text()]  # arrows are empty texts
+    assert len(labels) == 6 and labels[4].startswith("rank 4\npipe=1 data=1")
+    with pytest.raises(ValueError, match="pipe x data"):
+        draw_topology(ProcessTopology(["data", "pipe"], [2, 2]))
+
+
 def test_matches_deepspeed_topology():
     ds_topo = pytest.importorskip("deepspeed.runtime.pipe.topology")
-    ours, theirs = PipeDataParallelTopology(3, 2), ds_topo.PipeDataParallelTopology(3, 2)
-    for axis in ("pipe", "data"):
-        assert ours.get_axis_comm_lists(axis) == theirs.get_axis_comm_lists(axis)
+    pairs = [(PipeDataParallelTopology(3, 2), ds_topo.PipeDataParallelTopology(3, 2)),
+             (PipeModelDataParallelTopology(2, 2, 3), ds_topo.PipeModelDataParallelTopology(2, 2, 3))]
+    for ours, theirs in pairs:
+        for axis in ("pipe", "data", "model", "tensor"):
+            assert ours.get_axis_comm_lists(axis) == theirs.get_axis_comm_lists(axis)
+            assert ours.get_dim(axis) == theirs.get_dim(axis)
+        for rank in range(ours.world_size()):
+            assert tuple(ours.get_coord(rank)) == tuple(theirs.get_coord(rank))
+            assert ours.get_rank_repr(rank) == theirs.get_rank_repr(rank)
+        assert ours.filter_match(pipe=1) == theirs.filter_match(pipe=1)
+        assert ours.get_axis_list("pipe", 0) == theirs.get_axis_list("pipe", 0)

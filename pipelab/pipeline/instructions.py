@@ -15,9 +15,17 @@ class Instruction:
     """One step of work; ``buffer_id`` names the activation buffer it reads or writes."""
     buffer_id: int | None = None
 
-    def __repr__(self) -> str:
-        name = type(self).__name__
-        return f"{name}()" if self.buffer_id is None else f"{name}(buffer_id={self.buffer_id})"
+    @property
+    def kwargs(self) -> dict:
+        """The arguments its executor takes, as in DeepSpeed: ``{'buffer_id': 0}`` or ``{}``."""
+        return {} if self.buffer_id is None else {"buffer_id": self.buffer_id}
+
+    def __repr__(self) -> str:  # DeepSpeed's spelling, e.g. ForwardPass(buffer_id=0)
+        args = ", ".join(f"{k}={v}" for k, v in self.kwargs.items())
+        return f"{type(self).__name__}({args})"
+
+    def __str__(self) -> str:  # the short form for tables, e.g. ForwardPass(0)
+        return f"{type(self).__name__}({'' if self.buffer_id is None else self.buffer_id})"
 
 
 class LoadMicroBatch(Instruction): """Read the next micro-batch (inputs on the first stage, labels on the last)."""
@@ -46,6 +54,8 @@ class TrainSchedule:
         return max(2, min(self.stages - self.stage_id, self.micro_batches))
 
     def steps(self) -> Iterator[list[Instruction]]:
+        """Yield this stage's instructions step by step: 2 * (M + S - 1) steps, alternating a
+        forward step and a backward step, each exchanging with the neighbours first."""
         total = 2 * (self.micro_batches + self.stages - 1)
         prev_mb = -1
         for step in range(total):
@@ -113,7 +123,18 @@ class InferenceSchedule(TrainSchedule):
 
 
 def instruction_table(schedule_cls, micro_batches: int, stages: int) -> list[list[str]]:
-    """Rows of step -> instructions per stage, for printing the stream side by side."""
+    """Rows of step -> instructions per stage, for printing the streams side by side."""
     streams = [list(schedule_cls(micro_batches, stages, s).steps()) for s in range(stages)]
-    return [[", ".join(map(repr, streams[s][step])) for s in range(stages)]
+    return [[", ".join(map(str, streams[s][step])) for s in range(stages)]
             for step in range(len(streams[0]))]
+
+
+def format_instruction_table(schedule_cls, micro_batches: int, stages: int) -> str:
+    """The instruction streams of every stage as an aligned text table, one row per step."""
+    rows = [["step", *(f"stage {s}" for s in range(stages))]]
+    rows += [[str(i), *(cells or "-" for cells in row)]
+             for i, row in enumerate(instruction_table(schedule_cls, micro_batches, stages))]
+    widths = [max(len(r[c]) for r in rows) for c in range(len(rows[0]))]
+    lines = ["  ".join(cell.ljust(w) for cell, w in zip(r, widths)).rstrip() for r in rows]
+    lines.insert(1, "  ".join("-" * w for w in widths))
+    return "\n".join(lines)
