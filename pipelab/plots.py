@@ -18,6 +18,7 @@ KIND_COLORS = {
     "F": "#4C72B0", "B": "#55A868", "W": "#8172B2", "loss": "#CCB974",
     "allreduce": "#DD8452", "broadcast": "#C44E52", "send": "#937860", "recv": "#DA8BC3",
     "copy": "#EBC85E", "compute": "#4C72B0", "optimizer": "#64B5CD", "idle": "#DDDDDD",
+    "held": "#BBBBBB",  # a device held back on purpose (lesson 04's race demonstration)
 }
 _EXTRA_COLORS = plt.get_cmap("tab20").colors
 

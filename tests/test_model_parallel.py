@@ -1,12 +1,14 @@
-"""Every model-parallel variant equals the one-device model: outputs and gradients; bad input."""
+"""Every model-parallel variant equals the one-device model: outputs and gradients; what the
+dual-stream events guarantee and what goes wrong without them; bad input."""
 
 import copy
+import threading
 
 import pytest
 import torch
 
 from pipelab import model_parallel as mp
-from pipelab.streams import Device
+from pipelab.streams import Device, timeline
 
 
 @pytest.fixture
@@ -28,12 +30,15 @@ def _data(kind):
     torch.manual_seed(0)
     if kind == "toy":
         return mp.ToyModel(), torch.randn(12, 10), torch.randint(0, 5, (12,))
+    if kind == "wide":  # cut in the wide middle of an inverted bottleneck
+        model = mp.SplitResNet(channels=4, blocks_per_half=1, expansion=4)
+        return model, torch.randn(12, 3, 8, 8), torch.randint(0, 10, (12,))
     return mp.SplitResNet(channels=8, blocks_per_half=1), torch.randn(12, 3, 8, 8), torch.randint(0, 10, (12,))
 
 
-@pytest.mark.parametrize("kind", ["toy", "resnet"])
+@pytest.mark.parametrize("kind", ["toy", "resnet", "wide"])
 @pytest.mark.parametrize("variant,split", [("one_device", None), ("naive", None), ("pipelined", 5),
-                                           ("pipelined", 1), ("dual_stream", 4)])
+                                           ("pipelined", 1), ("dual_stream", 4), ("dual_stream", 5)])
 def test_variant_matches_one_device(devs, kind, variant, split):
     model, x, y = _data(kind)
     ref_loss, ref_grads = _reference(model, x, y)
@@ -48,11 +53,96 @@ def test_variant_matches_one_device(devs, kind, variant, split):
         assert len(tl.filter(rank="cpu:1", lane="copy")) == splits
 
 
+def test_consecutive_training_steps_reuse_receive_buffers(devs):
+    # the second step gets the first step's buffers back: no autograd history may come with them
+    model, x, y = _data("wide")
+    for _ in range(2):
+        mp.check_against_one_device(model, x, y, devs, "dual_stream", 4)
+
+
+def test_wide_cut_crosses_expansion_times_the_channels():
+    model, x, _ = _data("wide")
+    assert mp.cut_shape(model, x[:5]) == (5, 16, 8, 8)  # 4 channels x expansion 4, worked out on meta
+    assert mp.cut_shape(mp.ToyModel(), torch.randn(3, 10)) == (3, 10)
+
+
+def test_dual_stream_compute_starts_after_its_copy_lands(devs):
+    model, x, _ = _data("resnet")
+    report = mp.hazard_report(model, x, devs, 4, use_events=True)
+    assert report["wrong_splits"] == [] and report["raw_hazards"] == []
+    tl = report["timeline"].filter(rank="cpu:1")
+    for i in range(report["splits"]):
+        copy_span = tl.filter(lane="copy", kind="copy").spans[i]
+        compute_span = [s for s in tl.filter(lane="compute", kind="F") if s.mb == i][0]
+        assert copy_span.mb == i and compute_span.start >= copy_span.end
+
+
+def test_dual_stream_with_events_waits_for_a_late_producer(devs):
+    model, x, _ = _data("resnet")
+    gate = threading.Event()
+    devs[0].stream("compute").submit(gate.wait, 10)  # device 0 is busy until we open the gate
+    result = {}
+    with torch.no_grad():
+        worker = threading.Thread(target=lambda: result.update(out=mp.forward_dual_stream(model, x, devs, 4)))
+        worker.start()
+        worker.join(0.1)
+        assert worker.is_alive()  # device 1 cannot finish: every split waits for its copy
+        gate.set()
+        worker.join(10)
+        torch.testing.assert_close(result["out"], model(x))
+
+
+def test_without_events_compute_reads_buffers_before_the_copies_land(devs):
+    model, x, _ = _data("resnet")
+    gate = threading.Event()
+    devs[0].stream("compute").submit(gate.wait, 10)  # no split can be produced, so no copy can run
+    with torch.no_grad():
+        out = mp.forward_dual_stream(model, x, devs, 4, use_events=False)
+    # device 1 finished all three splits while device 0 was held: it read unfilled (NaN) buffers
+    assert out.isnan().all()
+    gate.set()
+    timeline(devs)  # let the copies land
+    assert mp.raw_hazards(devs[1].timeline(), "cpu:1") == [0, 1, 2]
+    assert mp.raw_hazards(devs[0].timeline(), "cpu:0") == []
+
+
+def test_hazard_report_with_a_late_producer_sees_every_read_too_early(devs):
+    model, x, _ = _data("wide")
+    report = mp.hazard_report(model, x, devs, 4, use_events=False, late_producer=True)
+    assert report["raw_hazards"] == report["wrong_splits"] == [0, 1, 2]
+    assert report["output"].isnan().all()
+    assert len(report["timeline"].filter(rank="cpu:0", kind="held")) == 1  # the hold shows on device 0
+    with pytest.raises(ValueError, match="late_producer=True with use_events=True"):
+        mp.hazard_report(model, x, devs, 4, use_events=True, late_producer=True)
+
+
+def test_pipelined_copies_never_race(devs):
+    model, x, _ = _data("resnet")
+    _, tl = mp.time_forward(model, x, devs, "pipelined", 4, repeats=1)
+    assert mp.raw_hazards(tl, "cpu:1") == []  # copy and compute share one in-order stream
+
+
+def test_race_demo_refuses_autograd(devs):
+    model, x, _ = _data("toy")
+    with pytest.raises(ValueError, match="no_grad"):
+        mp.forward_dual_stream(model, x, devs, 4, use_events=False)
+
+
+def test_split_sweep_variants(devs):
+    model, x, _ = _data("toy")
+    sweep = mp.split_sweep(model, x, devs, [3, 6], repeats=1, variant="dual_stream")
+    assert set(sweep["seconds"]) == {3, 6} and sweep["best_split"] in (3, 6)
+    with pytest.raises(ValueError, match="variant='naive'"):
+        mp.split_sweep(model, x, devs, [3], variant="naive")
+
+
 def test_split_size_out_of_range(devs):
     model, x, _ = _data("toy")
     for bad in (0, -1, 13):
         with pytest.raises(ValueError, match=f"split_size={bad}"):
             mp.forward_pipelined(model, x, devs, bad)
+        with pytest.raises(ValueError, match=f"split_size={bad}"):
+            mp.forward_dual_stream(model, x, devs, bad)
 
 
 def test_more_devices_than_halves(devs):

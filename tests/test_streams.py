@@ -1,4 +1,5 @@
-"""Streams and events on virtual devices: in-order queues, cross-stream waits, copies, bad input."""
+"""Streams and events on virtual devices: in-order queues, cross-stream waits, copies into
+buffers, what orders a reader after a copy, bad input."""
 
 import threading
 import time
@@ -6,7 +7,15 @@ import time
 import pytest
 import torch
 
-from pipelab.streams import Device, Event, devices, timeline
+from pipelab.streams import Device, Event, chunk_rows, devices, timeline
+
+
+@pytest.fixture
+def two():
+    ds = [Device("cpu:0"), Device("cpu:1")]
+    yield ds
+    for d in ds:
+        d.close()
 
 
 def test_stream_runs_work_in_order():
@@ -30,31 +39,130 @@ def test_work_waits_for_event_recorded_on_another_stream():
     b.wait(ev)
     done = b.submit(lambda: log.append("b"))
     time.sleep(0.05)
-    assert log == []  # b is blocked behind the event
+    assert log == [] and not ev.query()  # b is blocked behind the event
     gate.set()
     done.result(timeout=5)
-    assert log == ["a", "b"]
+    assert log == ["a", "b"] and ev.query()
     dev.close()
 
 
-def test_copy_between_devices_and_timeline_lanes():
-    d0, d1 = Device("cpu:0"), Device("cpu:1")
+def test_waiting_for_an_event_never_recorded_returns_at_once():
+    dev = Device("cpu:0")
+    s = dev.stream("compute")
+    s.wait(Event())  # as on CUDA: nothing recorded, nothing to wait for
+    assert s.submit(lambda: 7).result(timeout=5) == 7
+    dev.close()
+
+
+def test_work_runs_with_the_callers_grad_mode(two):
+    s = two[0].stream("compute")
+    with torch.no_grad():
+        off = s.submit(torch.is_grad_enabled).result()
+    assert off is False and s.submit(torch.is_grad_enabled).result() is True
+
+
+def test_copy_between_devices_and_timeline_lanes(two):
+    d0, d1 = two
     x = d0.own(torch.arange(6.0))
     y = d0.stream("compute").submit(lambda t: t * 2, x)
     z = d1.stream("copy").copy(y).result()
     torch.testing.assert_close(z, torch.arange(6.0) * 2)
+    assert d1.owner(z) == "cpu:1"
     tl = timeline([d0, d1])
     assert set(tl.ranks) == {"cpu:0", "cpu:1"}
     assert tl.filter(rank="cpu:1", lane="copy").spans[0].kind == "copy"
-    d0.close(), d1.close()
 
 
-def test_tensor_of_other_device_needs_a_copy():
-    d0, d1 = Device("cpu:0"), Device("cpu:1")
+def test_copy_into_a_buffer_in_chunks(two):
+    d0, d1 = two
+    src = d0.own(torch.randn(10, 3, 4))
+    copy = d1.stream("copy")
+    buf = copy.empty((10, 3, 4), fill=float("nan"))
+    assert buf.isnan().all() and d1.owner(buf) == "cpu:1"
+    landed = copy.copy(src, out=buf, mb=0, chunk_bytes=2 * 3 * 4 * 4)  # two rows per chunk
+    assert landed.result() is buf
+    torch.testing.assert_close(buf, src)
+    assert chunk_rows(buf, 2 * 3 * 4 * 4) == 2 and chunk_rows(buf, 1) == 1
+    spans = d1.timeline().filter(lane="copy")
+    assert len(spans) == 1 and spans.spans[0].mb == 0  # one span per copy, however many chunks
+
+
+def test_chunked_copy_passes_gradients(two):
+    d0, d1 = two
+    w = torch.randn(6, 4, requires_grad=True)
+    h = d0.stream("compute").submit(lambda t: t * 3, d0.own(w))
+    copy = d1.stream("copy")
+    buf = copy.empty((6, 4))
+    copy.copy(h, out=buf, chunk_bytes=4 * 4).result()  # one row per chunk
+    (buf * torch.arange(24.0).view(6, 4)).sum().backward()
+    torch.testing.assert_close(w.grad, 3 * torch.arange(24.0).view(6, 4))
+
+
+def test_reader_of_a_buffer_is_ordered_only_by_the_event(two):
+    d0, d1 = two
+    gate = threading.Event()
+    # the producer on device 0 is held until we open the gate: the copy cannot run before
+    src = d0.stream("compute").submit(lambda: (gate.wait(5), torch.arange(6.0))[1])
+    copy, compute = d1.stream("copy"), d1.stream("compute")
+    buf = copy.empty((6,), fill=float("nan"))
+    copy.copy(src, out=buf)
+    landed = Event()
+    landed.record(copy)
+    early = compute.submit(torch.clone, buf)  # no wait: reads the buffer now, before the copy
+    assert early.result(timeout=5).isnan().all()
+    compute.wait(landed)
+    late = compute.submit(torch.clone, buf)
+    assert not late.done()  # held behind the event while the copy cannot run
+    gate.set()
+    torch.testing.assert_close(late.result(timeout=5), torch.arange(6.0))
+    tl = d1.timeline()
+    copy_span = tl.filter(lane="copy").spans[0]
+    reads = tl.filter(lane="compute").spans
+    assert reads[0].start < copy_span.end <= reads[1].start
+
+
+def test_buffers_are_reused_once_free(two):
+    copy = two[1].stream("copy")
+    a = copy.empty((256, 256))
+    ptr = a.data_ptr()
+    del a
+    b = copy.empty((256, 256))
+    assert b.data_ptr() == ptr  # the freed block came back, as from a caching allocator
+    c = copy.empty((256, 256))
+    assert c.data_ptr() != b.data_ptr()  # b is still in use
+
+
+def test_tensor_of_other_device_needs_a_copy(two):
+    d0, d1 = two
     x = d0.own(torch.ones(3))
     with pytest.raises(ValueError, match="copy it first"):
         d1.stream("compute").submit(torch.relu, x)
-    d0.close(), d1.close()
+    with pytest.raises(ValueError, match="already on 'cpu:0'"):
+        d1.own(x)
+
+
+def test_copy_into_a_bad_buffer(two):
+    d0, d1 = two
+    src = d0.own(torch.ones(4, 2))
+    with pytest.raises(ValueError, match="buffer on 'cpu:0'"):
+        d1.stream("copy").copy(src, out=d0.stream("copy").empty((4, 2)))
+    with pytest.raises(ValueError, match="shape"):
+        d1.stream("copy").copy(src, out=d1.stream("copy").empty((2, 4)))
+    with pytest.raises(ValueError, match="buffer on None"):
+        d1.stream("copy").copy(src, out=torch.empty(4, 2))  # a host tensor nobody owns
+    # a Future source is checked when the copy runs: the error reaches its result
+    fut = d0.stream("compute").submit(torch.ones, 3)
+    bad = d1.stream("copy").copy(fut, out=d1.stream("copy").empty((4,)))
+    with pytest.raises(ValueError, match="shape"):
+        bad.result(timeout=5)
+
+
+def test_device_label_names_its_timeline_rows():
+    a, b = Device("cpu:0"), Device("cpu:0", label="cpu:0/b")
+    a.stream().submit(torch.ones, 2).result()
+    b.stream().submit(torch.ones, 2).result()
+    assert timeline([a, b]).ranks == ["cpu:0", "cpu:0/b"]
+    a.close(), b.close()
 
 
 def test_devices_bad_count():
