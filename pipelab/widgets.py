@@ -37,3 +37,41 @@ def split_size_explorer(model: nn.Module, x: torch.Tensor, devs: list[Device], s
     slider.observe(lambda change: redraw(change["new"]), names="value")
     redraw(slider.value)
     return widgets.VBox([slider, out])
+
+
+def schedule_explorer(schedule: str = "1f1b", ranks: int = 4, microbatches: int = 8):
+    """A widget: pick a pipeline schedule, ranks, micro-batches and cost ratios; see its simulated
+    timeline redrawn by `draw_schedule` on every change (makespan, bubble and peak stash in the
+    title). Display the returned box (the last expression of a notebook cell)."""
+    from pipelab.pipeline.schedules import SCHEDULES
+    from pipelab.pipeline.simulate import draw_schedule
+
+    controls = dict(
+        name=widgets.Dropdown(options=sorted(SCHEDULES), value=schedule, description="schedule"),
+        num_ranks=widgets.IntSlider(value=ranks, min=1, max=8, description="ranks p"),
+        num_microbatches=widgets.IntSlider(value=microbatches, min=1, max=32, description="micro-batches m"),
+        stages_per_rank=widgets.IntSlider(value=2, min=1, max=4, description="v (interleaved)"),
+        backward_ratio=widgets.FloatSlider(value=2.0, min=0.5, max=4.0, step=0.25, description="B+W / F"),
+        weight_share=widgets.FloatSlider(value=0.5, min=0.0, max=0.9, step=0.05, description="W share of B+W"),
+        transfer_ratio=widgets.FloatSlider(value=0.0, min=0.0, max=2.0, step=0.05, description="transfer / F"),
+    )
+    out = widgets.Output()
+
+    def redraw(*_):
+        with out:
+            out.clear_output(wait=True)
+            try:
+                fig, ax = plt.subplots(figsize=(11, 0.5 * controls["num_ranks"].value + 1.5))
+                draw_schedule(ax=ax, **{k: w.value for k, w in controls.items()})
+                fig.tight_layout()
+                plt.show()
+            except ValueError as e:  # e.g. an interleaved schedule that cannot take this m
+                plt.close("all")
+                print(f"cannot draw this one: {e}")
+
+    for w in controls.values():
+        w.observe(redraw, names="value")
+    redraw()
+    box = widgets.VBox([widgets.HBox(list(controls.values())[:4], layout=widgets.Layout(flex_flow="row wrap")),
+                        widgets.HBox(list(controls.values())[4:], layout=widgets.Layout(flex_flow="row wrap")), out])
+    return box

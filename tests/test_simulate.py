@@ -113,7 +113,7 @@ def test_schedule_explorer_redraws_and_explains_refusals():
     import matplotlib
 
     matplotlib.use("Agg")
-    from pipelab.pipeline.simulate import schedule_explorer
+    from pipelab.widgets import schedule_explorer
 
     box = schedule_explorer("gpipe", ranks=2, microbatches=4)
     controls = [w for row in box.children[:2] for w in row.children]
