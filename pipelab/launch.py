@@ -34,6 +34,7 @@ from pipelab.timeline import Recorder, Timeline
 
 _POLL_SECONDS = 0.01
 _GRACE_SECONDS = 0.5  # after a rank fails, how long to wait for its peers' own errors
+_RENDEZVOUS_ATTEMPTS = 3  # tries to form the process group, each on a newly picked port
 
 
 class WorkerError(RuntimeError):
@@ -42,6 +43,7 @@ class WorkerError(RuntimeError):
     def __init__(self, rank: int, message: str, traceback_text: str = ""):
         self.rank = rank
         self.traceback = traceback_text
+        self.during_rendezvous = False  # failed while forming the process group, before fn ran
         text = f"rank {rank} {message}"
         if traceback_text:
             text += f"\n\n--- traceback from rank {rank} ---\n{traceback_text.rstrip()}"
@@ -87,6 +89,18 @@ def spawn(fn: Callable, world_size: int, *args, backend: str = "auto", timeout: 
     """
     backend = _check_arguments(world_size, backend, timeout)
     payload = _pickle_payload(fn, args, kwargs)
+    for attempt in range(_RENDEZVOUS_ATTEMPTS):
+        try:
+            return _run_once(payload, world_size, backend, timeout)
+        except WorkerError as e:
+            # The free port we picked can be taken by another program before rank 0 binds it;
+            # nothing of `fn` has run yet, so starting again on a new port is safe.
+            if not e.during_rendezvous or attempt == _RENDEZVOUS_ATTEMPTS - 1:
+                raise
+
+
+def _run_once(payload: bytes, world_size: int, backend: str, timeout: float) -> list:
+    """Start the ranks on a fresh port, wait for them, collect their results; stop them all."""
     workdir = tempfile.mkdtemp(prefix="pipelab-spawn-")
     procs: list[subprocess.Popen] = []
     try:
@@ -212,7 +226,9 @@ def _failure_error(rank: int, procs: list[subprocess.Popen], workdir: str) -> Wo
     path = os.path.join(workdir, f"error-{rank}.pkl")
     if os.path.exists(path):
         info = _load(path)
-        return WorkerError(rank, f"raised {info['type']}: {info['message']}", info["traceback"])
+        error = WorkerError(rank, f"raised {info['type']}: {info['message']}", info["traceback"])
+        error.during_rendezvous = info.get("phase") == "rendezvous"
+        return error
     code = procs[rank].poll()
     how = f"was killed by signal {-code}" if code is not None and code < 0 else f"exited with code {code}"
     return WorkerError(rank, f"{how} without a Python error (out of memory? a crash in native code?)")
@@ -300,14 +316,17 @@ def _spawned_worker_main(workdir: str) -> None:
     """Entry point of a process started by spawn()."""
     rank = int(os.environ["RANK"])
     _watch_parent(int(os.environ["PIPELAB_PARENT_PID"]))
+    phase = "load"
     try:
         fn, args, kwargs = _load(os.path.join(workdir, "payload.pkl"))
+        phase = "rendezvous"
         ctx = init_worker(os.environ["PIPELAB_BACKEND"], float(os.environ["PIPELAB_TIMEOUT"]))
+        phase = "run"
         result = fn(ctx, *args, **kwargs)
         _dump_atomic(result, os.path.join(workdir, f"result-{rank}.pkl"))
     except BaseException as e:  # noqa: BLE001 - every failure goes back to the parent
-        _dump_atomic({"type": type(e).__name__, "message": str(e), "traceback": traceback.format_exc()},
-                     os.path.join(workdir, f"error-{rank}.pkl"))
+        _dump_atomic({"type": type(e).__name__, "message": str(e), "traceback": traceback.format_exc(),
+                      "phase": phase}, os.path.join(workdir, f"error-{rank}.pkl"))
         sys.stdout.flush()
         os._exit(1)
     sys.stdout.flush()

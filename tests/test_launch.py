@@ -188,3 +188,22 @@ def test_worker_runs_under_torchrun():
     assert out.returncode == 0, out.stderr
     assert "rank 0 of 2 on cpu: sum of ranks = 1" in out.stdout
     assert "rank 1 of 2 on cpu: sum of ranks = 1" in out.stdout
+
+
+def test_a_port_taken_before_rendezvous_is_retried_on_a_new_port(monkeypatch):
+    """Another program may grab the free port between our pick and rank 0's bind: spawn retries."""
+    import socket as socket_module
+
+    from pipelab import launch
+
+    taken = socket_module.socket()
+    taken.bind(("127.0.0.1", 0))
+    taken.listen()
+    ports = iter([taken.getsockname()[1]])
+    real_free_port = launch._free_port
+    monkeypatch.setattr(launch, "_free_port", lambda: next(ports, None) or real_free_port())
+    try:
+        results = launch.spawn(launch.hello, 2, timeout=60)
+        assert results == [f"rank {r} of 2 on cpu: sum of ranks = 1" for r in range(2)]
+    finally:
+        taken.close()
