@@ -1,0 +1,291 @@
+"""pipelab.ddp: the bucket planner (pure), NaiveDDP / BucketedDDP / torch DDP against the
+single-process reference on real processes, unused parameters, and bad input."""
+
+import math
+import random
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from pipelab import ddp
+from pipelab.ddp import MIB, Bucket, BucketedDDP, NaiveDDP, plan_buckets
+from pipelab.launch import spawn
+
+
+def uneven_model() -> nn.Sequential:
+    """Layers of odd sizes: 7 -> 13 -> 5 -> 3 (bytes per parameter: 364, 52, 260, 20, 60, 12)."""
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(7, 13), nn.Tanh(), nn.Linear(13, 5), nn.Tanh(), nn.Linear(5, 3))
+
+
+UNEVEN_CAP_MB = 80 / MIB  # 80 bytes: buckets [4.bias, 4.weight, 2.bias], [2.weight], [0.bias, 0.weight]
+
+
+class WithUnused(nn.Module):
+    """A model with a layer that forward never uses (and one used only when asked)."""
+
+    def __init__(self):
+        super().__init__()
+        self.body = nn.Linear(6, 4)
+        self.never = nn.Linear(6, 4)
+        self.head = nn.Linear(4, 2)
+        self.sometimes = nn.Linear(4, 2)
+        self.use_sometimes = False
+
+    def forward(self, x):
+        h = torch.tanh(self.body(x))
+        out = self.head(h)
+        return out + self.sometimes(h) if self.use_sometimes else out
+
+
+def batch(n: int, d_in: int, d_out: int, seed: int = 1):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(n, d_in, generator=g), torch.randn(n, d_out, generator=g)
+
+
+# ---------------------------------------------------------------------------------------------
+# The planner: a pure function on hand-made parameter lists
+# ---------------------------------------------------------------------------------------------
+
+def test_plan_walks_parameters_in_reverse_and_closes_a_bucket_at_the_cap():
+    params = [("a", 100), ("b", 300), ("c", 50), ("d", 600)]
+    buckets = plan_buckets(params, 400 / MIB)
+    assert buckets == [Bucket(0, ("d",), (600,)), Bucket(1, ("c", "b", "a"), (50, 300, 100))]
+    assert [b.nbytes for b in buckets] == [600, 450]
+
+
+def test_plan_gives_a_parameter_larger_than_the_cap_a_bucket_of_its_own():
+    buckets = plan_buckets([("small1", 10), ("huge", 10_000), ("small2", 10)], 100 / MIB)
+    assert [b.names for b in buckets] == [("small2", "huge"), ("small1",)]
+    buckets = plan_buckets([("small1", 10), ("huge", 10_000), ("small2", 200)], 100 / MIB)
+    assert [b.names for b in buckets] == [("small2",), ("huge",), ("small1",)]
+
+
+def test_plan_from_one_bucket_per_parameter_to_one_bucket_for_all():
+    params = [(f"p{i}", 4 * (i + 1)) for i in range(6)]
+    tiny = plan_buckets(params, 1e-9)
+    assert [b.names for b in tiny] == [(f"p{i}",) for i in reversed(range(6))]
+    whole = plan_buckets(params, 1.0)
+    assert len(whole) == 1 and whole[0].names == tuple(f"p{i}" for i in reversed(range(6)))
+
+
+def test_plan_keeps_every_parameter_once_in_gradient_order_when_sizes_do_not_divide():
+    rng = random.Random(0)
+    params = [(f"layer{i}.weight", rng.randrange(1, 5000) * 4) for i in range(40)]
+    for cap_bytes in (7, 1000, 4099, 12345, 10**6):
+        buckets = plan_buckets(params, cap_bytes / MIB)
+        flat = [n for b in buckets for n in b.names]
+        assert flat == [n for n, _ in reversed(params)]
+        assert [b.index for b in buckets] == list(range(len(buckets)))
+        assert sum(b.nbytes for b in buckets) == sum(s for _, s in params)
+        for b in buckets[:-1]:  # every bucket but the last reached the cap, and only with its last parameter
+            assert b.nbytes >= cap_bytes and b.nbytes - b.sizes[-1] < cap_bytes
+
+
+def test_module_bucket_plan_counts_bytes_and_skips_frozen_parameters():
+    model = uneven_model()
+    model[0].bias.requires_grad_(False)
+    buckets = ddp.module_bucket_plan(model, UNEVEN_CAP_MB)
+    assert [b.names for b in buckets] == [("4.bias", "4.weight", "2.bias"), ("2.weight",), ("0.weight",)]
+    assert [b.sizes for b in buckets] == [(12, 60, 20), (260,), (364,)]
+    table = ddp.format_bucket_plan(buckets)
+    assert "4.bias, 4.weight, 2.bias" in table and "3 bucket(s)" in table and "364 B" in table
+
+
+@pytest.mark.parametrize("cap", [0, -1, -0.5, math.nan, math.inf, True, "25", None])
+def test_bad_bucket_cap_is_refused_with_the_value_and_a_fix(cap):
+    with pytest.raises(ValueError, match=r"bucket_cap_mb must be a number of MiB > 0, got .*bucket_cap_mb=25"):
+        plan_buckets([("w", 4)], cap)
+    with pytest.raises(ValueError, match="bucket_cap_mb"):
+        BucketedDDP(uneven_model(), bucket_cap_mb=cap)  # refused before it looks for a process group
+
+
+def test_bad_plan_input():
+    with pytest.raises(ValueError, match="no parameters"):
+        plan_buckets([], 25)
+    with pytest.raises(ValueError, match=r"unique.*\['w'\]"):
+        plan_buckets([("w", 4), ("w", 8)], 25)
+    with pytest.raises(ValueError, match="'w' has size -4"):
+        plan_buckets([("w", -4)], 25)
+
+
+@pytest.mark.skipif(dist.is_initialized(), reason="this process already joined a process group")
+def test_wrappers_need_a_process_group():
+    with pytest.raises(RuntimeError, match="needs a process group.*spawn"):
+        NaiveDDP(uneven_model())
+
+
+def test_bad_input_is_refused_before_any_process_starts():
+    x, y = batch(12, 7, 3)
+    model = uneven_model()
+    with pytest.raises(ValueError, match=r"12 samples does not split evenly over world_size=5.*\[1, 2, 3, 4, 6, 12\]"):
+        ddp.run_ddp(model, x, y, world_size=5)
+    with pytest.raises(ValueError, match="no parameters that require gradients"):
+        ddp.run_ddp(nn.ReLU(), x, y)
+    with pytest.raises(ValueError, match="variants must be some of"):
+        ddp.run_ddp(model, x, y, variants=["fsdp"])
+    with pytest.raises(ValueError, match="12 samples but targets have 10"):
+        ddp.run_ddp(model, x, y[:10])
+    with pytest.raises(ValueError, match="bucket_cap_mb"):
+        ddp.bucket_sweep(model, x, y, caps_mb=[1, 0])
+    with pytest.raises(ValueError, match=r"different bucket sizes, got caps_mb=\[1, 1\]"):
+        ddp.bucket_sweep(model, x, y, caps_mb=[1, 1])
+
+
+def test_assert_matches_reference_catches_a_wrong_gradient():
+    x, y = batch(8, 7, 3)
+    ref = ddp.reference_step(uneven_model(), x, y)
+    grads = {n: g.clone() for n, g in ref.grads.items()}
+    run = ddp.DDPRun("fake", ref.loss, grads, ref.weights, 0.0, 0.0, None)
+    assert ddp.assert_matches_reference(run, ref) == 0.0
+    grads["2.weight"][0, 0] += 0.01
+    with pytest.raises(AssertionError, match="fake: gradient of 2.weight"):
+        ddp.assert_matches_reference(run, ref)
+
+
+# ---------------------------------------------------------------------------------------------
+# Real processes: every variant against the single-process reference
+# ---------------------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def uneven_runs():
+    x, y = batch(12, 7, 3)
+    return {ws: (ddp.run_ddp(uneven_model(), x, y, world_size=ws, bucket_cap_mb=UNEVEN_CAP_MB, steps=2), x, y)
+            for ws in (2, 3)}
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+@pytest.mark.parametrize("variant", ddp.VARIANTS)
+def test_gradients_and_updated_weights_match_one_process(uneven_runs, world_size, variant):
+    runs, x, y = uneven_runs[world_size]
+    ref = ddp.reference_step(uneven_model(), x, y)
+    ddp.assert_matches_reference(runs[variant], ref)
+    assert runs[variant].replica_spread == 0.0  # ranks 1.. started from other weights: the broadcast fixed that
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_timelines_show_each_layer_and_each_all_reduce(uneven_runs, world_size):
+    runs, _, _ = uneven_runs[world_size]
+    bucketed, naive = runs["bucketed"], runs["naive"]
+    assert [b.names for b in bucketed.buckets] == [("4.bias", "4.weight", "2.bias"), ("2.weight",),
+                                                   ("0.bias", "0.weight")]
+    for rank in range(world_size):
+        mine = bucketed.timeline.filter(rank=rank)
+        assert [s.meta["layer"] for s in mine.filter(kind="B")] == ["4", "2", "0"]
+        assert sorted(s.meta["bucket"] for s in mine.filter(lane="comm")) == [0, 1, 2]
+        assert len(mine.filter(kind="F")) == 1 and len(mine.filter(kind="copy")) == 3
+        comm = naive.timeline.filter(rank=rank, lane="comm")
+        assert [s.meta["param"] for s in comm] == ["4.bias", "4.weight", "2.bias", "2.weight", "0.bias", "0.weight"]
+    assert naive.overlap == 0.0  # naive sends only after backward
+    assert 0.0 <= bucketed.overlap <= 1.0
+
+
+def test_an_unused_parameter_keeps_no_gradient_like_one_process():
+    x, y = batch(8, 6, 2)
+    torch.manual_seed(0)
+    model = WithUnused()
+    runs = ddp.run_ddp(model, x, y, variants=["bucketed", "torch"], bucket_cap_mb=100 / MIB, steps=2,
+                       find_unused_parameters=True)
+    ref = ddp.reference_step(model, x, y)
+    assert ref.grads["never.weight"] is None
+    for run in runs.values():
+        ddp.assert_matches_reference(run, ref)
+
+
+def edge_cases_worker(ctx):
+    """Several checks in one set of processes; returns what each rank saw."""
+    seen = {}
+    x, y = batch(8, 6, 2, seed=ctx.rank)
+
+    # Gradients are final when backward() returns: no extra call.
+    torch.manual_seed(0)
+    model = uneven_model()
+    wrapped = BucketedDDP(model, bucket_cap_mb=UNEVEN_CAP_MB)
+    xs, ys = batch(4, 7, 3, seed=10 + ctx.rank)
+    nn.MSELoss()(wrapped(xs), ys).backward()
+    seen["spread_after_backward"] = max(ddp.replica_spread([p.grad for p in model.parameters()]), 0.0)
+
+    # A parameter used on rank 0 only (rank 0 misses nothing, rank 1 misses it): every rank gets
+    # the average, i.e. rank 0's gradient / world size.
+    torch.manual_seed(0)
+    model = WithUnused()
+    model.never.requires_grad_(False)
+    model.use_sometimes = ctx.rank == 0
+    local = WithUnused()
+    local.load_state_dict(model.state_dict())
+    local.use_sometimes = model.use_sometimes
+    nn.MSELoss()(local(x), y).backward()
+    wrapped = BucketedDDP(model, bucket_cap_mb=1e-9, find_unused_parameters=True)
+    nn.MSELoss()(wrapped(x), y).backward()
+    local_grad = local.sometimes.weight.grad if ctx.rank == 0 else torch.zeros(2, 4)
+    dist.broadcast(local_grad, src=0)
+    seen["sometimes_ok"] = torch.allclose(model.sometimes.weight.grad, local_grad / ctx.world_size)
+    seen["body_ok"] = ddp.replica_spread([model.body.weight.grad]) == 0.0
+
+    # Without find_unused_parameters: a clear error on every rank, no hang, and the next step works.
+    torch.manual_seed(0)
+    model = WithUnused()
+    wrapped = BucketedDDP(model, bucket_cap_mb=1e-9)
+    try:
+        nn.MSELoss()(wrapped(x), y).backward()
+    except RuntimeError as e:
+        seen["unused_error"] = str(e)
+    model.zero_grad(set_to_none=True)
+    model.never.requires_grad_(False)  # the fix the message suggests ...
+    model.sometimes.requires_grad_(False)
+    wrapped.remove_hooks()
+    wrapped = BucketedDDP(model, bucket_cap_mb=1e-9)  # ... applied
+    nn.MSELoss()(wrapped(x), y).backward()
+    seen["after_fix"] = model.head.weight.grad is not None
+
+    # Buffers are broadcast too, and the wrapper's state dict is the model's under "module.", as torch's.
+    model = nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4))
+    model[1].running_mean.fill_(float(ctx.rank))
+    wrapped = BucketedDDP(model)
+    seen["buffer_spread"] = ddp.replica_spread(model.buffers())
+    seen["state_keys"] = sorted(wrapped.state_dict())
+
+    # Bad input, refused on every rank.
+    def error(make):
+        try:
+            make()
+        except ValueError as e:
+            return str(e)
+        return None
+
+    seen["shapes_differ"] = error(lambda: NaiveDDP(nn.Linear(4, 3 + ctx.rank)))
+    seen["no_parameters"] = error(lambda: BucketedDDP(nn.ReLU()))
+    seen["frozen"] = error(lambda: NaiveDDP(nn.Linear(4, 3).requires_grad_(False)))
+    seen["cap"] = error(lambda: BucketedDDP(nn.Linear(4, 3), bucket_cap_mb=0))
+    seen["still_in_step"] = ddp.replica_spread([torch.ones(3)])  # the group still works after all that
+    return seen
+
+
+def test_edge_cases_on_real_processes():
+    results = spawn(edge_cases_worker, 2, timeout=60)
+    for rank, seen in enumerate(results):
+        assert seen["spread_after_backward"] == 0.0
+        assert seen["sometimes_ok"], f"rank {rank}: a parameter used on rank 0 only got the wrong average"
+        assert seen["body_ok"]
+        assert "never.weight" in seen["unused_error"] and "find_unused_parameters=True" in seen["unused_error"]
+        assert seen["after_fix"]
+        assert "rank 1's model differs from rank 0's: parameter weight (3, 4)" in seen["shapes_differ"]
+        assert "(4, 4)" in seen["shapes_differ"] and "same model" in seen["shapes_differ"]
+        assert "no parameters that require gradients" in seen["no_parameters"]
+        assert "no parameters that require gradients" in seen["frozen"]
+        assert "bucket_cap_mb must be a number of MiB > 0, got 0" in seen["cap"]
+        assert seen["still_in_step"] == 0.0
+        assert seen["buffer_spread"] == 0.0
+        plain = nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4))
+        assert seen["state_keys"] == sorted(f"module.{k}" for k in plain.state_dict())
+
+
+def test_bucket_sweep_runs_every_size_in_one_set_of_processes():
+    x, y = batch(8, 7, 3)
+    points = ddp.bucket_sweep(uneven_model(), x, y, caps_mb=[1e-9, UNEVEN_CAP_MB, 1.0], steps=1, rounds=1)
+    assert [p.num_buckets for p in points] == [6, 3, 1]
+    for p in points:
+        assert p.step_time > 0 and p.torch_step_time > 0 and 0.0 <= p.overlap <= 1.0
+        assert len(p.timeline.filter(lane="comm", rank=0)) == p.num_buckets
