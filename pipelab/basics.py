@@ -11,13 +11,8 @@ import statistics
 import torch
 import torch.distributed as dist
 
+from pipelab.hardware import synchronize
 from pipelab.timeline import now
-
-
-def _sync(device: torch.device) -> None:
-    """Wait for queued GPU work, so a CPU clock reading means the work is done."""
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 def allreduce_demo(ctx) -> dict:
@@ -49,7 +44,7 @@ def ping_pong(ctx, sizes_bytes: list[int], repeats: int = 20, warmup: int = 3) -
         msg = torch.zeros(max(1, size // 4), dtype=torch.float32, device=ctx.device)
         trips = []
         for i in range(warmup + repeats):
-            _sync(ctx.device)
+            synchronize(ctx.device)
             t0 = now()
             if ctx.rank == 0:
                 dist.send(msg, peer)
@@ -57,7 +52,7 @@ def ping_pong(ctx, sizes_bytes: list[int], repeats: int = 20, warmup: int = 3) -
             else:
                 dist.recv(msg, peer)
                 dist.send(msg, peer)
-            _sync(ctx.device)
+            synchronize(ctx.device)
             t1 = now()
             if i >= warmup:
                 trips.append(t1 - t0)
@@ -82,8 +77,8 @@ def compute_then_communicate(ctx, n: int = 256, steps: int = 3) -> object:
             y = x
             for _ in range(4 + 2 * ctx.rank):  # higher ranks get more work: the others wait for them
                 y = torch.tanh(y @ w)
-            _sync(ctx.device)
+            synchronize(ctx.device)
         with ctx.rec.span("allreduce", lane="comm", mb=step):
             dist.all_reduce(y)
-            _sync(ctx.device)
+            synchronize(ctx.device)
     return ctx.timeline()

@@ -32,6 +32,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from pipelab.hardware import synchronize
 from pipelab.timeline import Recorder, Timeline, now
 
 MIB = 1024 * 1024  # torch's bucket_cap_mb counts MiB: 25 "MB" are 25 * 2**20 bytes
@@ -496,11 +497,6 @@ def wrap(variant: str, module: nn.Module, bucket_cap_mb: float = 25.0, recorder:
     raise ValueError(f"variant must be one of {VARIANTS}, got {variant!r}")
 
 
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
 def train_step(ctx, model: nn.Module, optimizer: torch.optim.Optimizer, x: torch.Tensor, y: torch.Tensor,
                loss_fn: Callable) -> tuple[float, float]:
     """One data-parallel training step on this rank's slice; returns (this rank's loss, seconds).
@@ -518,7 +514,7 @@ def train_step(ctx, model: nn.Module, optimizer: torch.optim.Optimizer, x: torch
         loss.backward()
     with ctx.rec.span("optimizer", lane="compute"):
         optimizer.step()
-    _sync(ctx.device)
+    synchronize(ctx.device)
     return loss.item(), now() - start
 
 

@@ -47,6 +47,17 @@ def gpu_count() -> int:
     return torch.cuda.device_count() if torch.cuda.is_available() else 0
 
 
+def synchronize(device) -> None:
+    """Wait for the GPU work queued on `device` (a no-op on CPU).
+
+    GPU work is asynchronous: without this, a clock read after a kernel launch measures only the
+    launch, not the work."""
+    import torch
+
+    if torch.device(device).type == "cuda":
+        torch.cuda.synchronize(device)
+
+
 def choose_backend(world_size: int, backend: str = "auto") -> str:
     """The process-group backend for `world_size` ranks on this machine.
 

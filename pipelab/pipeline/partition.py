@@ -24,6 +24,8 @@ from typing import Callable, Sequence
 import torch
 import torch.nn as nn
 
+from pipelab.hardware import synchronize
+
 METHODS = ("uniform", "parameters", "type:REGEX", "profile")
 
 
@@ -121,12 +123,12 @@ def forward_backward_time(fn: Callable, x: torch.Tensor, repeats: int = 3,
     for i in range(warmup + repeats):
         leaf = x.detach().requires_grad_(x.is_floating_point())
         inp = leaf.clone()  # a non-leaf, so that in-place layers (ReLU(inplace=True)) may write it
-        _sync(x)
+        synchronize(x.device)
         t0 = time.perf_counter()
         out = fn(inp)
         if out.requires_grad:
             out.backward(torch.ones_like(out))
-        _sync(x)
+        synchronize(x.device)
         if i >= warmup:
             times.append(time.perf_counter() - t0)
     return statistics.median(times), out.detach()
@@ -206,12 +208,6 @@ def _chain(fns: Sequence[Callable]) -> Callable:
             x = fn(x)
         return x
     return run
-
-
-def _sync(x: torch.Tensor) -> None:
-    # GPU work is asynchronous: wait for it, or the clock measures only the kernel launches.
-    if x.is_cuda:
-        torch.cuda.synchronize(x.device)
 
 
 def plot_stage_bars(per_method: dict[str, Sequence[float]], ylabel: str, title: str, ax=None):
