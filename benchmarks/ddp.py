@@ -21,8 +21,11 @@ import argparse
 import json
 
 import torch
+from torch import nn
 
-from pipelab import ddp, hardware, models
+from pipelab import hardware, models
+from pipelab.experiments.ddp import bucket_sweep, run_ddp
+from pipelab.reference import assert_same, reference_run
 
 
 def main() -> None:
@@ -43,12 +46,13 @@ def main() -> None:
     x, y = torch.randn(args.batch, args.width), torch.randn(args.batch, args.width)
     params = sum(p.numel() for p in model.parameters())
 
-    check = ddp.run_ddp(model, x, y, world_size=args.ranks, variants=["bucketed"],
-                        bucket_cap_mb=args.bucket_cap_mb[0], steps=1, timeout=300)
-    worst = ddp.assert_matches_reference(check["bucketed"], ddp.reference_step(model, x, y), atol=1e-5, rtol=1e-4)
+    check = run_ddp(model, x, y, world_size=args.ranks, variants=["bucketed"],
+                    bucket_cap_mb=args.bucket_cap_mb[0], steps=1, timeout=300)
+    reference = reference_run(model, x, y, nn.MSELoss(), steps=1, lr=0.1)
+    worst = assert_same(check["bucketed"], reference, atol=1e-5, rtol=1e-4)
 
-    points = ddp.bucket_sweep(model, x, y, args.bucket_cap_mb, world_size=args.ranks, steps=args.steps,
-                              rounds=args.rounds, timeout=600)
+    points = bucket_sweep(model, x, y, args.bucket_cap_mb, world_size=args.ranks, steps=args.steps,
+                          rounds=args.rounds, timeout=600)
     print(f"{args.ranks} ranks, MLP {args.layers} x {args.width} ({params / 1e6:.1f}M parameters, "
           f"{params * 4 / 2**20:.0f} MiB of gradients), batch {args.batch}; median of {args.rounds} rounds x "
           f"{args.steps} timed steps; gradients match one process (largest difference {worst:.1e})")

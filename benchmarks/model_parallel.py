@@ -20,6 +20,8 @@ import torch
 
 from pipelab import hardware
 from pipelab import model_parallel as mp
+from pipelab.experiments.model_parallel import split_sweeps, time_forward
+from pipelab.models import SplitResNet
 from pipelab.streams import devices
 
 
@@ -27,16 +29,16 @@ def main(channels: int = 64, blocks: tuple[int, int] = (2, 2), batch: int = 64, 
          repeats: int = 5, expansion: int = 1) -> dict:
     devs = devices(2)
     torch.manual_seed(0)
-    model = mp.place(mp.SplitResNet(channels, tuple(blocks), expansion=expansion), devs)
+    model = mp.place(SplitResNet(channels, tuple(blocks), expansion=expansion), devs)
     x = torch.randn(batch, 3, size, size)
     sizes = [s for s in (2, 4, 8, 16, 32, 64, 128, 256) if s <= batch]
-    sweeps = mp.split_sweeps(model, x, devs, sizes, ("pipelined", "dual_stream"), repeats)
+    sweeps = split_sweeps(model, x, devs, sizes, ("pipelined", "dual_stream"), repeats)
     piped, dual = sweeps["pipelined"], sweeps["dual_stream"]
     base = piped["one_device_s"]
     best, best_dual = piped["best_split"], dual["best_split"]
-    naive, _ = mp.time_forward(model, x, devs, "naive", repeats=repeats)
-    _, tl_piped = mp.time_forward(model, x, devs, "pipelined", best, repeats)
-    _, tl_dual = mp.time_forward(model, x, devs, "dual_stream", best_dual, repeats)
+    naive, _ = time_forward(model, x, devs, "naive", repeats=repeats)
+    _, tl_piped = time_forward(model, x, devs, "pipelined", best, repeats)
+    _, tl_dual = time_forward(model, x, devs, "dual_stream", best_dual, repeats)
     d1 = devs[1].label
     copy_share = tl_piped.filter(kind="copy").busy_time(d1, "compute") / tl_piped.busy_time(d1, "compute")
     overlap = tl_dual.overlap("compute", "copy", rank=d1)

@@ -19,9 +19,12 @@ import statistics
 import torch
 
 from pipelab import hardware, models
-from pipelab.pipeline.runtime import assert_matches_reference, run_pipelines, run_torch_pipelines, split_model
+from pipelab.display import format_table
+from pipelab.experiments.pipeline import run_pipelines, run_torch_pipelines
+from pipelab.pipeline.partition import split_model
 from pipelab.pipeline.schedules import make_schedule
-from pipelab.pipeline.simulate import Costs, format_table, gpipe_bubble, simulate
+from pipelab.pipeline.simulate import Costs, gpipe_bubble, simulate
+from pipelab.reference import assert_same, reference_run
 
 
 def main() -> None:
@@ -43,6 +46,7 @@ def main() -> None:
     stages = split_model(model, args.ranks)
     p, m = args.ranks, args.microbatches
     schedules = [make_schedule("gpipe", p, m), make_schedule("1f1b", p, m)]
+    reference = reference_run(torch.nn.Sequential(*stages), x, y, loss_fn, lr=None)
 
     times: dict[tuple[str, str], list[float]] = {}
     bubbles: dict[tuple[str, str], list[float]] = {}
@@ -50,7 +54,7 @@ def main() -> None:
         ours = run_pipelines(stages, schedules, x, y, loss_fn, steps=args.steps)
         theirs = run_torch_pipelines(stages, schedules, x, y, loss_fn, steps=args.steps)
         for a, b in zip(ours, theirs):
-            assert_matches_reference(a, stages, x, y, loss_fn, atol=1e-4, rtol=1e-4)
+            assert_same(a, reference, atol=1e-4, rtol=1e-4)
             assert abs(a.loss - b.loss) <= 1e-5 * max(1.0, abs(b.loss))
             times.setdefault((a.schedule.name, "ours"), []).append(a.step_time)
             times.setdefault((a.schedule.name, "torch"), []).append(b.step_time)

@@ -11,8 +11,9 @@ import importlib
 __version__ = "0.1.0"
 
 _SUBMODULES = {
-    "cli", "data", "ddp", "display", "hardware", "launch", "model_parallel", "models", "pipeline",
-    "plots", "streams", "timeline", "widgets",
+    "batch", "checks", "cli", "collectives", "ddp", "display", "experiments", "hardware", "hybrid",
+    "launch", "measure", "model_parallel", "models", "pipeline", "plots", "reference", "streams",
+    "timeline", "transformer", "widgets", "worker",
 }
 
 

@@ -1,27 +1,49 @@
 """The `pipelab` command.
 
-    pipelab doctor             what this machine has, and the path the lessons take
-    pipelab run [NOTEBOOK...]  execute the notebooks with papermill into build/, then a summary table
+    pipelab doctor                 what this machine has, and the path the lessons take
+    pipelab profiles [NOTEBOOK...] each notebook's named parameter sets
+    pipelab run [NOTEBOOK...]      execute notebooks with papermill into build/, then a summary table
+
+Notebooks are chosen by path (`notebooks/06_gpipe.ipynb`), by folder (`notebooks`: its lessons,
+the files named like `06_*.ipynb`) or by lesson number (`06`, looked up in --folder); none means
+every lesson. `pipelab run` options:
+
+    -p NAME VALUE     set a parameter (papermill's spelling; VALUE read as papermill reads it:
+                      True/False/None, int, float, else text) in every chosen notebook whose
+                      `parameters` cell declares NAME; an error if none does
+    --profile NAME    use each notebook's profile NAME; -p wins over it; a notebook without that
+                      profile runs with its defaults and says so
+    --timeout SECONDS fail a notebook that runs longer (the others go on)
+    --html            also write each executed notebook as HTML beside it
+
+Profiles live in the notebook's metadata, a name -> parameters mapping:
+
+    "metadata": {"pipelab": {"profiles": {"gpu": {"batch": 256, "steps": 20},
+                                          "quick": {"steps": 2}}}}
+
+`gpu` is for a single GPU node, `quick` the fastest meaningful run. Each executed notebook goes to
+--out (default build/) under its path below the chosen notebooks' common folder, so two notebooks
+with the same file name do not collide; --out/summary.json has, per notebook, its status, seconds,
+parameters, headline figure and the failing cell's error. Exit code: 0 when every notebook ran,
+1 when one failed, 2 for a mistake on the command line (nothing runs).
 """
 
 from __future__ import annotations
 
 import argparse
 import glob
-import json
 import os
+import re
 import sys
-import time
 from dataclasses import dataclass
 
+from pipelab.batch import NotebookRun, render_html, run_notebook, write_summary
 
-@dataclass
-class NotebookRun:
-    notebook: str
-    status: str  # "ok" or "failed"
-    seconds: float
-    headline: dict | None
-    error: str = ""
+__all__ = ["NotebookRun", "course_notebooks", "main", "run_notebook", "select_notebooks"]
+
+
+class UsageError(Exception):
+    """A mistake on the command line, reported (exit code 2) before any notebook runs."""
 
 
 def course_notebooks(folder: str = "notebooks") -> list[str]:
@@ -29,45 +51,146 @@ def course_notebooks(folder: str = "notebooks") -> list[str]:
     return sorted(glob.glob(os.path.join(folder, "[0-9]*.ipynb")))
 
 
-def run_notebook(path: str, out_dir: str = "build", parameters: dict | None = None,
-                 kernel_name: str = "python3") -> NotebookRun:
-    """Execute one notebook with papermill into `out_dir`; report status, seconds and headline."""
+def select_notebooks(selectors: list[str], folder: str = "notebooks") -> list[str]:
+    """The notebooks named by paths, folders (their lessons) or lesson numbers, in the order given,
+    each once; every lesson in `folder` when none is given."""
+    if not selectors:
+        if not os.path.isdir(folder):
+            raise UsageError(f"no folder {folder!r}: run this from the course checkout, or pass --folder")
+        selectors = [folder]
+    chosen: list[str] = []
+    for sel in selectors:
+        for path in _select(sel, folder):
+            if os.path.abspath(path) not in map(os.path.abspath, chosen):
+                chosen.append(path)
+    return chosen
+
+
+def _select(sel: str, folder: str) -> list[str]:
+    if os.path.isdir(sel):
+        found = course_notebooks(sel)
+        if not found:
+            raise UsageError(f"no lesson notebooks (named like 06_*.ipynb) in folder {sel!r}")
+        return found
+    if os.path.isfile(sel):
+        if not sel.endswith(".ipynb"):
+            raise UsageError(f"{sel!r} is not a notebook (.ipynb)")
+        return [sel]
+    if re.fullmatch(r"\d+", sel):
+        lessons = course_notebooks(folder)
+        found = [p for p in lessons if int(re.match(r"\d+", os.path.basename(p))[0]) == int(sel)]
+        if not found:
+            numbers = ", ".join(re.match(r"\d+", os.path.basename(p))[0] for p in lessons)
+            raise UsageError(f"no lesson numbered {sel} in {folder!r} (lessons: {numbers or 'none'})")
+        return found
+    raise UsageError(f"no such notebook: {sel!r} (give a path, a folder or a lesson number like 06)")
+
+
+def parse_value(text: str):
+    """A command-line parameter value, read as papermill's `-p` reads it."""
+    if text in ("True", "False", "None"):
+        return {"True": True, "False": False, "None": None}[text]
+    for kind in (int, float):
+        try:
+            return kind(text)
+        except ValueError:
+            pass
+    return text
+
+
+def declared_parameters(path: str) -> dict:
+    """The names the notebook's `parameters` cell assigns, with their default values (as text)."""
     import papermill as pm
 
-    from pipelab.display import read_headline
+    return {name: p["default"] for name, p in pm.inspect_notebook(path).items()}
 
-    os.makedirs(out_dir, exist_ok=True)
-    out_path = os.path.join(out_dir, os.path.basename(path))
-    t0 = time.perf_counter()
-    status, error = "ok", ""
+
+def notebook_profiles(path: str) -> dict[str, dict]:
+    """The notebook's profiles: metadata["pipelab"]["profiles"], name -> parameters."""
+    import nbformat
+
+    nb = nbformat.read(path, as_version=4)
+    profiles = nb.metadata.get("pipelab", {}).get("profiles", {})
+    return {name: dict(params) for name, params in profiles.items()}
+
+
+@dataclass
+class Planned:
+    """One notebook of a batch, with the parameters it will get."""
+
+    path: str
+    parameters: dict
+    note: str = ""  # said when it starts, e.g. that it has no such profile
+
+
+def plan_runs(notebooks: list[str], given: dict, profile: str | None) -> list[Planned]:
+    """Each notebook's parameters: its profile (if asked for), then each `-p` it declares.
+
+    Raises UsageError for a `-p` that no notebook declares, a profile that no notebook has, or a
+    profile setting a parameter its notebook does not declare."""
+    plans, used, profiled = [], set(), False
+    for path in notebooks:
+        params, note = {}, ""
+        if not given and profile is None:
+            plans.append(Planned(path, params))
+            continue
+        declared, profiles = _read_parameters(path)
+        if profile is not None:
+            if profile in profiles:
+                params, profiled = dict(profiles[profile]), True
+                unknown = sorted(set(params) - set(declared))
+                if unknown:
+                    raise UsageError(f"{path}: profile {profile!r} sets {', '.join(unknown)}, which its "
+                                     f"parameters cell does not declare ({', '.join(declared) or 'none'})")
+            else:
+                has = ", ".join(profiles) or "none"
+                note = f"no profile {profile!r} (has: {has}); running with its defaults"
+        for name, value in given.items():
+            if name in declared:
+                params[name] = value
+                used.add(name)
+        plans.append(Planned(path, params, note))
+    unused = [name for name in given if name not in used]
+    if unused:
+        raise UsageError(f"no chosen notebook declares parameter {', '.join(unused)} in its parameters cell "
+                         "(see `pipelab profiles` and the notebooks' parameters cells)")
+    if profile is not None and not profiled:
+        raise UsageError(f"no chosen notebook has a profile {profile!r} (see `pipelab profiles`)")
+    return plans
+
+
+def _read_parameters(path: str) -> tuple[dict, dict]:
     try:
-        pm.execute_notebook(path, out_path, parameters=parameters or {}, kernel_name=kernel_name,
-                            cwd=os.path.dirname(os.path.abspath(path)), progress_bar=False)
-    except Exception as e:  # noqa: BLE001 - a failed lesson is reported in the table, not fatal
-        status, error = "failed", _last_line(str(e))
-    seconds = time.perf_counter() - t0
-    headline = None
-    if os.path.exists(out_path):
-        with open(out_path) as f:
-            headline = read_headline(json.load(f))
-    return NotebookRun(os.path.basename(path), status, seconds, headline, error)
+        return declared_parameters(path), notebook_profiles(path)
+    except Exception as e:  # noqa: BLE001 - any unreadable notebook is a usage error here
+        raise UsageError(f"cannot read the parameters of {path}: {e}") from e
 
 
-def _last_line(text: str) -> str:
-    lines = [l for l in text.strip().splitlines() if l.strip()]
-    return lines[-1][:200] if lines else ""
+def format_parameters(params: dict) -> str:
+    return ", ".join(f"{k}={v!r}" for k, v in params.items())
+
+
+def format_headline(h: dict | None) -> str:
+    """'name = value unit' for any headline: a value that is not a number (NaN arrives as 'nan',
+    a hand-made headline may hold anything) is printed as it is."""
+    if not h:
+        return "-"
+    value = h.get("value")
+    if isinstance(value, str):
+        try:
+            value = float(value)
+        except ValueError:
+            pass
+    shown = f"{value:.4g}" if isinstance(value, (int, float)) and not isinstance(value, bool) else str(value)
+    return f"{h.get('name', 'headline')} = {shown} {h.get('unit') or ''}".rstrip()
 
 
 def summary_table(runs: list[NotebookRun]) -> str:
-    """A plain-text table: notebook, status, seconds, headline figure."""
+    """A plain-text table: notebook, status, seconds, headline figure (or the error of a failed run)."""
     rows = [("notebook", "status", "seconds", "headline")]
     for r in runs:
-        if r.headline:
-            h = r.headline
-            figure = f"{h['name']} = {h['value']:.4g} {h.get('unit', '')}".rstrip()
-        else:
-            figure = r.error or "-"
-        rows.append((r.notebook, r.status, f"{r.seconds:.1f}", figure))
+        figure = (r.error or "-") if r.status != "ok" else format_headline(r.headline)
+        rows.append((str(r.notebook), str(r.status), f"{r.seconds:.1f}", figure))
     widths = [max(len(row[i]) for row in rows) for i in range(3)]
     lines = []
     for i, row in enumerate(rows):
@@ -77,20 +200,46 @@ def summary_table(runs: list[NotebookRun]) -> str:
     return "\n".join(lines)
 
 
+def _printer(name: str):
+    def progress(cell: int, cells: int, seconds: float) -> None:
+        print(f"  {name}: cell {cell}/{cells}, {seconds:.1f} s", flush=True)
+    return progress
+
+
 def cmd_run(ns: argparse.Namespace) -> int:
-    notebooks = ns.notebooks or course_notebooks(ns.folder)
-    if not notebooks:
-        print(f"no notebooks found in {ns.folder!r}; run this from the course checkout", file=sys.stderr)
-        return 2
+    given = {name: parse_value(value) for name, value in ns.parameters or []}
+    plans = plan_runs(select_notebooks(ns.notebooks, ns.folder), given, ns.profile)
+    # Mirror the folders below the notebooks' common folder, so equal file names never collide.
+    base = os.path.commonpath([os.path.dirname(os.path.abspath(p.path)) for p in plans])
     runs = []
-    for path in notebooks:
-        print(f"running {path} ...", flush=True)
-        runs.append(run_notebook(path, ns.out))
-        print(f"  {runs[-1].status} in {runs[-1].seconds:.1f} s", flush=True)
+    for plan in plans:
+        rel = os.path.relpath(os.path.abspath(plan.path), base)
+        with_params = f" with {format_parameters(plan.parameters)}" if plan.parameters else ""
+        print(f"running {plan.path}{with_params} ...", flush=True)
+        if plan.note:
+            print(f"  {rel}: {plan.note}", flush=True)
+        run = run_notebook(plan.path, os.path.join(ns.out, os.path.dirname(rel)), plan.parameters,
+                           timeout=ns.timeout, progress=_printer(rel), name=rel)
+        run.note = plan.note
+        if ns.html and os.path.exists(run.output):
+            run.html = render_html(run.output)
+        runs.append(run)
+        print(f"  {run.status} in {run.seconds:.1f} s" + (f": {run.error}" if run.error else ""), flush=True)
+        write_summary(runs, os.path.join(ns.out, "summary.json"), profile=ns.profile)
     print()
     print(summary_table(runs))
-    print(f"\nexecuted notebooks are in {os.path.abspath(ns.out)}/")
+    print(f"\nexecuted notebooks and summary.json are in {os.path.abspath(ns.out)}/")
     return 0 if all(r.status == "ok" for r in runs) else 1
+
+
+def cmd_profiles(ns: argparse.Namespace) -> int:
+    for path in select_notebooks(ns.notebooks, ns.folder):
+        profiles = _read_parameters(path)[1]
+        print(path + ("" if profiles else ": no profiles"))
+        width = max(map(len, profiles), default=0)
+        for name, params in profiles.items():
+            print(f"  {name.ljust(width)}  {format_parameters(params) or '(defaults)'}")
+    return 0
 
 
 def cmd_doctor(ns: argparse.Namespace) -> int:
@@ -104,19 +253,58 @@ def cmd_doctor(ns: argparse.Namespace) -> int:
     return 0
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="pipelab", description="pipelab course tools")
-    sub = parser.add_subparsers(dest="command", required=True)
-    run = sub.add_parser("run", help="execute the lesson notebooks with papermill and print a summary")
-    run.add_argument("notebooks", nargs="*", help="notebooks to run (default: notebooks/[0-9]*.ipynb)")
-    run.add_argument("--folder", default="notebooks", help="where the lesson notebooks are")
+def _seconds(text: str) -> float:
+    """--timeout's value: seconds > 0 (argparse reports the ValueError's message)."""
+    from pipelab.checks import positive_number
+
+    try:
+        value = float(text)
+    except ValueError:
+        value = text
+    try:
+        return positive_number("--timeout", value, example="--timeout 600")
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
+def parser() -> argparse.ArgumentParser:
+    from pipelab import __version__
+
+    top = argparse.ArgumentParser(prog="pipelab", description="pipelab course tools")
+    top.add_argument("--version", action="version", version=f"pipelab {__version__}")
+    sub = top.add_subparsers(dest="command", required=True)
+    chosen = dict(nargs="*", help="notebook paths, folders or lesson numbers (default: every lesson)")
+    folder = dict(default="notebooks", help="where lessons given by number are (default: notebooks/)")
+
+    run = sub.add_parser("run", help="execute notebooks with papermill and print a summary")
+    run.add_argument("notebooks", **chosen)
+    run.add_argument("--folder", **folder)
     run.add_argument("--out", default="build", help="where executed copies go (default: build/)")
+    run.add_argument("-p", "--parameters", nargs=2, action="append", metavar=("NAME", "VALUE"),
+                     help="set a parameter in every notebook that declares it")
+    run.add_argument("--profile", help="use each notebook's named profile (e.g. gpu, quick)")
+    run.add_argument("--timeout", type=_seconds, metavar="SECONDS", help="time limit per notebook")
+    run.add_argument("--html", action="store_true", help="also render each executed notebook to HTML")
     run.set_defaults(func=cmd_run)
+
+    profiles = sub.add_parser("profiles", help="list each notebook's profiles and their parameters")
+    profiles.add_argument("notebooks", **chosen)
+    profiles.add_argument("--folder", **folder)
+    profiles.set_defaults(func=cmd_profiles)
+
     doctor = sub.add_parser("doctor", help="what this machine has and which path the lessons take")
     doctor.add_argument("--world-size", type=int, default=2)
     doctor.set_defaults(func=cmd_doctor)
-    ns = parser.parse_args(argv)
-    return ns.func(ns)
+    return top
+
+
+def main(argv: list[str] | None = None) -> int:
+    ns = parser().parse_args(argv)
+    try:
+        return ns.func(ns)
+    except UsageError as e:
+        print(f"pipelab {ns.command}: {e}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

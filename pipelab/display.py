@@ -1,4 +1,4 @@
-"""Notebook helpers: show a function's source, and report a notebook's headline figure."""
+"""Notebook helpers: show a function's source, report a notebook's headline figure, print tables."""
 
 from __future__ import annotations
 
@@ -42,3 +42,37 @@ def read_headline(notebook: dict) -> dict | None:
                 value = data[HEADLINE_MIME]
                 return json.loads(value) if isinstance(value, str) else dict(value)
     return None
+
+
+def format_table(rows: list[dict]) -> str:
+    """Rows of figures (dicts with the same keys) as an aligned text table."""
+    if not rows:
+        return ""
+    keys = list(rows[0])
+    cells = [[str(k) for k in keys]] + [[str(r.get(k, "")) for k in keys] for r in rows]
+    widths = [max(len(row[i]) for row in cells) for i in range(len(keys))]
+    lines = ["  ".join(c.rjust(w) for c, w in zip(row, widths)) for row in cells]
+    return "\n".join([lines[0], "  ".join("-" * w for w in widths), *lines[1:]])
+
+
+def human_bytes(n: float) -> str:
+    """A byte count the way people read it: 364 B, 1.50 KiB, 8.00 MiB."""
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if n < 1024 or unit == "GiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
+        n /= 1024
+    return f"{n} B"
+
+
+def format_bucket_plan(buckets) -> str:
+    """A table of a DDP bucket plan (`pipelab.ddp.Bucket`s): each bucket in launch order, its
+    size, and its parameters in the order their gradients are expected."""
+    rows = [("bucket", "params", "size", "parameters (gradient order)")]
+    for b in buckets:
+        rows.append((str(b.index), str(len(b.names)), human_bytes(b.nbytes), ", ".join(b.names)))
+    total = sum(b.nbytes for b in buckets)
+    widths = [max(len(r[i]) for r in rows) for i in range(3)]
+    lines = ["  ".join(c.ljust(w) for c, w in zip(r[:3], widths)) + "  " + r[3] for r in rows]
+    lines.insert(1, "  ".join("-" * w for w in widths) + "  " + "-" * 27)
+    lines.append(f"{len(buckets)} bucket(s), {human_bytes(total)} of gradients per step")
+    return "\n".join(lines)

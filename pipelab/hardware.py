@@ -76,13 +76,6 @@ def choose_backend(world_size: int, backend: str = "auto") -> str:
     return backend
 
 
-def rank_device(rank: int, backend: str):
-    """The device a rank computes on: its own GPU under NCCL, the CPU under gloo."""
-    import torch
-
-    return torch.device("cuda", rank) if backend == "nccl" else torch.device("cpu")
-
-
 def describe(world_size: int = 2) -> str:
     """One line: the machine, and the path `world_size` ranks take on it."""
     hw = detect()

@@ -3,7 +3,9 @@
 `spawn(fn, world_size)` is what every multi-process lesson calls. It starts `world_size` fresh
 Python processes (not forks: a Jupyter kernel has threads and maybe CUDA state, which a fork would
 copy half-way), hands each one `fn` and its arguments pickled with cloudpickle (so a function
-written in a notebook cell travels by value), and collects what each rank returns.
+written in a notebook cell travels by value), and collects what each rank returns. This file is the
+caller's side: start, wait, blame the right rank, leave nothing behind. What runs inside each rank
+is in `pipelab.worker`.
 
 The same worker runs under torchrun, which is how you go multi-node:
 
@@ -13,10 +15,8 @@ The same worker runs under torchrun, which is how you go multi-node:
 from __future__ import annotations
 
 import argparse
-import datetime
-import importlib
+import math
 import os
-import pickle
 import shutil
 import signal
 import socket
@@ -25,106 +25,119 @@ import sys
 import tempfile
 import threading
 import time
-import traceback
-from dataclasses import dataclass, field
-from typing import Any, Callable
+from contextlib import contextmanager
+from typing import Callable
 
 from pipelab import hardware
-from pipelab.timeline import Recorder, Timeline
+from pipelab.checks import positive_number, whole_number
+from pipelab.worker import WorkerContext, hello, init_worker  # noqa: F401 - importable from here
+from pipelab.worker import load_pickle, rank_path, run_spawned, run_under_torchrun
 
 _POLL_SECONDS = 0.01
-_GRACE_SECONDS = 0.5  # after a rank fails, how long to wait for its peers' own errors
+_GRACE_SECONDS = 2.0  # after a rank fails, the most we wait for its peers to exit with their errors
 _RENDEZVOUS_ATTEMPTS = 3  # tries to form the process group, each on a newly picked port
 
 
 class WorkerError(RuntimeError):
-    """A worker rank raised, or did not finish in time. Carries the rank and its traceback."""
+    """A worker rank failed: it raised, died without a Python error, or did not finish in time.
+    Carries the rank, its traceback, and the errors its peers hit because of it."""
 
     def __init__(self, rank: int, message: str, traceback_text: str = ""):
+        super().__init__(f"rank {rank} {message}")
         self.rank = rank
         self.traceback = traceback_text
+        self.consequences: list[WorkerError] = []  # the other ranks' errors, caused by this one
         self.during_rendezvous = False  # failed while forming the process group, before fn ran
-        text = f"rank {rank} {message}"
-        if traceback_text:
-            text += f"\n\n--- traceback from rank {rank} ---\n{traceback_text.rstrip()}"
-        super().__init__(text)
 
+    def __str__(self) -> str:
+        text = self.args[0]
+        if self.traceback:
+            text += f"\n\n--- traceback from rank {self.rank} ---\n{self.traceback.rstrip()}"
+        if self.consequences:
+            text += "\n\n--- then, because of it ---\n" + "\n".join(e.args[0] for e in self.consequences)
+        return text
 
-@dataclass
-class WorkerContext:
-    """What a worker function gets as its first argument."""
-
-    rank: int
-    world_size: int
-    local_rank: int
-    backend: str
-    device: Any  # torch.device
-    rec: Recorder = field(repr=False)
-
-    def barrier(self) -> None:
-        """Wait until every rank reaches this point."""
-        import torch.distributed as dist
-
-        if self.backend == "nccl":
-            dist.barrier(device_ids=[self.device.index])
-        else:
-            dist.barrier()
-
-    def timeline(self) -> Timeline:
-        """The spans this rank recorded so far."""
-        return self.rec.timeline()
-
-
-# ---------------------------------------------------------------------------------------------
-# The parent side
-# ---------------------------------------------------------------------------------------------
 
 def spawn(fn: Callable, world_size: int, *args, backend: str = "auto", timeout: float = 120.0,
           **kwargs) -> list:
     """Run `fn(ctx, *args, **kwargs)` on `world_size` new processes; return their results by rank.
 
-    If a rank raises, every rank is stopped and one `WorkerError` names the failing rank and
-    carries its traceback. A run longer than `timeout` seconds is stopped the same way. No worker
-    process outlives this call, also when it is interrupted (Ctrl-C / the notebook's stop button).
+    If a rank fails, every rank is stopped and one `WorkerError` names the cause (the rank that
+    raised first, or one that died without a Python error) and lists its peers' errors as
+    consequences. A run longer than `timeout` seconds (a finite number) is stopped the same way.
+    Nothing of the call outlives it: not the ranks, not processes they started, not its temp files,
+    also when it is interrupted (Ctrl-C / the notebook's stop button) or its caller is killed.
     """
     backend = _check_arguments(world_size, backend, timeout)
     payload = _pickle_payload(fn, args, kwargs)
-    for attempt in range(_RENDEZVOUS_ATTEMPTS):
-        try:
-            return _run_once(payload, world_size, backend, timeout)
-        except WorkerError as e:
-            # The free port we picked can be taken by another program before rank 0 binds it;
-            # nothing of `fn` has run yet, so starting again on a new port is safe.
-            if not e.during_rendezvous or attempt == _RENDEZVOUS_ATTEMPTS - 1:
-                raise
+    with _ctrl_c_held() as ctrl_c:
+        for attempt in range(_RENDEZVOUS_ATTEMPTS):
+            try:
+                return _run_once(payload, world_size, backend, timeout, ctrl_c)
+            except WorkerError as e:
+                # The free port we picked can be taken by another program before rank 0 binds it;
+                # nothing of `fn` has run yet, so starting again on a new port is safe.
+                if not e.during_rendezvous or attempt == _RENDEZVOUS_ATTEMPTS - 1:
+                    raise
+                ctrl_c.check()
 
 
-def _run_once(payload: bytes, world_size: int, backend: str, timeout: float) -> list:
-    """Start the ranks on a fresh port, wait for them, collect their results; stop them all."""
+def _run_once(payload: bytes, world_size: int, backend: str, timeout: float, ctrl_c) -> list:
+    """Start the ranks on a fresh port, wait for them, collect their results. Whatever happens,
+    every rank's process group ends and the temp dir goes before this returns or raises."""
     workdir = tempfile.mkdtemp(prefix="pipelab-spawn-")
     procs: list[subprocess.Popen] = []
+    pumps: list[threading.Thread] = []
     try:
-        with open(os.path.join(workdir, "payload.pkl"), "wb") as f:
-            f.write(payload)
+        _write_payload(payload, workdir, world_size)
         port = _free_port()
-        procs = [_start_worker(rank, world_size, backend, port, timeout, workdir) for rank in range(world_size)]
-        pumps = [_pump_output(p, rank) for rank, p in enumerate(procs)]
-        _wait_for_workers(procs, workdir, timeout)
-        for t in pumps:
-            t.join(timeout=5)
-        return [_load(os.path.join(workdir, f"result-{rank}.pkl")) for rank in range(world_size)]
+        for rank in range(world_size):
+            ctrl_c.check()  # Ctrl-C while starting: stop here, the finally ends those started
+            procs.append(_start_worker(rank, world_size, backend, port, timeout, workdir))
+            pumps.append(_pump_output(procs[-1], rank))
+        _wait_for_workers(procs, workdir, timeout, ctrl_c)
+        return [load_pickle(rank_path(workdir, "result", rank)) for rank in range(world_size)]
     finally:
-        _stop_all(procs)
+        _end_all(procs, pumps)
         shutil.rmtree(workdir, ignore_errors=True)
+
+
+class _CtrlC:
+    """Whether Ctrl-C was pressed; `check()` raises KeyboardInterrupt where spawn can handle it."""
+
+    pressed = False
+
+    def check(self) -> None:
+        if self.pressed:
+            raise KeyboardInterrupt
+
+
+@contextmanager
+def _ctrl_c_held():
+    """Turn Ctrl-C into a flag for the duration of a call. A KeyboardInterrupt raised at any line
+    (inside Popen, or a second one inside the cleanup) could leave processes or files behind; one
+    raised where `check()` is called cannot. Only the main thread gets SIGINT, and only a handler
+    that raises KeyboardInterrupt is replaced (a caller that ignores Ctrl-C keeps ignoring it)."""
+    ctrl_c = _CtrlC()
+    take_over = (threading.current_thread() is threading.main_thread()
+                 and signal.getsignal(signal.SIGINT) is signal.default_int_handler)
+    if take_over:
+        signal.signal(signal.SIGINT, lambda signum, frame: setattr(ctrl_c, "pressed", True))
+    try:
+        yield ctrl_c
+    finally:
+        if take_over:
+            signal.signal(signal.SIGINT, signal.default_int_handler)
+    ctrl_c.check()  # pressed while the results were read: the call still ends as interrupted
 
 
 def _check_arguments(world_size, backend: str, timeout) -> str:
     """Refuse bad input before any process starts; return the backend to use."""
-    if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
-        raise ValueError(f"world_size must be a whole number >= 1, got {world_size!r}; "
-                         "pass e.g. world_size=2")
-    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout > 0:
-        raise ValueError(f"timeout must be a number of seconds > 0, got {timeout!r}; pass e.g. timeout=120")
+    whole_number("world_size", world_size, example="world_size=2")
+    if isinstance(timeout, float) and math.isinf(timeout):
+        raise ValueError("timeout must be a finite number of seconds, got inf: spawn has no "
+                         "'no timeout' (the process group needs one); pass a large one, e.g. timeout=24*3600")
+    positive_number("timeout", timeout, example="timeout=120")
     return hardware.choose_backend(world_size, backend)
 
 
@@ -141,6 +154,19 @@ def _pickle_payload(fn: Callable, args: tuple, kwargs: dict) -> bytes:
             "Pass only picklable values (tensors, numbers, modules' state dicts), not open files, "
             "locks, generators or live process groups; build those inside the worker."
         ) from e
+
+
+def _write_payload(payload: bytes, workdir: str, world_size: int) -> None:
+    """One name per rank for the same bytes (hard links): each rank deletes its name as soon as it
+    has opened it, so the pickled model and data leave the disk once every rank has them."""
+    first = rank_path(workdir, "payload", 0)
+    with open(first, "wb") as f:
+        f.write(payload)
+    for rank in range(1, world_size):
+        try:
+            os.link(first, rank_path(workdir, "payload", rank))
+        except OSError:  # a file system without hard links: a copy does the same
+            shutil.copyfile(first, rank_path(workdir, "payload", rank))
 
 
 def _free_port() -> int:
@@ -167,36 +193,40 @@ def _start_worker(rank: int, world_size: int, backend: str, port: int, timeout: 
     return subprocess.Popen(
         [sys.executable, "-m", "pipelab.launch", "--spawned-worker", workdir],
         env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-        start_new_session=True,  # its own process group, so we can stop it and anything it started
+        start_new_session=True,  # its own process group, so we can end it and anything it started
     )
 
 
 def _pump_output(proc: subprocess.Popen, rank: int) -> threading.Thread:
-    """Copy a worker's prints to ours, line by line, tagged with its rank."""
+    """Copy a worker's prints to ours, line by line, tagged with its rank. The thread alone reads
+    and closes the pipe: it ends when every process holding the pipe (the rank and any helper
+    process that inherited it) has ended."""
 
     def pump():
-        for raw in iter(proc.stdout.readline, b""):
-            sys.stdout.write(f"[rank {rank}] {raw.decode(errors='replace')}")
-            sys.stdout.flush()
-        proc.stdout.close()
+        with proc.stdout:
+            for raw in proc.stdout:
+                sys.stdout.write(f"[rank {rank}] {raw.decode(errors='replace')}")
+                sys.stdout.flush()
 
     t = threading.Thread(target=pump, daemon=True)
     t.start()
     return t
 
 
-def _wait_for_workers(procs: list[subprocess.Popen], workdir: str, timeout: float) -> None:
-    """Block until every rank exits cleanly; raise WorkerError for the first failure or a timeout."""
+def _wait_for_workers(procs: list[subprocess.Popen], workdir: str, timeout: float, ctrl_c) -> None:
+    """Block until every rank exits cleanly; raise one WorkerError on a failure or a timeout."""
     deadline = time.monotonic() + timeout
     while True:
-        failed = _first_failure(procs, workdir)
-        if failed is not None:
-            time.sleep(_GRACE_SECONDS)  # let the others write their errors, to find the earliest
-            raise _failure_error(_first_failure(procs, workdir), procs, workdir)
-        if all(p.poll() == 0 for p in procs):
+        codes = [_exit_code(p) for p in procs]
+        if any(_failure(rank, code, workdir) for rank, code in enumerate(codes)):
+            _wait_for_all_exits(procs, _GRACE_SECONDS, ctrl_c)  # the peers' own errors, if any
+            raise _failure_error(procs, workdir)
+        if all(code == 0 for code in codes):
             return
         if time.monotonic() > deadline:
-            pending = [r for r, p in enumerate(procs) if p.poll() is None]
+            running = [r for r, code in enumerate(codes) if code is None]
+            # A rank that saved its result only waits for its peers to leave: blame the others.
+            pending = [r for r in running if not os.path.exists(rank_path(workdir, "result", r))] or running
             raise WorkerError(
                 pending[0],
                 f"did not finish within timeout={timeout}s (ranks still running: {pending}); "
@@ -204,158 +234,99 @@ def _wait_for_workers(procs: list[subprocess.Popen], workdir: str, timeout: floa
                 "timeout: check your sends/receives, or pass a larger timeout",
             )
         time.sleep(_POLL_SECONDS)
+        ctrl_c.check()
 
 
-def _first_failure(procs: list[subprocess.Popen], workdir: str) -> int | None:
-    """The rank that failed first: the earliest error file, else any rank that died without one."""
-    errors = []
-    for rank in range(len(procs)):
-        path = os.path.join(workdir, f"error-{rank}.pkl")
-        if os.path.exists(path):
-            errors.append((os.stat(path).st_mtime_ns, rank))
-    if errors:
-        return min(errors)[1]
-    for rank, p in enumerate(procs):
-        code = p.poll()
-        if code not in (None, 0):
-            return rank
-    return None
+def _wait_for_all_exits(procs: list[subprocess.Popen], seconds: float, ctrl_c) -> None:
+    end = time.monotonic() + seconds
+    while time.monotonic() < end and any(_exit_code(p) is None for p in procs):
+        time.sleep(_POLL_SECONDS)
+        ctrl_c.check()
 
 
-def _failure_error(rank: int, procs: list[subprocess.Popen], workdir: str) -> WorkerError:
-    path = os.path.join(workdir, f"error-{rank}.pkl")
+def _exit_code(proc: subprocess.Popen) -> int | None:
+    """The rank's exit code (negative: the signal that killed it), or None while it runs. Where the
+    OS allows, the exited rank is not reaped yet: its pid, which names its process group, stays
+    ours until `_end_all` has ended the group, so that can never hit a stranger's processes."""
+    if proc.returncode is not None or not hasattr(os, "waitid"):
+        return proc.poll()
+    try:
+        info = os.waitid(os.P_PID, proc.pid, os.WEXITED | os.WNOHANG | os.WNOWAIT)
+    except ChildProcessError:
+        return proc.poll()
+    if info is None:
+        return None
+    return info.si_status if info.si_code == os.CLD_EXITED else -info.si_status
+
+
+def _failure(rank: int, code: int | None, workdir: str) -> bool:
+    """Whether the rank failed: it wrote an error, or exited without a result."""
+    if os.path.exists(rank_path(workdir, "error", rank)):
+        return True
+    return code is not None and not (code == 0 and os.path.exists(rank_path(workdir, "result", rank)))
+
+
+def _failure_error(procs: list[subprocess.Popen], workdir: str) -> WorkerError:
+    """One error naming the cause, the other ranks' errors listed as its consequences. A rank that
+    died without a Python error (a crash in native code, a SIGKILL from the out-of-memory killer,
+    os._exit) is the cause: its peers' errors ("Connection closed by peer") are only its echo.
+    Otherwise the cause is the rank whose error was written first."""
+    failures = [_rank_failure(rank, p, workdir) for rank, p in enumerate(procs)]
+    (_, cause), *others = sorted(f for f in failures if f is not None)
+    cause.consequences = [error for _, error in others]
+    return cause
+
+
+def _rank_failure(rank: int, proc: subprocess.Popen, workdir: str) -> tuple[tuple, WorkerError] | None:
+    """How the rank failed, with a key that sorts the cause first; None if it did not fail."""
+    path = rank_path(workdir, "error", rank)
     if os.path.exists(path):
-        info = _load(path)
+        info = load_pickle(path)
         error = WorkerError(rank, f"raised {info['type']}: {info['message']}", info["traceback"])
         error.during_rendezvous = info.get("phase") == "rendezvous"
-        return error
-    code = procs[rank].poll()
-    how = f"was killed by signal {-code}" if code is not None and code < 0 else f"exited with code {code}"
-    return WorkerError(rank, f"{how} without a Python error (out of memory? a crash in native code?)")
+        return (1, os.stat(path).st_mtime_ns, rank), error
+    code = _exit_code(proc)
+    if not _failure(rank, code, workdir):
+        return None
+    return (0, 0, rank), WorkerError(rank, _how_it_died(code), _crash_report(workdir, rank))
 
 
-def _stop_all(procs: list[subprocess.Popen]) -> None:
-    """Kill every worker's process group and reap it, so nothing outlives spawn()."""
+def _crash_report(workdir: str, rank: int) -> str:
+    """The Python stack faulthandler wrote when the rank crashed in native code, if it did."""
+    try:
+        with open(rank_path(workdir, "crash", rank)) as f:
+            return f.read()
+    except OSError:
+        return ""
+
+
+def _how_it_died(code: int) -> str:
+    if code < 0:
+        name = (signal.strsignal(-code) or "unknown signal").lower()
+        why = ("the out-of-memory killer sends it, so does `kill -9`" if -code == signal.SIGKILL
+               else "a crash in native code (a C/C++ extension, a bad pointer)")
+        return f"was killed by signal {-code} ({name}) without a Python error: {why}"
+    if code == 0:
+        return "exited with code 0 without returning a result (os._exit(0) in the worker?)"
+    return f"exited with code {code} without a Python error (os._exit? exit() in native code?)"
+
+
+def _end_all(procs: list[subprocess.Popen], pumps: list[threading.Thread]) -> None:
+    """End every rank's whole process group (the rank and any helper process it started), reap the
+    ranks, then let the output threads finish: their pipes close once those processes are gone."""
     for p in procs:
-        if p.poll() is None:
-            try:
-                os.killpg(p.pid, signal.SIGKILL)
-            except (ProcessLookupError, PermissionError):
-                pass
+        try:
+            os.killpg(p.pid, signal.SIGKILL)  # pid = process group id: started in a new session
+        except (ProcessLookupError, PermissionError):
+            pass  # the group is empty already
     for p in procs:
         try:
             p.wait(timeout=10)
         except subprocess.TimeoutExpired:
             p.kill()
-        if p.stdout and not p.stdout.closed:
-            try:
-                p.stdout.close()
-            except Exception:  # noqa: BLE001 - the pump thread may be closing it too
-                pass
-
-
-def _load(path: str):
-    import cloudpickle  # noqa: F401 - registers what cloudpickled objects need
-
-    with open(path, "rb") as f:
-        return pickle.load(f)
-
-
-def _dump_atomic(obj, path: str) -> None:
-    """Write a pickle so the parent never reads half a file: write aside, then rename."""
-    import cloudpickle
-
-    tmp = path + ".tmp"
-    with open(tmp, "wb") as f:
-        cloudpickle.dump(obj, f)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-
-
-# ---------------------------------------------------------------------------------------------
-# The worker side
-# ---------------------------------------------------------------------------------------------
-
-def init_worker(backend: str | None = None, timeout: float = 1800.0) -> WorkerContext:
-    """Join the process group described by the environment (RANK, WORLD_SIZE, MASTER_ADDR/PORT,
-    as set by spawn() or torchrun) and return this rank's context."""
-    import torch
-    import torch.distributed as dist
-
-    rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    local_rank = int(os.environ.get("LOCAL_RANK", rank))
-    if backend is None:
-        backend = os.environ.get("PIPELAB_BACKEND") or hardware.choose_backend(
-            int(os.environ.get("LOCAL_WORLD_SIZE", world_size)), "auto")
-    if backend == "nccl":
-        device = torch.device("cuda", local_rank)
-        torch.cuda.set_device(device)
-    else:
-        device = torch.device("cpu")
-        torch.set_num_threads(1)
-    kwargs = {"device_id": device} if backend == "nccl" else {}
-    dist.init_process_group(backend, rank=rank, world_size=world_size,
-                            timeout=datetime.timedelta(seconds=timeout), **kwargs)
-    return WorkerContext(rank, world_size, local_rank, backend, device, Recorder(rank, device))
-
-
-def _watch_parent(parent_pid: int) -> None:
-    """Exit if the process that spawned us goes away (e.g. the notebook kernel was killed)."""
-
-    def watch():
-        while True:
-            if os.getppid() != parent_pid:
-                os._exit(3)
-            time.sleep(0.5)
-
-    threading.Thread(target=watch, daemon=True).start()
-
-
-def _spawned_worker_main(workdir: str) -> None:
-    """Entry point of a process started by spawn()."""
-    rank = int(os.environ["RANK"])
-    _watch_parent(int(os.environ["PIPELAB_PARENT_PID"]))
-    phase = "load"
-    try:
-        fn, args, kwargs = _load(os.path.join(workdir, "payload.pkl"))
-        phase = "rendezvous"
-        ctx = init_worker(os.environ["PIPELAB_BACKEND"], float(os.environ["PIPELAB_TIMEOUT"]))
-        phase = "run"
-        result = fn(ctx, *args, **kwargs)
-        _dump_atomic(result, os.path.join(workdir, f"result-{rank}.pkl"))
-    except BaseException as e:  # noqa: BLE001 - every failure goes back to the parent
-        _dump_atomic({"type": type(e).__name__, "message": str(e), "traceback": traceback.format_exc(),
-                      "phase": phase}, os.path.join(workdir, f"error-{rank}.pkl"))
-        sys.stdout.flush()
-        os._exit(1)
-    sys.stdout.flush()
-    # Skip the process group's teardown: peers may already be gone, and the result is saved.
-    os._exit(0)
-
-
-def _torchrun_main(target: str) -> None:
-    """Run `module:function` as a worker under torchrun, printing each rank's result."""
-    module_name, _, fn_name = target.partition(":")
-    if not fn_name:
-        raise SystemExit(f"expected MODULE:FUNCTION, got {target!r}, e.g. pipelab.launch:hello")
-    fn = getattr(importlib.import_module(module_name), fn_name)
-    ctx = init_worker()
-    result = fn(ctx)
-    print(f"[rank {ctx.rank}] {fn_name} returned {result!r}", flush=True)
-    import torch.distributed as dist
-
-    dist.destroy_process_group()
-
-
-def hello(ctx: WorkerContext) -> str:
-    """The smallest worker: all-reduce the ranks' numbers, so every rank knows the sum."""
-    import torch
-    import torch.distributed as dist
-
-    t = torch.tensor([float(ctx.rank)], device=ctx.device)
-    dist.all_reduce(t)
-    return f"rank {ctx.rank} of {ctx.world_size} on {ctx.device}: sum of ranks = {t.item():g}"
+    deadline = time.monotonic() + 5
+    for t in pumps:
+        t.join(timeout=max(0.0, deadline - time.monotonic()))
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -365,9 +336,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--spawned-worker", metavar="DIR", help=argparse.SUPPRESS)
     ns = parser.parse_args(argv)
     if ns.spawned_worker:
-        _spawned_worker_main(ns.spawned_worker)
+        run_spawned(ns.spawned_worker)
     elif ns.target:
-        _torchrun_main(ns.target)
+        run_under_torchrun(ns.target)
     else:
         parser.error("give MODULE:FUNCTION, e.g. torchrun --nproc-per-node 2 -m pipelab.launch pipelab.launch:hello")
 

@@ -185,14 +185,6 @@ class Timeline:
         busy_b = self.busy_time(rank, lane_b)
         return self.overlap_time(lane_a, lane_b, rank) / busy_b if busy_b > 0 else 0.0
 
-    def summary(self) -> dict:
-        """Headline numbers of this timeline, for printing."""
-        return {
-            "step_ms": self.makespan * 1e3,
-            "utilization": {r: round(u, 3) for r, u in self.utilization().items()},
-            "bubble_fraction": round(self.bubble_fraction(), 3),
-        }
-
     # ---- export ---------------------------------------------------------------------------
     def to_chrome_trace(self, path: str | None = None) -> dict:
         """Chrome trace JSON (open it in https://ui.perfetto.dev or chrome://tracing).

@@ -7,31 +7,26 @@ import matplotlib.pyplot as plt
 import torch
 from torch import nn
 
-from pipelab import model_parallel as mp
 from pipelab import plots
+from pipelab.experiments.model_parallel import time_forward
+from pipelab.plots.model_parallel import speedup_curve
 from pipelab.streams import Device
 
 
 def split_size_explorer(model: nn.Module, x: torch.Tensor, devs: list[Device], sweep: dict) -> widgets.VBox:
     """A split-size slider: each move re-runs the pipelined forward, redraws its timeline and
-    marks its measured speedup on the sweep curve from `mp.split_sweep`."""
+    marks its measured speedup on the sweep curve from `experiments.model_parallel.split_sweep`."""
     sizes = sorted(sweep["speedup"])
     slider = widgets.SelectionSlider(options=sizes, value=sweep["best_split"], description="split_size")
     out = widgets.Output()
 
     def redraw(split_size: int) -> None:
-        seconds, tl = mp.time_forward(model, x, devs, "pipelined", split_size, repeats=1)
-        speedup = sweep["one_device_s"] / seconds
+        seconds, tl = time_forward(model, x, devs, "pipelined", split_size, repeats=1)
         with out:
             out.clear_output(wait=True)
             fig, (ax_t, ax_s) = plt.subplots(1, 2, figsize=(13, 3.2), gridspec_kw={"width_ratios": [2, 1]})
             plots.gantt(tl, ax=ax_t, title=f"pipelined forward, split_size={split_size}")
-            ax_s.plot(sizes, [sweep["speedup"][s] for s in sizes], "o-", label="sweep")
-            ax_s.plot([split_size], [speedup], "r*", markersize=14, label="this run")
-            ax_s.set_xscale("log", base=2)
-            ax_s.set(xlabel="split size (samples)", ylabel="speedup over one device (x)",
-                     title="speedup against split size")
-            ax_s.legend()
+            speedup_curve(sweep, ax=ax_s, this_run=(split_size, sweep["one_device_s"] / seconds))
             plt.show()
 
     slider.observe(lambda change: redraw(change["new"]), names="value")
@@ -44,15 +39,15 @@ def schedule_explorer(schedule: str = "1f1b", ranks: int = 4, microbatches: int 
     timeline redrawn by `draw_schedule` on every change (makespan, bubble and peak stash in the
     title). Display the returned box (the last expression of a notebook cell)."""
     from pipelab.pipeline.schedules import SCHEDULES
-    from pipelab.pipeline.simulate import draw_schedule
+    from pipelab.plots.schedules import draw_schedule
 
     controls = dict(
         name=widgets.Dropdown(options=sorted(SCHEDULES), value=schedule, description="schedule"),
         num_ranks=widgets.IntSlider(value=ranks, min=1, max=8, description="ranks p"),
         num_microbatches=widgets.IntSlider(value=microbatches, min=1, max=32, description="micro-batches m"),
         stages_per_rank=widgets.IntSlider(value=2, min=1, max=4, description="v (interleaved)"),
-        backward_ratio=widgets.FloatSlider(value=2.0, min=0.5, max=4.0, step=0.25, description="B+W / F"),
-        weight_share=widgets.FloatSlider(value=0.5, min=0.0, max=0.9, step=0.05, description="W share of B+W"),
+        backward_ratio=widgets.FloatSlider(value=2.0, min=0.5, max=4.0, step=0.25, description="B / F"),
+        weight_share=widgets.FloatSlider(value=0.5, min=0.0, max=0.9, step=0.05, description="W share of B"),
         transfer_ratio=widgets.FloatSlider(value=0.0, min=0.0, max=2.0, step=0.05, description="transfer / F"),
     )
     out = widgets.Output()

@@ -1,7 +1,8 @@
 """Lessons in JupyterLab in a real browser (headless Chromium driven by Playwright).
 
 Skipped where Chromium or Playwright is missing: `apt-get install chromium` and
-`pip install playwright` (the browser itself comes from Debian; nothing is downloaded at run time).
+`pip install playwright` (the browser itself comes from Debian; nothing is downloaded at run time;
+`.ci/run` installs it). Screenshots go to each test's tmp_path, never into the repository.
 """
 
 import os
@@ -55,7 +56,7 @@ def jupyterlab(tmp_path_factory):
                 server.kill()
                 pytest.fail("JupyterLab did not start")
             time.sleep(0.5)
-    yield url, root
+    yield url
     server.terminate()
     try:
         server.wait(timeout=20)
@@ -65,6 +66,7 @@ def jupyterlab(tmp_path_factory):
 
 @pytest.fixture()
 def page():
+    """A fresh headless Chromium page."""
     with playwright.sync_playwright() as p:
         browser = p.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
         page = browser.new_page(viewport={"width": 1400, "height": 1000})
@@ -72,8 +74,9 @@ def page():
         browser.close()
 
 
-def run_all_cells(page, url: str, notebook: str, timeout_s: float = 180) -> None:
-    """Open a notebook in JupyterLab, run every cell, wait until the headline is shown."""
+def run_all_cells(page, url: str, notebook: str, shots, timeout_s: float = 180, until=None) -> None:
+    """Open a notebook in JupyterLab, run every cell, wait until the headline is shown (or the
+    locator `until(page)` is attached, and the kernel is idle again)."""
     page.goto(f"{url}/lab/tree/{notebook}?reset")  # ?reset: a fresh workspace, only this notebook open
     page.wait_for_function("window.jupyterapp !== undefined", timeout=60_000)
     page.wait_for_function("([name]) => window.jupyterapp.shell.currentWidget?.context?.path === name",
@@ -84,38 +87,76 @@ def run_all_cells(page, url: str, notebook: str, timeout_s: float = 180) -> None
         timeout=60_000)
     page.evaluate("window.jupyterapp.commands.execute('notebook:run-all-cells')")
     try:
-        page.get_by_text("Headline:").wait_for(state="attached", timeout=timeout_s * 1000)
+        if until is None:
+            page.get_by_text("Headline:").wait_for(state="attached", timeout=timeout_s * 1000)
+        else:
+            until(page).wait_for(state="attached", timeout=timeout_s * 1000)
+            page.wait_for_function(
+                "window.jupyterapp.shell.currentWidget?.sessionContext?.session?.kernel?.status === 'idle'",
+                timeout=timeout_s * 1000)
     except Exception:
-        os.makedirs(os.path.join(ROOT, "build"), exist_ok=True)
-        page.screenshot(path=os.path.join(ROOT, "build", f"failed-{notebook}.png"))
+        shot = shots / f"failed-{notebook}.png"
+        page.screenshot(path=str(shot))
+        print(f"screenshot of the failed run: {shot}")
         raise
-
-
-def test_lesson_00_runs_in_jupyterlab(jupyterlab, page):
-    url, _ = jupyterlab
-    run_all_cells(page, url, "00_workers_and_timelines.ipynb")
-    assert page.locator(".jp-OutputArea-output img").count() >= 3  # sweep, Gantt, utilization
-    assert page.get_by_text("sum of ranks = 1").count() >= 1
-    os.makedirs(os.path.join(ROOT, "build"), exist_ok=True)
-    page.screenshot(path=os.path.join(ROOT, "build", "lesson00-jupyterlab.png"))
 
 
 def _image_sources(locator) -> list[str]:
     return [locator.nth(i).get_attribute("src") for i in range(locator.count())]
 
 
-def test_schedule_explorer_redraws_when_the_schedule_changes(jupyterlab, page):
+def _wait_for_new_image(page, box, before: str) -> None:
+    """Wait until the widget box shows an image whose source differs from `before`."""
+    page.wait_for_function(
+        "([el, before]) => { const img = el.querySelector('img'); return img && img.src !== before; }",
+        arg=[box.element_handle(), before], timeout=60_000)
+
+
+def test_lesson_00_runs_in_jupyterlab(jupyterlab, page, tmp_path):
+    run_all_cells(page, jupyterlab, "00_workers_and_timelines.ipynb", tmp_path)
+    assert page.locator(".jp-OutputArea-output img").count() >= 3  # sweep, Gantt, utilization
+    assert page.get_by_text("sum of ranks = 1").count() >= 1
+    page.screenshot(path=str(tmp_path / "lesson00-jupyterlab.png"))
+
+
+def test_split_size_slider_redraws_when_moved_with_the_keyboard(jupyterlab, page, tmp_path):
+    """Lesson 03's explorer: focus the split-size slider, press an arrow key; its label shows the
+    next split size and the pipelined forward re-runs, so the timeline image changes.
+
+    It waits for the explorer, not the headline: the lesson's own speedup assertion after it is
+    tests/test_notebooks.py's to check, and a busy machine can fail it."""
+    def explorers(p):
+        return p.locator(".widget-vbox").filter(has=p.locator(".widget-hslider"))
+
+    run_all_cells(page, jupyterlab, "03_split_pipelining.ipynb", tmp_path, until=lambda p: explorers(p).first)
+    explorer = explorers(page).last
+    explorer.scroll_into_view_if_needed()
+    image, label = explorer.locator("img"), explorer.locator(".widget-readout").first
+    handle = explorer.locator(".noUi-handle").first
+    image.first.wait_for(state="visible", timeout=60_000)
+    before_label, before_image = label.inner_text(), image.first.get_attribute("src")
+    # The slider starts at the best split; from the largest one there is no "right", so go left.
+    at_end = handle.get_attribute("aria-valuenow") == handle.get_attribute("aria-valuemax")
+    handle.focus()
+    page.keyboard.press("ArrowLeft" if at_end else "ArrowRight")
+    page.wait_for_function("([el, before]) => el.innerText !== before",
+                           arg=[label.element_handle(), before_label], timeout=10_000)
+    _wait_for_new_image(page, explorer, before_image)
+    after_label = label.inner_text()
+    assert after_label != before_label and after_label.strip().isdigit()
+    assert image.first.get_attribute("src") != before_image
+    page.screenshot(path=str(tmp_path / "lesson03-split-size-slider.png"))
+
+
+def test_schedule_explorer_redraws_when_the_schedule_changes(jupyterlab, page, tmp_path):
     """Lesson 07's explorer is a live ipywidget: picking another schedule redraws the timeline."""
-    url, _ = jupyterlab
-    run_all_cells(page, url, "07_schedules_1f1b_interleaved_zero_bubble.ipynb", timeout_s=300)
+    run_all_cells(page, jupyterlab, "07_schedules_1f1b_interleaved_zero_bubble.ipynb", tmp_path, timeout_s=300)
     explorer = page.locator(".widget-vbox").filter(has=page.locator("select")).last
     explorer.scroll_into_view_if_needed()
     image = explorer.locator("img")
     image.first.wait_for(state="visible", timeout=60_000)
     before = _image_sources(image)
     explorer.locator("select").first.select_option("gpipe")
-    page.wait_for_function(
-        "([el, before]) => { const img = el.querySelector('img'); return img && img.src !== before; }",
-        arg=[explorer.element_handle(), before[0]], timeout=60_000)
+    _wait_for_new_image(page, explorer, before[0])
     assert _image_sources(image) != before
-    page.screenshot(path=os.path.join(ROOT, "build", "lesson07-schedule-explorer.png"))
+    page.screenshot(path=str(tmp_path / "lesson07-schedule-explorer.png"))

@@ -4,14 +4,17 @@ Skipped on machines without a GPU (CI). On a one-GPU machine the single-process 
 "devices" are two Device objects on the same GPU, each with its own streams: that exercises the
 same stream, event and copy code as two GPUs do (it does not show idle devices, which needs two)."""
 
-import copy
+import threading
 
 import pytest
 import torch
 
 from pipelab import launch
 from pipelab import model_parallel as mp
-from pipelab.streams import Device, Event, timeline
+from pipelab.experiments.model_parallel import hazard_report, train_step
+from pipelab.models import SplitResNet
+from pipelab.reference import reference_run
+from pipelab.streams import CudaStream, Device, Event, timeline
 from pipelab.timeline import Recorder
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
@@ -82,20 +85,44 @@ def test_stream_waits_for_event_on_cuda(gpu_devs):
                                            ("dual_stream", 4)])
 def test_model_parallel_variants_on_cuda_match_cpu_reference(gpu_devs, variant, split):
     torch.manual_seed(0)
-    model = mp.SplitResNet(channels=8, blocks_per_half=1)
+    model = SplitResNet(channels=8, blocks_per_half=1)
     x, y = torch.randn(12, 3, 8, 8), torch.randint(0, 10, (12,))
-    ref = copy.deepcopy(model)
-    ref_loss = torch.nn.functional.cross_entropy(ref(x), y)
-    ref_loss.backward()
+    ref = reference_run(model, x, y, torch.nn.functional.cross_entropy, lr=None)
     if variant == "one_device":
         model.to(gpu_devs[0].torch_device)
     else:
         mp.place(model, gpu_devs)
-    loss, tl = mp.train_step(model, x, y, gpu_devs, variant=variant, split_size=split)
-    torch.testing.assert_close(loss.cpu(), ref_loss.detach(), atol=1e-4, rtol=1e-4)
-    grads = dict(ref.named_parameters())
+    loss, tl = train_step(model, x, y, gpu_devs, variant=variant, split_size=split)
+    torch.testing.assert_close(loss.cpu(), torch.tensor(ref.loss), atol=1e-4, rtol=1e-4)
     for name, p in model.named_parameters():
-        torch.testing.assert_close(p.grad.cpu(), grads[name].grad, atol=1e-4, rtol=1e-4)
+        torch.testing.assert_close(p.grad.cpu(), ref.grads[name], atol=1e-4, rtol=1e-4)
     assert len(tl.filter(kind="F")) >= 1
     if variant == "dual_stream":
         assert len(tl.filter(lane="copy")) == 3
+
+
+def test_cuda_device_gets_cuda_streams_and_refuses_a_virtual_event(gpu_devs):
+    s = gpu_devs[0].stream("compute")
+    assert isinstance(s, CudaStream)
+    cpu = Device("cpu:0")
+    gate = threading.Event()
+    cpu.stream().submit(gate.wait, 5)
+    pending = Event()
+    pending.record(cpu.stream())  # not reached yet: the virtual stream is held by the gate
+    with pytest.raises(ValueError, match="virtual device"):
+        s.wait(pending)
+    gate.set()
+    pending.synchronize()
+    s.wait(pending)  # passed already: nothing to wait for
+    cpu.close()
+
+
+def test_race_demo_with_a_late_producer_on_cuda(gpu_devs):
+    torch.manual_seed(0)
+    model = mp.place(SplitResNet(channels=8, blocks_per_half=1, expansion=4), gpu_devs)
+    x = torch.randn(12, 3, 8, 8)
+    good = hazard_report(model, x, gpu_devs, 4, use_events=True)
+    assert good["wrong_splits"] == [] and good["raw_hazards"] == []
+    late = hazard_report(model, x, gpu_devs, 4, use_events=False, late_producer=True)
+    assert late["raw_hazards"] == [0, 1, 2]  # device 0 spun for a second: every read came first
+    assert len(late["timeline"].filter(kind="held")) == 1

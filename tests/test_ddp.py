@@ -1,5 +1,5 @@
-"""pipelab.ddp: the bucket planner (pure), NaiveDDP / BucketedDDP / torch DDP against the
-single-process reference on real processes, unused parameters, and bad input."""
+"""pipelab.ddp and pipelab.experiments.ddp: the bucket planner (pure), NaiveDDP / BucketedDDP /
+torch DDP against the single-process reference on real processes, unused parameters, and bad input."""
 
 import math
 import random
@@ -9,9 +9,11 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from pipelab import ddp
-from pipelab.ddp import MIB, Bucket, BucketedDDP, NaiveDDP, plan_buckets
+from pipelab.ddp import MIB, Bucket, BucketedDDP, NaiveDDP, module_bucket_plan, plan_buckets
+from pipelab.display import format_bucket_plan
+from pipelab.experiments.ddp import VARIANTS, DDPRun, bucket_sweep, replica_spread, run_ddp
 from pipelab.launch import spawn
+from pipelab.reference import assert_same, reference_run
 
 
 def uneven_model() -> nn.Sequential:
@@ -87,10 +89,10 @@ def test_plan_keeps_every_parameter_once_in_gradient_order_when_sizes_do_not_div
 def test_module_bucket_plan_counts_bytes_and_skips_frozen_parameters():
     model = uneven_model()
     model[0].bias.requires_grad_(False)
-    buckets = ddp.module_bucket_plan(model, UNEVEN_CAP_MB)
+    buckets = module_bucket_plan(model, UNEVEN_CAP_MB)
     assert [b.names for b in buckets] == [("4.bias", "4.weight", "2.bias"), ("2.weight",), ("0.weight",)]
     assert [b.sizes for b in buckets] == [(12, 60, 20), (260,), (364,)]
-    table = ddp.format_bucket_plan(buckets)
+    table = format_bucket_plan(buckets)
     assert "4.bias, 4.weight, 2.bias" in table and "3 bucket(s)" in table and "364 B" in table
 
 
@@ -121,28 +123,33 @@ def test_bad_input_is_refused_before_any_process_starts():
     x, y = batch(12, 7, 3)
     model = uneven_model()
     with pytest.raises(ValueError, match=r"12 samples does not split evenly over world_size=5.*\[1, 2, 3, 4, 6, 12\]"):
-        ddp.run_ddp(model, x, y, world_size=5)
+        run_ddp(model, x, y, world_size=5)
     with pytest.raises(ValueError, match="no parameters that require gradients"):
-        ddp.run_ddp(nn.ReLU(), x, y)
+        run_ddp(nn.ReLU(), x, y)
     with pytest.raises(ValueError, match="variants must be some of"):
-        ddp.run_ddp(model, x, y, variants=["fsdp"])
+        run_ddp(model, x, y, variants=["fsdp"])
     with pytest.raises(ValueError, match="12 samples but targets have 10"):
-        ddp.run_ddp(model, x, y[:10])
+        run_ddp(model, x, y[:10])
     with pytest.raises(ValueError, match="bucket_cap_mb"):
-        ddp.bucket_sweep(model, x, y, caps_mb=[1, 0])
+        bucket_sweep(model, x, y, caps_mb=[1, 0])
     with pytest.raises(ValueError, match=r"different bucket sizes, got caps_mb=\[1, 1\]"):
-        ddp.bucket_sweep(model, x, y, caps_mb=[1, 1])
+        bucket_sweep(model, x, y, caps_mb=[1, 1])
 
 
-def test_assert_matches_reference_catches_a_wrong_gradient():
+def reference(model: nn.Module, x, y):
+    """One process, whole batch, one SGD step: what every variant must reproduce."""
+    return reference_run(model, x, y, nn.MSELoss(), steps=1, lr=0.1)
+
+
+def test_assert_same_catches_a_wrong_gradient_in_a_ddp_run():
     x, y = batch(8, 7, 3)
-    ref = ddp.reference_step(uneven_model(), x, y)
+    ref = reference(uneven_model(), x, y)
     grads = {n: g.clone() for n, g in ref.grads.items()}
-    run = ddp.DDPRun("fake", ref.loss, grads, ref.weights, 0.0, 0.0, None)
-    assert ddp.assert_matches_reference(run, ref) == 0.0
+    run = DDPRun("fake", ref.losses, grads, ref.weights, 0.0)
+    assert assert_same(run, ref) == 0.0
     grads["2.weight"][0, 0] += 0.01
     with pytest.raises(AssertionError, match="fake: gradient of 2.weight"):
-        ddp.assert_matches_reference(run, ref)
+        assert_same(run, ref)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -152,16 +159,16 @@ def test_assert_matches_reference_catches_a_wrong_gradient():
 @pytest.fixture(scope="module")
 def uneven_runs():
     x, y = batch(12, 7, 3)
-    return {ws: (ddp.run_ddp(uneven_model(), x, y, world_size=ws, bucket_cap_mb=UNEVEN_CAP_MB, steps=2), x, y)
+    return {ws: (run_ddp(uneven_model(), x, y, world_size=ws, bucket_cap_mb=UNEVEN_CAP_MB, steps=2), x, y)
             for ws in (2, 3)}
 
 
 @pytest.mark.parametrize("world_size", [2, 3])
-@pytest.mark.parametrize("variant", ddp.VARIANTS)
+@pytest.mark.parametrize("variant", VARIANTS)
 def test_gradients_and_updated_weights_match_one_process(uneven_runs, world_size, variant):
     runs, x, y = uneven_runs[world_size]
-    ref = ddp.reference_step(uneven_model(), x, y)
-    ddp.assert_matches_reference(runs[variant], ref)
+    ref = reference(uneven_model(), x, y)
+    assert_same(runs[variant], ref)
     assert runs[variant].replica_spread == 0.0  # ranks 1.. started from other weights: the broadcast fixed that
 
 
@@ -186,12 +193,12 @@ def test_an_unused_parameter_keeps_no_gradient_like_one_process():
     x, y = batch(8, 6, 2)
     torch.manual_seed(0)
     model = WithUnused()
-    runs = ddp.run_ddp(model, x, y, variants=["bucketed", "torch"], bucket_cap_mb=100 / MIB, steps=2,
+    runs = run_ddp(model, x, y, variants=["bucketed", "torch"], bucket_cap_mb=100 / MIB, steps=2,
                        find_unused_parameters=True)
-    ref = ddp.reference_step(model, x, y)
+    ref = reference(model, x, y)
     assert ref.grads["never.weight"] is None
     for run in runs.values():
-        ddp.assert_matches_reference(run, ref)
+        assert_same(run, ref)
 
 
 def edge_cases_worker(ctx):
@@ -205,7 +212,7 @@ def edge_cases_worker(ctx):
     wrapped = BucketedDDP(model, bucket_cap_mb=UNEVEN_CAP_MB)
     xs, ys = batch(4, 7, 3, seed=10 + ctx.rank)
     nn.MSELoss()(wrapped(xs), ys).backward()
-    seen["spread_after_backward"] = max(ddp.replica_spread([p.grad for p in model.parameters()]), 0.0)
+    seen["spread_after_backward"] = max(replica_spread([p.grad for p in model.parameters()]), 0.0)
 
     # A parameter used on rank 0 only (rank 0 misses nothing, rank 1 misses it): every rank gets
     # the average, i.e. rank 0's gradient / world size.
@@ -222,7 +229,7 @@ def edge_cases_worker(ctx):
     local_grad = local.sometimes.weight.grad if ctx.rank == 0 else torch.zeros(2, 4)
     dist.broadcast(local_grad, src=0)
     seen["sometimes_ok"] = torch.allclose(model.sometimes.weight.grad, local_grad / ctx.world_size)
-    seen["body_ok"] = ddp.replica_spread([model.body.weight.grad]) == 0.0
+    seen["body_ok"] = replica_spread([model.body.weight.grad]) == 0.0
 
     # Without find_unused_parameters: a clear error on every rank, no hang, and the next step works.
     torch.manual_seed(0)
@@ -244,7 +251,7 @@ def edge_cases_worker(ctx):
     model = nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4))
     model[1].running_mean.fill_(float(ctx.rank))
     wrapped = BucketedDDP(model)
-    seen["buffer_spread"] = ddp.replica_spread(model.buffers())
+    seen["buffer_spread"] = replica_spread(model.buffers())
     seen["state_keys"] = sorted(wrapped.state_dict())
 
     # Bad input, refused on every rank.
@@ -259,7 +266,7 @@ def edge_cases_worker(ctx):
     seen["no_parameters"] = error(lambda: BucketedDDP(nn.ReLU()))
     seen["frozen"] = error(lambda: NaiveDDP(nn.Linear(4, 3).requires_grad_(False)))
     seen["cap"] = error(lambda: BucketedDDP(nn.Linear(4, 3), bucket_cap_mb=0))
-    seen["still_in_step"] = ddp.replica_spread([torch.ones(3)])  # the group still works after all that
+    seen["still_in_step"] = replica_spread([torch.ones(3)])  # the group still works after all that
     return seen
 
 
@@ -284,8 +291,45 @@ def test_edge_cases_on_real_processes():
 
 def test_bucket_sweep_runs_every_size_in_one_set_of_processes():
     x, y = batch(8, 7, 3)
-    points = ddp.bucket_sweep(uneven_model(), x, y, caps_mb=[1e-9, UNEVEN_CAP_MB, 1.0], steps=1, rounds=1)
+    points = bucket_sweep(uneven_model(), x, y, caps_mb=[1e-9, UNEVEN_CAP_MB, 1.0], steps=1, rounds=1)
     assert [p.num_buckets for p in points] == [6, 3, 1]
     for p in points:
         assert p.step_time > 0 and p.torch_step_time > 0 and 0.0 <= p.overlap <= 1.0
         assert len(p.timeline.filter(lane="comm", rank=0)) == p.num_buckets
+
+
+def buffers_worker(ctx):
+    """A BatchNorm model trained 3 steps with each wrapper, each rank on data of its own scale:
+    the running statistics each rank ends with, and how far apart the ranks' are."""
+    wrappers = {"naive": NaiveDDP, "bucketed": BucketedDDP, "torch": nn.parallel.DistributedDataParallel,
+                "bucketed, broadcast_buffers=False": lambda m: BucketedDDP(m, broadcast_buffers=False)}
+    seen = {}
+    for name, wrap in wrappers.items():
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4), nn.Linear(4, 1))
+        wrapped = wrap(model)
+        optimizer = torch.optim.SGD(wrapped.parameters(), lr=0.1)
+        g = torch.Generator().manual_seed(ctx.rank)
+        for _ in range(3):
+            optimizer.zero_grad()
+            wrapped(torch.randn(8, 4, generator=g) * (1 + ctx.rank)).pow(2).mean().backward()
+            optimizer.step()
+        stats = [model[1].running_mean, model[1].running_var]
+        seen[name] = {"stats": [t.clone() for t in stats], "spread": replica_spread(stats)}
+        model.eval()  # BatchNorm reads its running statistics and leaves them as they are
+        wrapped(torch.randn(8, 4, generator=g))
+        seen[name]["spread_in_next_forward"] = replica_spread(stats)
+    return seen
+
+
+def test_buffers_follow_rank_0_before_each_forward_as_in_torch():
+    results = spawn(buffers_worker, 2, timeout=60)
+    for rank, seen in enumerate(results):
+        for name in ("naive", "bucketed"):  # the same running statistics as torch's DDP, on every rank
+            for ours, theirs in zip(seen[name]["stats"], seen["torch"]["stats"]):
+                torch.testing.assert_close(ours, theirs, msg=f"{name}, rank {rank}")
+            assert seen[name]["spread"] == pytest.approx(seen["torch"]["spread"])
+            assert seen[name]["spread_in_next_forward"] == 0.0 == seen["torch"]["spread_in_next_forward"]
+        # Without the broadcast, each rank keeps its own statistics, further apart.
+        assert seen["bucketed, broadcast_buffers=False"]["spread_in_next_forward"] > 0.1
+        assert seen["bucketed, broadcast_buffers=False"]["spread"] > seen["torch"]["spread"]

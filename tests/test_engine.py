@@ -3,8 +3,9 @@ import pytest
 import torch
 import torch.nn as nn
 
-from pipelab.pipeline import engine
+from pipelab.experiments.deepspeed import train, train_deepspeed
 from pipelab.pipeline.module import LayerSpec, PipelineModule, TiedLayerSpec
+from pipelab.reference import assert_same, reference_run
 
 
 def mlp_specs():
@@ -32,9 +33,9 @@ def test_two_stages_train_like_one_process():
     x, y = torch.randn(8, 8), torch.randn(8, 4)
     module = PipelineModule(mlp_specs(), num_stages=2, loss_fn=nn.MSELoss(), partition_method="uniform",
                             activation_checkpoint_interval=1, verbose=False)
-    run = engine.train(module, x, y, micro_batches=4, steps=3, lr=0.1)
-    ref = engine.reference_train(module, x, y, steps=3, lr=0.1)
-    engine.assert_matches_reference(run, ref)
+    run = train(module, x, y, micro_batches=4, steps=3, lr=0.1)
+    ref = reference_run(module.build_reference(), x, y, module.loss_fn, steps=3, lr=0.1)
+    assert_same(run, ref)
     assert run.losses[-1] < run.losses[0]
     assert sorted(run.grads[0]) == ["0.bias", "0.weight", "2.bias", "2.weight"]
     tl = run.timeline
@@ -48,11 +49,11 @@ def test_tied_embedding_across_three_stages_sums_its_gradient():
     module = PipelineModule(tied_specs(), num_stages=3, loss_fn=token_loss, partition_method="uniform",
                             verbose=False)
     assert module.tied_stages() == {"embed": [0, 2]}
-    run = engine.train(module, x, y, micro_batches=3, steps=2, lr=0.5)
-    ref = engine.reference_train(module, x, y, steps=2, lr=0.5)
-    engine.assert_matches_reference(run, ref)
+    run = train(module, x, y, micro_batches=3, steps=2, lr=0.5)
+    ref = reference_run(module.build_reference(), x, y, module.loss_fn, steps=2, lr=0.5)
+    assert_same(run, ref)
     # Both copies got the summed gradient, so they are still one weight after the steps.
-    torch.testing.assert_close(run.params[0]["tied_modules.embed.weight"], run.params[2]["tied_modules.embed.weight"])
+    torch.testing.assert_close(run.weights[0]["tied_modules.embed.weight"], run.weights[2]["tied_modules.embed.weight"])
     assert run.timeline.filter(kind="tied-allreduce").spans
 
 
@@ -60,9 +61,9 @@ def test_pipe_by_data_grid_with_tied_weights():
     torch.manual_seed(0)
     x, y = torch.randint(0, 11, (8, 5)), torch.randint(0, 11, (8, 5))
     module = PipelineModule(tied_specs(), num_stages=2, loss_fn=token_loss, verbose=False)
-    run = engine.train(module, x, y, micro_batches=2, steps=2, lr=0.5, world_size=4)
+    run = train(module, x, y, micro_batches=2, steps=2, lr=0.5, world_size=4)
     assert run.topology.get_axis_comm_lists("data") == [[0, 1], [2, 3]]
-    engine.assert_matches_reference(run, engine.reference_train(module, x, y, steps=2, lr=0.5))
+    assert_same(run, reference_run(module.build_reference(), x, y, module.loss_fn, steps=2, lr=0.5))
     assert {s.rank for s in run.timeline.filter(kind="allreduce")} == {0, 1, 2, 3}
 
 
@@ -70,19 +71,19 @@ def test_bad_runs_are_refused_before_any_worker_starts():
     x, y = torch.randn(8, 8), torch.randn(8, 4)
     module = PipelineModule(mlp_specs(), num_stages=2, loss_fn=nn.MSELoss(), verbose=False)
     with pytest.raises(ValueError, match="num_stages=2 does not divide world_size=3"):
-        engine.train(module, x, y, micro_batches=2, world_size=3)
+        train(module, x, y, micro_batches=2, world_size=3)
     with pytest.raises(ValueError, match="num_stages=2 does not divide world_size=1"):
-        engine.train(module, x, y, micro_batches=2, world_size=1)
+        train(module, x, y, micro_batches=2, world_size=1)
     with pytest.raises(ValueError, match="multiple of 3"):
-        engine.train(module, x, y, micro_batches=3)
+        train(module, x, y, micro_batches=3)
     with pytest.raises(ValueError, match="2 data-parallel replica\\(s\\) x micro_batches=3.*multiple of 6"):
-        engine.train(module, x, y, micro_batches=3, world_size=4)
+        train(module, x, y, micro_batches=3, world_size=4)
     with pytest.raises(ValueError, match="loss_fn="):
-        engine.train(PipelineModule(mlp_specs(), num_stages=2, verbose=False), x, y, micro_batches=2)
+        train(PipelineModule(mlp_specs(), num_stages=2, verbose=False), x, y, micro_batches=2)
     with pytest.raises(ValueError, match="one target per input"):
-        engine.train(module, x, y[:4], micro_batches=2)
+        train(module, x, y[:4], micro_batches=2)
     with pytest.raises(ValueError, match="needs a PipelineModule"):
-        engine.train(nn.Sequential(nn.Linear(8, 4)), x, y, micro_batches=2)
+        train(nn.Sequential(nn.Linear(8, 4)), x, y, micro_batches=2)
 
 
 def test_deepspeed_trains_the_same_layers_to_the_same_losses_and_weights():
@@ -90,10 +91,43 @@ def test_deepspeed_trains_the_same_layers_to_the_same_losses_and_weights():
     torch.manual_seed(0)
     x, y = torch.randint(0, 11, (8, 5)), torch.randint(0, 11, (8, 5))
     module = PipelineModule(tied_specs(), num_stages=2, loss_fn=token_loss, verbose=False)
-    ds = engine.train_deepspeed(module, x, y, micro_batches=4, steps=2, lr=0.5)
-    ref = engine.reference_train(module, x, y, steps=2, lr=0.5)
-    assert ds["parts"] == module.partitions()
-    torch.testing.assert_close(torch.tensor(ds["losses"]), torch.tensor(ref.losses))
-    for params in ds["params"].values():
-        for name, p in params.items():
-            torch.testing.assert_close(p, ref.params[name], msg=name)
+    ds = train_deepspeed(module, x, y, micro_batches=4, steps=2, lr=0.5)
+    ref = reference_run(module.build_reference(), x, y, module.loss_fn, steps=2, lr=0.5)
+    assert ds.parts == module.partitions()
+    torch.testing.assert_close(torch.tensor(ds.losses), torch.tensor(ref.losses))
+    for weights in ds.weights:
+        for name, p in weights.items():
+            torch.testing.assert_close(p, ref.weights[name], msg=name)
+
+
+def test_a_summed_loss_trains_like_one_process_on_a_pipe_by_data_grid():
+    torch.manual_seed(0)
+    x, y = torch.randn(8, 8), torch.randn(8, 4)
+    module = PipelineModule(mlp_specs(), num_stages=2, loss_fn=nn.MSELoss(reduction="sum"), verbose=False)
+    run = train(module, x, y, micro_batches=2, steps=2, lr=0.01, world_size=4)
+    # The batch's sum: not divided by the micro-batches, nor by the replicas.
+    ref = reference_run(module.build_reference(), x, y, module.loss_fn, steps=2, lr=0.01)
+    assert_same(run, ref, atol=1e-4, rtol=1e-4)
+
+
+class TrimPadding(nn.Module):
+    """Token ids padded with 0 at the end: keep only the columns up to this micro-batch's longest row."""
+
+    def forward(self, tokens):
+        return tokens[:, : int((tokens != 0).any(0).nonzero().max()) + 1]
+
+
+class SumOverTokens(nn.Module):
+    def forward(self, h):
+        return h.sum(1)
+
+
+def test_an_output_that_changes_shape_between_micro_batches_fails_naming_the_stage():
+    lengths = torch.tensor([1, 2, 6, 3])  # micro-batches of 2 rows: longest 2, then 6
+    x, y = torch.randint(1, 10, (4, 6)) * (torch.arange(6) < lengths[:, None]), torch.randn(4, 4)
+    layers = [LayerSpec(TrimPadding), LayerSpec(nn.Embedding, 10, 8, padding_idx=0), LayerSpec(SumOverTokens),
+              LayerSpec(nn.Linear, 8, 4)]
+    module = PipelineModule(layers, num_stages=2, loss_fn=nn.MSELoss(), partition_method="uniform", verbose=False)
+    with pytest.raises(Exception, match=r"stage 0 output \[2, 6, 8\] torch.float32 on micro-batch 1, but "
+                                        r"\[2, 2, 8\] torch.float32 on the first"):
+        train(module, x, y, micro_batches=2, timeout=60)

@@ -1,10 +1,14 @@
-"""The DeepSpeed instruction stream for small pipelines, against tables worked out by hand."""
+"""The DeepSpeed instruction stream for small pipelines, against tables worked out by hand, and
+lowered to actions: DeepSpeed's TrainSchedule is 1F1B."""
 import pytest
 
-from pipelab.pipeline.instructions import (BackwardPass, ForwardPass, InferenceSchedule,
+from pipelab.pipeline import instructions
+from pipelab.pipeline.instructions import (BackwardPass, ForwardPass, InferenceSchedule, Instruction,
                                            LoadMicroBatch, OptimizerStep, RecvActivation, RecvGrad,
                                            ReduceGrads, ReduceTiedGrads, SendActivation, SendGrad,
-                                           TrainSchedule, format_instruction_table)
+                                           TrainSchedule, format_instruction_table, to_actions)
+from pipelab.pipeline.schedules import B, F, Schedule1F1B, ScheduleError, validate
+from pipelab.pipeline.simulate import simulate
 
 END = [ReduceTiedGrads(), ReduceGrads(), OptimizerStep()]
 
@@ -88,9 +92,43 @@ def test_inference_two_stages():
     ]
 
 
-def test_bad_stage_id_raises():
+def test_bad_arguments_raise():
     with pytest.raises(ValueError, match="stage_id=2"):
         TrainSchedule(4, 2, 2)
+    with pytest.raises(ValueError, match="micro_batches must be"):
+        TrainSchedule(0, 2, 0)
+
+
+@pytest.mark.parametrize("stages", range(1, 7))
+@pytest.mark.parametrize("micro_batches", range(1, 13))
+def test_train_schedule_lowers_to_1f1b(stages, micro_batches):
+    lowered = to_actions(micro_batches, stages)
+    assert lowered.name == "DeepSpeed TrainSchedule"
+    validate(lowered)
+    assert lowered.actions == Schedule1F1B(stages, micro_batches).actions
+
+
+def test_lowering_maps_buffer_ids_back_to_micro_batches():
+    # Stage 0 of 2 has two buffers: micro-batch 2 reuses buffer 0, after micro-batch 0's backward.
+    assert to_actions(4, 2).actions[0] == [F(0, 0), F(0, 1), B(0, 0), F(0, 2), B(0, 1), F(0, 3),
+                                           B(0, 2), B(0, 3)]
+    sim = simulate(to_actions(4, 2))
+    assert sim.makespan_ms == simulate(Schedule1F1B(2, 4)).makespan_ms
+
+
+def test_inference_lowers_to_forwards_only():
+    lowered = to_actions(3, 2, InferenceSchedule)
+    assert lowered.actions == [[F(0, 0), F(0, 1), F(0, 2)], [F(1, 0), F(1, 1), F(1, 2)]]
+    with pytest.raises(ScheduleError, match="0B0 appears 0 times"):
+        validate(lowered)
+
+
+def test_every_instruction_says_roughly_what_it_does_in_torch():
+    kinds = [c for c in vars(instructions).values()
+             if isinstance(c, type) and issubclass(c, Instruction) and c is not Instruction]
+    assert len(kinds) == 10
+    for cls in kinds:
+        assert "roughly: `" in cls.__doc__, cls.__name__
 
 
 def test_matches_deepspeed_schedule():

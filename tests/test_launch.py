@@ -1,9 +1,11 @@
 """spawn(): real processes, results by rank, errors named by rank, timeouts, no orphans."""
 
+import ctypes
 import os
 import signal
 import subprocess
 import sys
+import tempfile
 import textwrap
 import threading
 import time
@@ -16,24 +18,19 @@ from pipelab.launch import WorkerError, spawn
 from pipelab.timeline import Timeline
 
 
-def live_workers(parent_pid: int | None = None) -> list[int]:
-    """PIDs of spawn() workers still alive (optionally only those started by `parent_pid`)."""
+def live_processes(parent_pid: int) -> list[int]:
+    """PIDs of live processes of the spawn() calls made by `parent_pid`: its workers and the
+    processes they started, which inherit the workers' environment."""
     found = []
     for pid in filter(str.isdigit, os.listdir("/proc")):
         try:
-            with open(f"/proc/{pid}/cmdline", "rb") as f:
-                cmd = f.read()
-            if b"--spawned-worker" not in cmd:
-                continue
             with open(f"/proc/{pid}/environ", "rb") as f:
                 env = dict(kv.split(b"=", 1) for kv in f.read().split(b"\0") if b"=" in kv)
             with open(f"/proc/{pid}/stat") as f:
                 zombie = f.read().rsplit(")", 1)[1].split()[0] == "Z"
         except (FileNotFoundError, ProcessLookupError, PermissionError):
             continue
-        if zombie:
-            continue
-        if parent_pid is None or env.get(b"PIPELAB_PARENT_PID") == str(parent_pid).encode():
+        if not zombie and env.get(b"PIPELAB_PARENT_PID") == str(parent_pid).encode():
             found.append(int(pid))
     return found
 
@@ -56,7 +53,7 @@ def test_results_arrive_in_rank_order_and_intact():
         torch.testing.assert_close(r["sum"], expected)
         assert isinstance(r["timeline"], Timeline) and r["timeline"].spans[0].kind == "allreduce"
         assert r["threads"] == 1  # one intra-op thread per CPU rank
-    assert live_workers(os.getpid()) == []
+    assert live_processes(os.getpid()) == []
 
 
 def fail_on_rank_one(ctx):
@@ -73,7 +70,7 @@ def test_raising_rank_is_named_with_its_traceback():
     assert err.rank == 1
     assert "rank 1 raised KeyError" in str(err)
     assert "fail_on_rank_one" in err.traceback and "fc9" in err.traceback
-    assert live_workers(os.getpid()) == []
+    assert live_processes(os.getpid()) == []
 
 
 def hang_on_rank_one(ctx):
@@ -89,7 +86,7 @@ def test_hanging_rank_is_killed_at_the_timeout():
     assert info.value.rank == 1
     assert "timeout=8" in str(info.value)
     assert time.monotonic() - t0 < 30
-    assert live_workers(os.getpid()) == []
+    assert live_processes(os.getpid()) == []
 
 
 def square_rank(ctx):
@@ -99,7 +96,7 @@ def square_rank(ctx):
 def test_twenty_calls_in_a_row():
     for _ in range(20):
         assert spawn(square_rank, 2) == [0, 1]
-    assert live_workers(os.getpid()) == []
+    assert live_processes(os.getpid()) == []
 
 
 def test_function_defined_in_a_notebook_cell_is_sent_by_value():
@@ -121,7 +118,7 @@ def test_bad_world_size(world_size):
         spawn(square_rank, world_size)
 
 
-@pytest.mark.parametrize("timeout", [0, -5, "60"])
+@pytest.mark.parametrize("timeout", [0, -5, "60", float("nan")])
 def test_bad_timeout(timeout):
     with pytest.raises(ValueError, match="timeout"):
         spawn(square_rank, 2, timeout=timeout)
@@ -130,7 +127,7 @@ def test_bad_timeout(timeout):
 def test_unpicklable_argument_is_refused_before_start():
     with pytest.raises(ValueError, match="cannot send"):
         spawn(square_rank, 2, threading.Lock())
-    assert live_workers(os.getpid()) == []
+    assert live_processes(os.getpid()) == []
 
 
 def test_unknown_backend():
@@ -144,39 +141,165 @@ def test_nccl_without_enough_gpus_is_refused():
         spawn(square_rank, 64, backend="nccl")
 
 
+def test_infinite_timeout_is_refused_with_the_fix():
+    with pytest.raises(ValueError, match="finite number of seconds, got inf.*timeout=24\\*3600"):
+        spawn(square_rank, 2, timeout=float("inf"))
+
+
 INTERRUPTED_CALLER = """
-import time
+import signal, subprocess, sys, time
 from pipelab.launch import spawn
+# Ctrl-C raises KeyboardInterrupt, as in a notebook kernel, also when whoever started this test
+# ignores SIGINT (a job started with `&` from a script does; Python then keeps ignoring it).
+signal.signal(signal.SIGINT, signal.default_int_handler)
 def sleeper(ctx):
+    subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"], stdout=subprocess.DEVNULL)
     time.sleep(600)
 spawn(sleeper, 2, timeout=300)
 """
 
 
-def _wait_for_workers(parent_pid: int, count: int, seconds: float = 60) -> list[int]:
+def _wait_for_processes(parent_pid: int, count: int, seconds: float = 60) -> None:
     deadline = time.monotonic() + seconds
     while time.monotonic() < deadline:
-        pids = live_workers(parent_pid)
-        if len(pids) == count:
-            return pids
+        if len(live_processes(parent_pid)) == count:
+            return
         time.sleep(0.1)
-    raise AssertionError(f"expected {count} workers of pid {parent_pid}, saw {live_workers(parent_pid)}")
+    raise AssertionError(f"expected {count} processes of pid {parent_pid}, saw {live_processes(parent_pid)}")
 
 
-@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGKILL], ids=["interrupted", "killed"])
-def test_no_worker_outlives_its_caller(sig):
-    """Ctrl-C in a notebook (SIGINT), or the kernel killed outright: the workers go too."""
-    caller = subprocess.Popen([sys.executable, "-c", INTERRUPTED_CALLER])
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGKILL, signal.SIGTERM],
+                         ids=["interrupted", "killed", "terminated"])
+def test_no_worker_outlives_its_caller(sig, tmp_path):
+    """Ctrl-C in a notebook (SIGINT), or the kernel killed outright: the workers go too, with the
+    processes they started, and so do the call's temp files (the pickled model and data)."""
+    caller = subprocess.Popen([sys.executable, "-c", INTERRUPTED_CALLER],
+                              env={**os.environ, "TMPDIR": str(tmp_path)})
     try:
-        _wait_for_workers(caller.pid, 2)
+        _wait_for_processes(caller.pid, 4)  # two workers, each with a helper process
         caller.send_signal(sig)
         caller.wait(timeout=30)
-        deadline = time.monotonic() + 10  # a killed caller's workers notice within a second
-        while live_workers(caller.pid) and time.monotonic() < deadline:
-            time.sleep(0.1)
-        assert live_workers(caller.pid) == []
+        if sig != signal.SIGINT:  # a killed caller cleans nothing up: its workers notice it
+            deadline = time.monotonic() + 10
+            while (live_processes(caller.pid) or os.listdir(tmp_path)) and time.monotonic() < deadline:
+                time.sleep(0.1)
+        assert live_processes(caller.pid) == []  # an interrupted caller waited for them to end
+        assert os.listdir(tmp_path) == []
     finally:
         caller.kill()
+
+
+def die_while_peer_waits(ctx, how, stamp):
+    """Rank 1 dies without a Python error while rank 0 waits for it in an all-reduce."""
+    ctx.barrier()
+    if ctx.rank == 1:
+        time.sleep(0.2)  # rank 0 is in the all-reduce by now
+        with open(stamp, "w") as f:
+            f.write(repr(time.time()))
+        if how == "segfault":
+            ctypes.string_at(0)  # read address 0: SIGSEGV inside native code
+        elif how == "sigkill":
+            os.kill(os.getpid(), signal.SIGKILL)  # what the out-of-memory killer does
+        os._exit(3)
+    dist.all_reduce(torch.ones(1))
+    return ctx.rank
+
+
+@pytest.mark.parametrize("how, says", [
+    ("segfault", "rank 1 was killed by signal 11 (segmentation fault) without a Python error"),
+    ("sigkill", "rank 1 was killed by signal 9 (killed) without a Python error"),
+    ("exit", "rank 1 exited with code 3 without a Python error"),
+], ids=["segfault", "sigkill", "exit"])
+def test_a_rank_that_dies_without_a_python_error_is_the_cause(how, says, tmp_path):
+    stamp = tmp_path / "died_at"
+    with pytest.raises(WorkerError) as info:
+        spawn(die_while_peer_waits, 2, how, str(stamp), timeout=60)
+    surfaced = time.time() - float(stamp.read_text())
+    err = info.value
+    assert err.rank == 1 and str(err).startswith(says), str(err)
+    assert [e.rank for e in err.consequences] == [0], str(err)  # rank 0: "Connection closed by peer"
+    assert "--- then, because of it ---\nrank 0 raised" in str(err)
+    if how == "segfault":  # faulthandler's Python stack of the crash
+        assert "in die_while_peer_waits" in err.traceback, err.traceback
+    print(f"rank 1 ({how}) surfaced {surfaced:.2f}s after it died")
+    assert surfaced < 10
+    assert live_processes(os.getpid()) == []
+
+
+def start_helpers(ctx, fail):
+    """Each rank starts a helper process: rank 0's writes to the rank's output pipe, rank 1's
+    elsewhere. With `fail`, rank 1 raises once rank 0 has returned and exited."""
+    out = None if ctx.rank == 0 else subprocess.DEVNULL
+    helper = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"], stdout=out)
+    if fail and ctx.rank == 1:
+        time.sleep(1)
+        raise RuntimeError("the step failed")
+    return helper.pid
+
+
+@pytest.mark.parametrize("fail", [False, True], ids=["ranks_return", "a_rank_fails"])
+def test_helper_processes_neither_block_spawn_nor_outlive_it(fail):
+    t0 = time.monotonic()
+    if fail:
+        with pytest.raises(WorkerError, match="rank 1 raised RuntimeError: the step failed"):
+            spawn(start_helpers, 2, fail)
+    else:
+        assert len(spawn(start_helpers, 2, fail)) == 2
+    assert time.monotonic() - t0 < 30  # not held until the helpers end (60 s)
+    assert live_processes(os.getpid()) == []
+
+
+@pytest.fixture
+def ctrl_c_raises():
+    """Ctrl-C (SIGINT) raises KeyboardInterrupt in this process, as in a notebook kernel, also when
+    pytest was started ignoring SIGINT."""
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    yield
+    signal.signal(signal.SIGINT, previous)
+
+
+def test_ctrl_c_while_ranks_start_stops_those_started(monkeypatch, tmp_path, ctrl_c_raises):
+    from pipelab import launch
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    real_start = launch._start_worker
+
+    def start_then_ctrl_c(rank, *args):
+        proc = real_start(rank, *args)
+        if rank == 0:
+            os.kill(os.getpid(), signal.SIGINT)  # Ctrl-C once the first rank is running
+        return proc
+
+    monkeypatch.setattr(launch, "_start_worker", start_then_ctrl_c)
+    with pytest.raises(KeyboardInterrupt):
+        spawn(square_rank, 3)
+    assert live_processes(os.getpid()) == []
+    assert os.listdir(tmp_path) == []
+
+
+def ctrl_c_the_caller(ctx):
+    os.kill(int(os.environ["PIPELAB_PARENT_PID"]), signal.SIGINT)
+    time.sleep(60)
+
+
+def test_a_second_ctrl_c_during_the_cleanup_leaves_nothing_behind(monkeypatch, tmp_path, ctrl_c_raises):
+    """The first Ctrl-C stops the call; a second one lands while it ends the ranks."""
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    real_wait = subprocess.Popen.wait
+    pressed = []
+
+    def wait_after_ctrl_c(self, *args, **kwargs):
+        if not pressed:
+            pressed.append(True)
+            os.kill(os.getpid(), signal.SIGINT)
+        return real_wait(self, *args, **kwargs)
+
+    monkeypatch.setattr(subprocess.Popen, "wait", wait_after_ctrl_c)
+    with pytest.raises(KeyboardInterrupt):
+        spawn(ctrl_c_the_caller, 1)
+    assert pressed
+    assert live_processes(os.getpid()) == []
+    assert os.listdir(tmp_path) == []
 
 
 def test_worker_runs_under_torchrun():

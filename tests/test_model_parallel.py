@@ -1,13 +1,17 @@
 """Every model-parallel variant equals the one-device model: outputs and gradients; what the
-dual-stream events guarantee and what goes wrong without them; bad input."""
+dual-stream events guarantee and what goes wrong without them; timing in rounds; bad input."""
 
-import copy
 import threading
 
 import pytest
 import torch
 
 from pipelab import model_parallel as mp
+from pipelab.experiments.model_parallel import (check_against_one_device, hazard_report, split_sweep,
+                                                time_forward, train_step)
+from pipelab.measure import best_of
+from pipelab.models import SplitResNet, ToyModel
+from pipelab.reference import reference_run
 from pipelab.streams import Device, timeline
 
 
@@ -20,20 +24,18 @@ def devs():
 
 
 def _reference(model, x, y):
-    ref = copy.deepcopy(model)
-    loss = torch.nn.functional.cross_entropy(ref(x), y)
-    loss.backward()
-    return loss.detach(), {n: p.grad for n, p in ref.named_parameters()}
+    ref = reference_run(model, x, y, torch.nn.functional.cross_entropy, lr=None)
+    return torch.tensor(ref.loss), ref.grads
 
 
 def _data(kind):
     torch.manual_seed(0)
     if kind == "toy":
-        return mp.ToyModel(), torch.randn(12, 10), torch.randint(0, 5, (12,))
+        return ToyModel(), torch.randn(12, 10), torch.randint(0, 5, (12,))
     if kind == "wide":  # cut in the wide middle of an inverted bottleneck
-        model = mp.SplitResNet(channels=4, blocks_per_half=1, expansion=4)
+        model = SplitResNet(channels=4, blocks_per_half=1, expansion=4)
         return model, torch.randn(12, 3, 8, 8), torch.randint(0, 10, (12,))
-    return mp.SplitResNet(channels=8, blocks_per_half=1), torch.randn(12, 3, 8, 8), torch.randint(0, 10, (12,))
+    return SplitResNet(channels=8, blocks_per_half=1), torch.randn(12, 3, 8, 8), torch.randint(0, 10, (12,))
 
 
 @pytest.mark.parametrize("kind", ["toy", "resnet", "wide"])
@@ -42,7 +44,7 @@ def _data(kind):
 def test_variant_matches_one_device(devs, kind, variant, split):
     model, x, y = _data(kind)
     ref_loss, ref_grads = _reference(model, x, y)
-    loss, tl = mp.train_step(model, x, y, devs, variant=variant, split_size=split)
+    loss, tl = train_step(model, x, y, devs, variant=variant, split_size=split)
     torch.testing.assert_close(loss, ref_loss, atol=1e-5, rtol=1e-5)
     for n, p in model.named_parameters():
         torch.testing.assert_close(p.grad, ref_grads[n], atol=1e-5, rtol=1e-5)
@@ -57,18 +59,18 @@ def test_consecutive_training_steps_reuse_receive_buffers(devs):
     # the second step gets the first step's buffers back: no autograd history may come with them
     model, x, y = _data("wide")
     for _ in range(2):
-        mp.check_against_one_device(model, x, y, devs, "dual_stream", 4)
+        check_against_one_device(model, x, y, devs, "dual_stream", 4)
 
 
 def test_wide_cut_crosses_expansion_times_the_channels():
     model, x, _ = _data("wide")
     assert mp.cut_shape(model, x[:5]) == (5, 16, 8, 8)  # 4 channels x expansion 4, worked out on meta
-    assert mp.cut_shape(mp.ToyModel(), torch.randn(3, 10)) == (3, 10)
+    assert mp.cut_shape(ToyModel(), torch.randn(3, 10)) == (3, 10)
 
 
 def test_dual_stream_compute_starts_after_its_copy_lands(devs):
     model, x, _ = _data("resnet")
-    report = mp.hazard_report(model, x, devs, 4, use_events=True)
+    report = hazard_report(model, x, devs, 4, use_events=True)
     assert report["wrong_splits"] == [] and report["raw_hazards"] == []
     tl = report["timeline"].filter(rank="cpu:1")
     for i in range(report["splits"]):
@@ -108,17 +110,17 @@ def test_without_events_compute_reads_buffers_before_the_copies_land(devs):
 
 def test_hazard_report_with_a_late_producer_sees_every_read_too_early(devs):
     model, x, _ = _data("wide")
-    report = mp.hazard_report(model, x, devs, 4, use_events=False, late_producer=True)
+    report = hazard_report(model, x, devs, 4, use_events=False, late_producer=True)
     assert report["raw_hazards"] == report["wrong_splits"] == [0, 1, 2]
     assert report["output"].isnan().all()
     assert len(report["timeline"].filter(rank="cpu:0", kind="held")) == 1  # the hold shows on device 0
     with pytest.raises(ValueError, match="late_producer=True with use_events=True"):
-        mp.hazard_report(model, x, devs, 4, use_events=True, late_producer=True)
+        hazard_report(model, x, devs, 4, use_events=True, late_producer=True)
 
 
 def test_pipelined_copies_never_race(devs):
     model, x, _ = _data("resnet")
-    _, tl = mp.time_forward(model, x, devs, "pipelined", 4, repeats=1)
+    _, tl = time_forward(model, x, devs, "pipelined", 4, repeats=1)
     assert mp.raw_hazards(tl, "cpu:1") == []  # copy and compute share one in-order stream
 
 
@@ -130,19 +132,21 @@ def test_race_demo_refuses_autograd(devs):
 
 def test_split_sweep_variants(devs):
     model, x, _ = _data("toy")
-    sweep = mp.split_sweep(model, x, devs, [3, 6], repeats=1, variant="dual_stream")
+    sweep = split_sweep(model, x, devs, [3, 6], repeats=1, variant="dual_stream")
     assert set(sweep["seconds"]) == {3, 6} and sweep["best_split"] in (3, 6)
     with pytest.raises(ValueError, match="variant='naive'"):
-        mp.split_sweep(model, x, devs, [3], variant="naive")
+        split_sweep(model, x, devs, [3], variant="naive")
 
 
 def test_split_size_out_of_range(devs):
     model, x, _ = _data("toy")
-    for bad in (0, -1, 13):
-        with pytest.raises(ValueError, match=f"split_size={bad}"):
+    for bad in (0, -1, 13, 2.5, True):
+        with pytest.raises(ValueError, match=f"split_size.*{bad}"):
             mp.forward_pipelined(model, x, devs, bad)
-        with pytest.raises(ValueError, match=f"split_size={bad}"):
+        with pytest.raises(ValueError, match=f"split_size.*{bad}"):
             mp.forward_dual_stream(model, x, devs, bad)
+    with pytest.raises(ValueError, match="repeats"):
+        time_forward(model, x, devs, "pipelined", 4, repeats=0)
 
 
 def test_more_devices_than_halves(devs):
@@ -159,8 +163,42 @@ def test_dual_stream_on_two_gpus():
     model, x, y = _data("resnet")
     ref_loss, ref_grads = _reference(model, x, y)
     mp.place(model, ds)
-    loss, tl = mp.train_step(model, x, y, ds, variant="dual_stream", split_size=4)
+    loss, tl = train_step(model, x, y, ds, variant="dual_stream", split_size=4)
     torch.testing.assert_close(loss.cpu(), ref_loss, atol=1e-4, rtol=1e-4)
     for n, p in model.named_parameters():
         torch.testing.assert_close(p.grad.cpu(), ref_grads[n], atol=1e-4, rtol=1e-4)
     assert {"cuda:0", "cuda:1"} <= set(tl.ranks)
+
+
+def test_check_against_one_device_catches_a_wrong_gradient(devs, monkeypatch):
+    model, x, y = _data("toy")
+    real = train_step
+
+    def wrong_step(*args, **kwargs):
+        loss, tl = real(*args, **kwargs)
+        model.seq2.weight.grad.mul_(1.01)  # one gradient off by 1 %
+        return loss, tl
+
+    monkeypatch.setattr("pipelab.experiments.model_parallel.train_step", wrong_step)
+    with pytest.raises(AssertionError, match="seq2.weight"):
+        check_against_one_device(model, x, y, devs, "naive")
+
+
+def test_best_of_times_every_run_in_each_round():
+    calls = []
+    runs = {name: (lambda name=name: calls.append(name) or name.upper()) for name in ("a", "b")}
+    best = best_of(runs, repeats=3, prepare=lambda: calls.append("prepare"), warmup=1)
+    assert calls == ["prepare", "a", "prepare", "b"] * 4  # one warm-up round, then three rounds
+    assert {k: v[1] for k, v in best.items()} == {"a": "A", "b": "B"}
+    assert all(0 <= v[0] < float("inf") for v in best.values())
+
+
+@pytest.mark.parametrize("variant", ["pipelined", "dual_stream", "naive", "one_device"])
+@pytest.mark.parametrize("bad", [0, True, -2, 13])
+def test_split_size_refused_by_train_step_and_check(devs, variant, bad):
+    # 0 once read as "no split size" and ran as one split; True passed as 1
+    model, x, y = _data("toy")
+    with pytest.raises(ValueError, match=f"split_size.*{bad!r}"):
+        train_step(model, x, y, devs, variant, bad)
+    with pytest.raises(ValueError, match=f"split_size.*{bad!r}"):
+        check_against_one_device(model, x, y, devs, variant, bad)

@@ -6,9 +6,11 @@ import torch
 import torch.nn as nn
 
 from pipelab.models import alexnet_layers
+from pipelab.pipeline.p2p import trace
 from pipelab.pipeline.partition import (compare_partitions, forward_backward_time, layer_name, parameter_counts,
                                         partition_balanced, partition_layers, partition_uniform,
-                                        profile_weights, stage_sums, stage_times, type_weights)
+                                        profile_weights, split_model, stage_sums,
+                                        stage_times, type_weights)
 
 ALEXNET_PARAMS = [23296, 0, 0, 307392, 0, 0, 663936, 0, 884992, 0, 590080, 0, 0, 0, 0, 0,
                   37752832, 0, 0, 16781312, 0, 40970]
@@ -83,7 +85,7 @@ def test_bad_methods_raise_value_errors_that_name_the_fix():
         partition_layers(layers, 2, "magic")
     with pytest.raises(ValueError, match="profile_input"):
         partition_layers(layers, 2, "profile")
-    with pytest.raises(ValueError, match="num_parts=0"):
+    with pytest.raises(ValueError, match="num_parts must be a whole number >= 1, got 0"):
         partition_uniform(4, 0)
 
 
@@ -112,6 +114,18 @@ def test_forward_backward_time_returns_the_output():
     # Integer inputs (token ids) get no gradient, but the layer still runs its backward.
     seconds, out = forward_backward_time(nn.Embedding(5, 2), torch.tensor([[0, 4]]), repeats=1)
     assert out.shape == (1, 2, 2)
+
+
+def test_split_model_keeps_each_activation_with_the_layer_before_it():
+    model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 2))
+    stages = split_model(model, 2)
+    assert [[type(l).__name__ for l in s] for s in stages] == [["Linear", "ReLU", "Linear", "Tanh"], ["Linear"]]
+    assert stages[1][0] is model[4]  # the layers themselves, not copies
+    assert [tuple(out.shape) for out in trace(stages, torch.randn(3, 4))] == [(3, 8), (3, 2)]
+    with pytest.raises(ValueError, match="num_stages must be a whole number >= 1, got 0"):
+        split_model(model, 0)
+    with pytest.raises(ValueError, match="cannot cut a model with 3 layers into 4 stages"):
+        split_model(model, 4)
 
 
 def test_matches_deepspeed_on_random_weights():

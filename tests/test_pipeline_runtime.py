@@ -5,10 +5,12 @@ import pytest
 import torch
 
 from pipelab import models
-from pipelab.pipeline.runtime import (assert_matches_reference, run_pipeline, run_pipelines,
-                                      run_torch_pipelines, split_model)
-from pipelab.pipeline.schedules import ScheduleInterleaved1F1B, make_schedule
+from pipelab.experiments.pipeline import run_pipeline, run_pipelines, run_torch_pipelines
+from pipelab.pipeline.p2p import message_specs
+from pipelab.pipeline.partition import split_model
+from pipelab.pipeline.schedules import B, F, I, W, Schedule, ScheduleInterleaved1F1B, make_schedule
 from pipelab.pipeline.simulate import simulate
+from pipelab.reference import assert_same, reference_run
 
 BATCH = 24  # divisible by every micro-batch count used below
 
@@ -18,6 +20,11 @@ def problem(num_stages: int):
     model = models.mlp([8] + [16] * 8 + [4])  # 9 Linear layers: up to 9 stages
     x, y = torch.randn(BATCH, 8), torch.randn(BATCH, 4)
     return split_model(model, num_stages), x, y, torch.nn.MSELoss()
+
+
+def reference(stages, x, y, loss_fn):
+    """The whole model (the stages in a row) on the whole batch in one process, no optimizer step."""
+    return reference_run(torch.nn.Sequential(*stages), x, y, loss_fn, lr=None)
 
 
 # p -> micro-batch counts: m = 1, m not a multiple of p, m a multiple of p
@@ -30,10 +37,10 @@ def test_one_stage_per_rank_schedules_match_the_reference(p):
     schedules = [make_schedule(name, p, m) for name in ("gpipe", "1f1b", "zb-h1") for m in MICROBATCHES[p]]
     runs = run_pipelines(stages, schedules, x, y, loss_fn, steps=1)
     for schedule, run in zip(schedules, runs):
-        assert_matches_reference(run, stages, x, y, loss_fn)
+        assert_same(run, reference(stages, x, y, loss_fn))
         # The stash count follows from the order alone, so it must equal the simulator's.
         assert run.peak_stash == simulate(schedule).peak_stash, schedule
-        kinds = ("F", "B", "W") if schedule.split_backward else ("F", "B")
+        kinds = {a.kind for actions in schedule.actions for a in actions}  # F, B or F, I, W
         assert len(run.timeline.filter(lane="compute")) == len(kinds) * p * schedule.num_microbatches
         assert run.messages_sent == 2 * (p - 1) * schedule.num_microbatches
 
@@ -44,16 +51,27 @@ def test_interleaved_matches_the_reference(p):
     schedules = [ScheduleInterleaved1F1B(p, m, 2) for m in MICROBATCHES[p]]
     runs = run_pipelines(stages, schedules, x, y, loss_fn, steps=1)
     for schedule, run in zip(schedules, runs):
-        assert_matches_reference(run, stages, x, y, loss_fn)
+        assert_same(run, reference(stages, x, y, loss_fn))
         assert run.peak_stash == simulate(schedule).peak_stash
         assert run.messages_sent == 2 * (2 * p - 1) * schedule.num_microbatches
+
+
+def test_full_and_split_backwards_mix_in_one_schedule():
+    stages, x, y, loss_fn = problem(2)
+    # Stage 1 splits micro-batch 0's backward into I and W; everything else runs a full B.
+    actions = [[F(0, 0), F(0, 1), B(0, 0), B(0, 1)], [F(1, 0), I(1, 0), F(1, 1), B(1, 1), W(1, 0)]]
+    run = run_pipeline(stages, Schedule(2, 2, actions=actions), x, y, loss_fn, steps=1)
+    assert_same(run, reference(stages, x, y, loss_fn))
+    spans = sorted(run.timeline.filter(rank=1, lane="compute"), key=lambda s: s.start)
+    assert [f"{s.meta['stage']}{s.kind}{s.mb}" for s in spans] == [str(a) for a in actions[1]]
+    assert run.peak_stash == {0: 2, 1: 2}  # micro-batch 0 stays stashed on rank 1 until its W
 
 
 def test_stages_on_one_rank_hand_over_without_messages():
     stages, x, y, loss_fn = problem(3)
     schedule = ScheduleInterleaved1F1B(1, 4, 3)  # one rank holding all three stages
     run = run_pipeline(stages, schedule, x, y, loss_fn, steps=1)
-    assert_matches_reference(run, stages, x, y, loss_fn)
+    assert_same(run, reference(stages, x, y, loss_fn))
     assert run.messages_sent == 0 and not run.timeline.filter(lane="comm").spans
 
 
@@ -78,7 +96,7 @@ def test_torch_pipelining_runs_the_same_order_and_loss():
     schedules = [make_schedule(name, p, m) for name in ("gpipe", "1f1b", "zb-h1")]
     theirs = run_torch_pipelines(stages, schedules, x, y, loss_fn, steps=1)
     for schedule, run in zip(schedules, theirs):
-        assert_matches_reference(run, stages, x, y, loss_fn)
+        assert_same(run, reference(stages, x, y, loss_fn))
         for rank in range(p):  # the order torch executed, recorded span by span
             executed = [(s.kind, s.meta["stage"], s.mb) for s in run.timeline.filter(rank=rank, lane="compute")]
             planned = [(a.kind, a.stage, a.mb) for a in schedule.actions[rank]]
@@ -111,3 +129,118 @@ def test_bad_input_is_refused_before_workers_start():
         run_pipeline(stages, make_schedule("interleaved", 2, 4), x, y, loss_fn)
     with pytest.raises(ValueError, match="targets have 23"):
         run_pipeline(stages, make_schedule("gpipe", 2, 4), x, y[:23], loss_fn)
+
+
+# ---------------------------------------------------------------------------------------------
+# Messages of any dtype and shape; the loss's reduction; stages without parameters (issue 11)
+# ---------------------------------------------------------------------------------------------
+
+def run_and_check(stages, schedules, x, y, loss_fn, atol=1e-5):
+    """Every schedule on real processes, each equal to the stages in a row in one process."""
+    for run in run_pipelines(stages, schedules, x, y, loss_fn, steps=1):
+        assert_same(run, reference(stages, x, y, loss_fn), atol=atol, rtol=atol)
+
+
+def three_kinds(p: int, m: int) -> list:
+    return [make_schedule(name, p, m) for name in ("gpipe", "1f1b", "zb-h1")]
+
+
+def test_token_ids_feed_an_embedding_stage_and_stay_integers():
+    torch.manual_seed(0)
+    stages = [torch.nn.Sequential(torch.nn.Embedding(10, 8), torch.nn.Flatten()), torch.nn.Linear(32, 4)]
+    x, y = torch.randint(0, 10, (8, 4)), torch.randn(8, 4)
+    run_and_check(stages, three_kinds(2, 4), x, y, torch.nn.MSELoss())
+
+
+class TrimPadding(torch.nn.Module):
+    """Token ids padded with 0 at the end: keep only the columns up to this micro-batch's longest row."""
+
+    def forward(self, tokens):
+        return tokens[:, : int((tokens != 0).any(0).nonzero().max()) + 1]
+
+
+class SumOverTokens(torch.nn.Module):
+    def forward(self, h):
+        return h.sum(1)
+
+
+def test_activations_whose_shape_changes_from_one_micro_batch_to_the_next():
+    torch.manual_seed(0)
+    lengths = torch.tensor([1, 2, 6, 3, 2, 1, 4, 2])  # micro-batches of 2 rows: longest 2, 6, 2, 4
+    x = torch.randint(1, 10, (8, 6)) * (torch.arange(6) < lengths[:, None])
+    y = torch.randn(8, 4)
+    stages = [torch.nn.Sequential(TrimPadding(), torch.nn.Embedding(10, 8, padding_idx=0)),
+              torch.nn.Sequential(SumOverTokens(), torch.nn.Linear(8, 4))]
+    run_and_check(stages, three_kinds(2, 4), x, y, torch.nn.MSELoss())
+
+
+class NarrowerOnTheRanks(torch.nn.Module):
+    """Drops a column when it runs inside a worker: the trace before the run cannot see that."""
+
+    def forward(self, h):
+        return h[:, :3] if torch.distributed.is_initialized() else h
+
+
+class PadTo4(torch.nn.Module):
+    def forward(self, h):
+        return torch.nn.functional.pad(h, (0, 4 - h.shape[1]))
+
+
+def test_a_shape_that_differs_from_the_trace_fails_naming_the_stage_and_the_shapes():
+    torch.manual_seed(0)
+    stages = [torch.nn.Sequential(torch.nn.Linear(8, 4), NarrowerOnTheRanks()),
+              torch.nn.Sequential(PadTo4(), torch.nn.Linear(4, 4))]
+    x, y = torch.randn(8, 8), torch.randn(8, 4)
+    with pytest.raises(Exception, match=r"stage 0 made an output of \[2, 3\] float32 on micro-batch 0, but the "
+                                        r"trace before the run \(message_specs\) gave \[2, 4\] float32"):
+        run_pipeline(stages, make_schedule("gpipe", 2, 4), x, y, torch.nn.MSELoss(), steps=1, timeout=60)
+
+
+class To(torch.nn.Module):
+    def __init__(self, dtype):
+        super().__init__()
+        self.dtype = dtype
+
+    def forward(self, h):
+        return h.to(self.dtype)
+
+
+def test_a_bfloat16_stage_between_float32_stages():
+    torch.manual_seed(0)
+    stages = [torch.nn.Sequential(torch.nn.Linear(8, 16), To(torch.bfloat16)),
+              torch.nn.Sequential(torch.nn.Linear(16, 16).to(torch.bfloat16), To(torch.float32)),
+              torch.nn.Linear(16, 4)]
+    x, y = torch.randn(8, 8), torch.randn(8, 4)
+    run_and_check(stages, three_kinds(3, 2), x, y, torch.nn.MSELoss(), atol=2e-2)
+
+
+def test_a_summed_loss_gives_the_batch_sum_with_ours_and_torchs():
+    stages, x, y, _ = problem(2)
+    loss_fn = torch.nn.MSELoss(reduction="sum")
+    ref = reference(stages, x, y, loss_fn)
+    schedules = three_kinds(2, 4)
+    for run in run_pipelines(stages, schedules, x, y, loss_fn, steps=1) + \
+            run_torch_pipelines(stages, schedules, x, y, loss_fn, steps=1):
+        assert_same(run, ref, rtol=1e-4)  # the batch's sum, not its sum / m
+
+
+@pytest.mark.parametrize("where", ["first", "middle"])
+def test_stages_without_parameters_take_part_like_any_other(where):
+    torch.manual_seed(0)
+    model = models.mlp([8, 16, 4])
+    plain = [torch.nn.Flatten(), *split_model(model, 2)] if where == "first" else [model[0], torch.nn.ReLU(), model[2]]
+    x, y = torch.randn(12, 8), torch.randn(12, 4)
+    run_and_check(plain, three_kinds(3, 3), x, y, torch.nn.MSELoss())
+
+
+def test_message_specs_trace_every_micro_batch_and_leave_the_stages_as_they_were():
+    torch.manual_seed(0)
+    stages = [torch.nn.Sequential(torch.nn.Embedding(10, 8), torch.nn.BatchNorm1d(3), torch.nn.Dropout(0.5)),
+              torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(24, 4), To(torch.float64))]
+    x = torch.randint(0, 10, (6, 3))
+    before = [b.clone() for b in stages[0].buffers()]
+    rng = torch.get_rng_state()
+    specs = message_specs(stages, x, 3)
+    assert [[str(s) for s in row] for row in specs] == [["[2, 3, 8] float32", "[2, 4] float64"]] * 3
+    assert all(torch.equal(a, b) for a, b in zip(before, stages[0].buffers()))  # BatchNorm's statistics
+    assert torch.equal(rng, torch.get_rng_state())  # Dropout drew no numbers from the caller's generator

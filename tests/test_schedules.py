@@ -4,9 +4,9 @@ uses, and the validator rejects broken ones."""
 import pytest
 from torch.distributed.pipelining import schedules as torch_schedules
 
-from pipelab.pipeline.schedules import (B, F, W, Schedule, Schedule1F1B, ScheduleError, ScheduleGPipe,
-                                        ScheduleInterleaved1F1B, ScheduleZeroBubble, make_schedule,
-                                        validate)
+from pipelab.pipeline.schedules import (B, F, I, W, Action, Schedule, Schedule1F1B, ScheduleError,
+                                        ScheduleGPipe, ScheduleInterleaved1F1B, ScheduleZeroBubble,
+                                        dependencies, make_schedule, play, validate)
 
 SIZES = [(p, m) for p in (1, 2, 3, 4) for m in (1, 2, 3, 4, 5, 6, 8, 12)]
 
@@ -26,9 +26,8 @@ def torch_order(cls, p: int, m: int, v: int | None = None) -> dict[int, list[str
 
 
 def our_order(schedule: Schedule) -> dict[int, list[str]]:
-    # torch calls a split-off input backward "I"; we call it B.
-    rename = (lambda s: s.replace("B", "I")) if schedule.split_backward else (lambda s: s)
-    return {r: [rename(str(a)) for a in acts] for r, acts in enumerate(schedule.actions)}
+    # Same notation as torch, kinds included: F, B (full backward), I (input gradient), W (weights).
+    return {r: [str(a) for a in acts] for r, acts in enumerate(schedule.actions)}
 
 
 @pytest.mark.parametrize("name", ["gpipe", "1f1b", "zb-h1"])
@@ -114,11 +113,45 @@ def test_validator_rejects_backward_before_forward_on_one_rank():
         validate(Schedule(1, 1, actions=[[B(0, 0), F(0, 0)]]))
 
 
-def test_validator_wants_w_exactly_when_the_backward_is_split():
-    with pytest.raises(ScheduleError, match="is not an action"):
-        validate(Schedule(1, 1, actions=[[F(0, 0), B(0, 0), W(0, 0)]]))
+def test_validator_wants_one_b_or_one_i_and_one_w():
+    validate(Schedule(1, 1, actions=[[F(0, 0), I(0, 0), W(0, 0)]]))
     with pytest.raises(ScheduleError, match="0W0 appears 0 times"):
-        validate(Schedule(1, 1, actions=[[F(0, 0), B(0, 0)]], split_backward=True))
+        validate(Schedule(1, 1, actions=[[F(0, 0), I(0, 0)]]))
+    with pytest.raises(ScheduleError, match="0I0 appears 0 times"):
+        validate(Schedule(1, 1, actions=[[F(0, 0), W(0, 0)]]))
+    with pytest.raises(ScheduleError, match="0B0 and 0W0 both appear"):
+        validate(Schedule(1, 1, actions=[[F(0, 0), B(0, 0), W(0, 0)]]))
+    with pytest.raises(ScheduleError, match="is not an action"):
+        validate(Schedule(1, 1, actions=[[F(0, 0), Action("X", 0, 0)]]))
+
+
+def test_validator_rejects_a_weight_gradient_before_its_input_gradient():
+    with pytest.raises(ScheduleError, match="deadlocks"):
+        validate(Schedule(1, 1, actions=[[F(0, 0), W(0, 0), I(0, 0)]]))
+
+
+def test_a_stage_may_mix_full_and_split_backwards():
+    # Stage 1 splits micro-batch 0's backward; stage 0's B(0, 0) then waits for I(1, 0), not B(1, 0).
+    actions = [[F(0, 0), F(0, 1), B(0, 0), B(0, 1)], [F(1, 0), I(1, 0), F(1, 1), B(1, 1), W(1, 0)]]
+    schedule = Schedule(2, 2, actions=actions)
+    validate(schedule)
+    assert schedule.split_backwards() == {(1, 0)}
+    assert dependencies(B(0, 0), 2, schedule.split_backwards()) == [F(0, 0), I(1, 0)]
+    assert dependencies(B(0, 1), 2, schedule.split_backwards()) == [F(0, 1), B(1, 1)]
+    assert dependencies(W(1, 0), 2) == [I(1, 0)]
+
+
+def test_play_runs_each_action_after_its_dependencies_and_its_rank_predecessors():
+    schedule = make_schedule("interleaved", 2, 4)
+    played = list(play(schedule))
+    everything = [str(a) for acts in schedule.actions for a in acts]
+    assert sorted(str(a) for _, a, _ in played) == sorted(everything)
+    when = {a: i for i, (_, a, _) in enumerate(played)}
+    for rank, a, deps in played:
+        assert schedule.rank_of(a.stage) == rank
+        assert all(when[d] < when[a] for d in deps)
+    for acts in schedule.actions:
+        assert [when[a] for a in acts] == sorted(when[a] for a in acts)
 
 
 def test_bad_arguments_are_refused():
@@ -126,5 +159,7 @@ def test_bad_arguments_are_refused():
         make_schedule("pipedream", 2, 4)
     with pytest.raises(ValueError, match="num_microbatches must be"):
         ScheduleGPipe(2, 0)
+    with pytest.raises(ValueError, match="num_ranks must be"):
+        ScheduleInterleaved1F1B(True, 4)
     with pytest.raises(ValueError, match="cannot take num_microbatches=5"):
         make_schedule("interleaved", 2, 5)

@@ -3,8 +3,10 @@ interleaving's smaller bubble, and zero-bubble's W filling the holes."""
 
 import pytest
 
-from pipelab.pipeline.schedules import Schedule, ScheduleInterleaved1F1B, make_schedule
-from pipelab.pipeline.simulate import Costs, draw_schedule, format_table, gpipe_bubble, simulate
+from pipelab.display import format_table
+from pipelab.pipeline.schedules import B, F, I, W, Schedule, ScheduleInterleaved1F1B, make_schedule
+from pipelab.pipeline.simulate import Costs, gpipe_bubble, simulate
+from pipelab.plots.schedules import draw_schedule
 from pipelab.timeline import Span, Timeline
 
 
@@ -50,15 +52,19 @@ def test_transfer_time_lengthens_the_step():
     assert slow.makespan_ms == pytest.approx(free.makespan_ms + 4 * 0.5)
 
 
-def test_simulated_timeline_respects_dependencies():
-    s = make_schedule("interleaved", 2, 4)
+@pytest.mark.parametrize("name", ["interleaved", "zb-h1"])
+def test_simulated_timeline_respects_dependencies(name):
+    s = make_schedule(name, 2, 4)
     tl = simulate(s, Costs(transfer=0.1)).timeline
     at = {(sp.kind, sp.meta["stage"], sp.mb): sp for sp in tl}
+    grad = "I" if name == "zb-h1" else "B"  # the action that makes a stage's input gradient
     for (kind, stage, mb), span in at.items():
         if kind == "F" and stage > 0:
             assert span.start >= at["F", stage - 1, mb].end + 0.1e-3 - 1e-12
-        if kind == "B" and stage < s.num_stages - 1:
-            assert span.start >= at["B", stage + 1, mb].end + 0.1e-3 - 1e-12
+        if kind == grad and stage < s.num_stages - 1:
+            assert span.start >= at[grad, stage + 1, mb].end + 0.1e-3 - 1e-12
+        if kind == "W":
+            assert span.start >= at["I", stage, mb].end - 1e-12
 
 
 def test_costs_from_a_measured_timeline():
@@ -66,7 +72,31 @@ def test_costs_from_a_measured_timeline():
                    Span(0, "compute", "B", 0.006, 0.012, 0)])
     costs = Costs.from_timeline(tl)
     assert costs.forward == pytest.approx(3.0)
-    assert costs.backward_input + costs.backward_weight == pytest.approx(6.0)
+    assert costs.backward_input == costs.backward_weight == pytest.approx(3.0)  # B shared half and half
+
+
+def test_costs_from_a_timeline_with_split_backwards_use_its_i_and_w():
+    tl = Timeline([Span(0, "compute", "F", 0.0, 0.002, 0), Span(0, "compute", "I", 0.002, 0.005, 0),
+                   Span(0, "compute", "W", 0.005, 0.006, 0)])
+    costs = Costs.from_timeline(tl)
+    assert (costs.forward, costs.backward_input, costs.backward_weight) == pytest.approx((2.0, 3.0, 1.0))
+
+
+def test_cost_of_each_kind():
+    costs = Costs(forward=1.0, backward_input=2.0, backward_weight=0.5, per_stage={1: (3.0, 4.0, 5.0)})
+    assert [costs.of(a(0, 0)) for a in (F, B, I, W)] == [1.0, 2.5, 2.0, 0.5]
+    assert [costs.of(a(1, 0)) for a in (F, B, I, W)] == [3.0, 9.0, 4.0, 5.0]
+
+
+def test_split_backward_frees_the_stash_at_w_and_sends_the_gradient_after_i():
+    # Two ranks, one micro-batch: stage 1's I unblocks stage 0 before stage 1's W runs.
+    s = Schedule(2, 1, actions=[[F(0, 0), B(0, 0)], [F(1, 0), I(1, 0), W(1, 0)]])
+    sim = simulate(s, Costs(1.0, 1.0, 1.0))
+    at = {(sp.kind, sp.meta["stage"]): sp for sp in sim.timeline}
+    assert at["B", 0].start == pytest.approx(at["I", 1].end)  # not after W
+    assert at["W", 1].start == pytest.approx(at["I", 1].end)
+    assert sim.makespan_ms == pytest.approx(1 + 1 + 1 + 2)  # F, F, I, then stage 0's B (W alongside)
+    assert sim.peak_stash == {0: 1, 1: 1}
 
 
 def test_simulate_refuses_an_invalid_schedule():

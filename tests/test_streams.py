@@ -1,13 +1,14 @@
 """Streams and events on virtual devices: in-order queues, cross-stream waits, copies into
 buffers, what orders a reader after a copy, bad input."""
 
+import gc
 import threading
 import time
 
 import pytest
 import torch
 
-from pipelab.streams import Device, Event, chunk_rows, devices, timeline
+from pipelab.streams import CudaStream, Device, Event, Stream, VirtualStream, chunk_rows, devices, timeline
 
 
 @pytest.fixture
@@ -166,5 +167,114 @@ def test_device_label_names_its_timeline_rows():
 
 
 def test_devices_bad_count():
-    with pytest.raises(ValueError, match="n=0"):
+    with pytest.raises(ValueError, match="n must be .* got 0"):
         devices(0)
+
+
+def test_device_picks_its_stream_class():
+    dev = Device("cpu:0")
+    assert type(dev.stream("compute")) is VirtualStream and dev.stream("compute") is dev.stream()
+    # both kinds implement the whole interface (no abstract method left over)
+    assert issubclass(CudaStream, Stream) and not CudaStream.__abstractmethods__
+    assert issubclass(VirtualStream, Stream) and not VirtualStream.__abstractmethods__
+    dev.close()
+
+
+def test_hold_keeps_a_stream_busy_until_released():
+    dev = Device("cpu:0")
+    s = dev.stream("compute")
+    release = s.hold()
+    later = s.submit(lambda: 7)
+    time.sleep(0.05)
+    assert not later.done()
+    release()
+    assert later.result(timeout=5) == 7
+    assert [sp.kind for sp in dev.timeline()] == ["held", "F"]
+    dev.close()
+
+
+@pytest.mark.parametrize("bad", [True, 2.5, 0])
+def test_devices_refuse_what_is_not_a_count(bad):
+    with pytest.raises(ValueError, match=f"n must be a whole number .* got {bad!r}"):
+        devices(bad)
+
+
+def _stream_threads() -> list[threading.Thread]:
+    """The live threads of virtual streams (named "<device label>/<stream name>")."""
+    return [t for t in threading.enumerate() if t.name.startswith("cpu:") and t.is_alive()]
+
+
+def _use(devs) -> None:
+    """Work on three streams, as a dual-stream forward does: compute on both devices, one copy stream."""
+    h = devs[0].stream("compute").submit(torch.ones, 4)
+    h1 = devs[1].stream("copy").copy(h)
+    devs[1].stream("compute").submit(torch.neg, h1).result()
+
+
+def test_devices_in_a_with_block_leave_no_thread():
+    gc.collect()
+    before = len(_stream_threads())
+    for _ in range(20):
+        with devices(2) as devs:
+            _use(devs)
+        assert all(d.closed for d in devs)
+    assert len(_stream_threads()) == before  # flat: close joins the threads
+
+
+def test_devices_garbage_collected_stop_their_threads():
+    gc.collect()
+    before = len(_stream_threads())
+    for _ in range(20):
+        _use(devices(2))  # never closed: dropped at once
+    gc.collect()  # a device and its streams refer to each other: the cycle collector frees them
+    deadline = time.monotonic() + 10
+    while len(_stream_threads()) > before and time.monotonic() < deadline:
+        time.sleep(0.01)  # the finalizer queued the stop; each thread ends after its queue
+    assert len(_stream_threads()) == before
+
+
+def test_a_closed_device_finishes_its_work_then_refuses_more():
+    dev = Device("cpu:0")
+    s = dev.stream("compute")
+    release = s.hold()
+    later = s.submit(lambda: 7)
+    threading.Timer(0.05, release).start()
+    dev.close()  # waits for the queued work
+    assert later.done() and later.result() == 7
+    assert len(dev.timeline()) == 2 and dev.timeline()  # synchronize after close returns at once
+    with pytest.raises(ValueError, match="closed"):
+        s.submit(lambda: 8)
+    with pytest.raises(ValueError, match="closed"):
+        dev.stream("copy")
+    dev.close()  # twice is fine
+
+
+def test_device_as_context_manager():
+    with Device("cpu:0") as dev:
+        assert dev.stream().submit(lambda: 3).result() == 3
+    assert dev.closed and not _stream_threads_of(dev)
+
+
+def _stream_threads_of(dev) -> list[threading.Thread]:
+    return [t for t in _stream_threads() if t.name.startswith(dev.label + "/")]
+
+
+EXIT_SCRIPT = """
+import torch
+from pipelab import streams
+devs = streams.devices(2)  # never closed: the interpreter must still exit at once, cleanly
+s0, s1 = devs[0].stream("compute"), devs[1].stream("compute")
+h = s0.submit(torch.mm, devs[0].own(torch.randn(300, 300)), devs[0].own(torch.randn(300, 300)))
+out = s1.submit(torch.relu, s1.copy(h))
+for _ in range(20):
+    out = s1.submit(torch.mm, out, out.result().clone())  # work still queued when the script ends
+print("done")
+"""
+
+
+def test_interpreter_exits_cleanly_with_devices_left_open():
+    import subprocess
+    import sys
+    r = subprocess.run([sys.executable, "-c", EXIT_SCRIPT], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.strip() == "done" and r.stderr == ""

@@ -1,8 +1,8 @@
 """Rank order and per-axis groups of pipelab.pipeline.topology, checked against DeepSpeed's layout."""
 import pytest
 
-from pipelab.pipeline.topology import (PipeDataParallelTopology, PipeModelDataParallelTopology,
-                                       ProcessTopology, draw_topology)
+from pipelab.pipeline.topology import PipeDataParallelTopology, PipeModelDataParallelTopology, ProcessTopology
+from pipelab.plots.pipeline import draw_topology
 
 
 def test_pipe_data_grid_puts_data_axis_fastest():

@@ -2,12 +2,17 @@
 
 Each stage runs the same number of steps; at each step it executes a short list of instructions.
 The stream (order, micro-batch ids and buffer ids) is the one ``deepspeed.runtime.pipe.schedule``
-yields. Training alternates forward and backward steps, which gives 1F1B once the pipe is full.
+yields. Training alternates forward and backward steps, which gives 1F1B once the pipe is full:
+`to_actions` lowers the stream to the actions of `pipelab.pipeline.schedules`, so that it can be
+validated, simulated and compared with `Schedule1F1B`.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import Iterator
+
+from pipelab.checks import whole_number
+from pipelab.pipeline.schedules import B, F, Action, Schedule
 
 
 @dataclass(frozen=True)
@@ -28,25 +33,76 @@ class Instruction:
         return f"{type(self).__name__}({'' if self.buffer_id is None else self.buffer_id})"
 
 
-class LoadMicroBatch(Instruction): """Read the next micro-batch (inputs on the first stage, labels on the last)."""
-class ForwardPass(Instruction): """Run this stage's layers on a buffer."""
-class BackwardPass(Instruction): """Back-propagate a buffer's output gradient through this stage."""
-class SendActivation(Instruction): """Send a buffer's output to the next stage."""
-class RecvActivation(Instruction): """Receive a buffer's input from the previous stage."""
-class SendGrad(Instruction): """Send a buffer's input gradient to the previous stage."""
-class RecvGrad(Instruction): """Receive a buffer's output gradient from the next stage."""
-class ReduceTiedGrads(Instruction): """Sum gradients of tied modules across the stages that hold them."""
-class ReduceGrads(Instruction): """All-reduce gradients across data-parallel replicas."""
-class OptimizerStep(Instruction): """Apply the optimizer once the whole batch is done."""
+class LoadMicroBatch(Instruction):
+    """Read the next micro-batch (inputs on the first stage, labels on the last).
+
+    roughly: `buffers.inputs[buffer_id], buffers.labels[buffer_id] = next(data_iter)`"""
+
+
+class ForwardPass(Instruction):
+    """Run this stage's layers on a buffer (and the loss on the last stage).
+
+    roughly: `buffers.outputs[buffer_id] = stage(buffers.inputs[buffer_id])`"""
+
+
+class BackwardPass(Instruction):
+    """Back-propagate a buffer's output gradient through this stage: input and weight gradients.
+
+    roughly: `torch.autograd.backward(buffers.outputs[buffer_id], buffers.grads[buffer_id])`
+    (`loss.backward()` on the last stage)"""
+
+
+class SendActivation(Instruction):
+    """Send a buffer's output to the next stage.
+
+    roughly: `dist.send(buffers.outputs[buffer_id], next stage)`"""
+
+
+class RecvActivation(Instruction):
+    """Receive a buffer's input from the previous stage.
+
+    roughly: `dist.recv(buffers.inputs[buffer_id], previous stage); .requires_grad_()`"""
+
+
+class SendGrad(Instruction):
+    """Send the gradient of a buffer's input to the previous stage.
+
+    roughly: `dist.send(buffers.inputs[buffer_id].grad, previous stage)`"""
+
+
+class RecvGrad(Instruction):
+    """Receive the gradient of a buffer's output from the next stage.
+
+    roughly: `dist.recv(buffers.grads[buffer_id], next stage)`"""
+
+
+class ReduceTiedGrads(Instruction):
+    """Sum gradients of tied modules across the stages that hold them.
+
+    roughly: `dist.all_reduce(tied_weight.grad, group=stages holding it)`"""
+
+
+class ReduceGrads(Instruction):
+    """Average gradients across data-parallel replicas.
+
+    roughly: `for p in stage.parameters(): dist.all_reduce(p.grad, group=replicas); p.grad /= len(replicas)`"""
+
+
+class OptimizerStep(Instruction):
+    """Apply the optimizer once the whole batch is done.
+
+    roughly: `optimizer.step(); optimizer.zero_grad()`"""
 
 
 class TrainSchedule:
     """Forward and backward steps alternating per stage, then the reductions and the optimizer step."""
 
     def __init__(self, micro_batches: int, stages: int, stage_id: int):
-        if micro_batches < 1 or stages < 1 or not 0 <= stage_id < stages:
-            raise ValueError(f"need micro_batches >= 1 and 0 <= stage_id < stages, got "
-                             f"micro_batches={micro_batches}, stages={stages}, stage_id={stage_id}")
+        whole_number("micro_batches", micro_batches, example="micro_batches=4")
+        whole_number("stages", stages, example="stages=2")
+        if isinstance(stage_id, bool) or not isinstance(stage_id, int) or not 0 <= stage_id < stages:
+            raise ValueError(f"need 0 <= stage_id < stages, got stages={stages}, stage_id={stage_id!r}; "
+                             f"pass one of {list(range(stages))}")
         self.micro_batches, self.stages, self.stage_id = micro_batches, stages, stage_id
 
     def num_pipe_buffers(self) -> int:
@@ -138,3 +194,27 @@ def format_instruction_table(schedule_cls, micro_batches: int, stages: int) -> s
     lines = ["  ".join(cell.ljust(w) for cell, w in zip(r, widths)).rstrip() for r in rows]
     lines.insert(1, "  ".join("-" * w for w in widths))
     return "\n".join(lines)
+
+
+def to_actions(micro_batches: int, stages: int, schedule_cls=TrainSchedule) -> Schedule:
+    """DeepSpeed's stream lowered to actions, one stage per rank: each ForwardPass becomes an F and
+    each BackwardPass a B; loads, sends, receives, reductions and the optimizer step are dropped.
+    The result validates and simulates like any `Schedule` (an InferenceSchedule lowers to
+    forwards only, which `validate` refuses: training needs a backward for every forward)."""
+    actions = []
+    for stage in range(stages):
+        # Micro-batches enter a stage in order, each into a buffer it holds until its backward,
+        # so the buffer id of a BackwardPass names its micro-batch.
+        in_buffer: dict[int, int] = {}  # buffer id -> the micro-batch it holds
+        stage_actions: list[Action] = []
+        next_mb = 0
+        for step in schedule_cls(micro_batches, stages, stage).steps():
+            for cmd in step:
+                if isinstance(cmd, ForwardPass):
+                    in_buffer[cmd.buffer_id] = next_mb
+                    stage_actions.append(F(stage, next_mb))
+                    next_mb += 1
+                elif isinstance(cmd, BackwardPass):
+                    stage_actions.append(B(stage, in_buffer.pop(cmd.buffer_id)))
+        actions.append(stage_actions)
+    return Schedule(stages, micro_batches, actions=actions, name=f"DeepSpeed {schedule_cls.__name__}")

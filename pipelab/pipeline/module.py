@@ -17,6 +17,7 @@ import torch
 import torch.nn as nn
 from torch.utils.checkpoint import checkpoint
 
+from pipelab.checks import whole_number
 from pipelab.pipeline.partition import layer_name, partition_layers, profile_weights
 from pipelab.pipeline.topology import ProcessTopology
 
@@ -143,10 +144,8 @@ class PipelineModule:
         self._layer_specs = _check_layers(layers)
         self._topo = topology
         self.num_stages = _check_stages(num_stages, topology, len(self._layer_specs))
-        if isinstance(activation_checkpoint_interval, bool) or not isinstance(activation_checkpoint_interval, int) \
-                or activation_checkpoint_interval < 0:
-            raise ValueError(f"activation_checkpoint_interval={activation_checkpoint_interval!r} must be a "
-                             "whole number >= 0 (0 turns checkpointing off)")
+        whole_number("activation_checkpoint_interval", activation_checkpoint_interval, minimum=0,
+                     example="activation_checkpoint_interval=0 (checkpointing off)")
         self.loss_fn, self.seed_layers, self.base_seed = loss_fn, seed_layers, base_seed
         self.partition_method = partition_method
         self.activation_checkpoint_interval = activation_checkpoint_interval
@@ -242,8 +241,7 @@ def _check_stages(num_stages, topology, num_layers: int) -> int:
         num_stages = topology.get_dim("pipe")
     if num_stages is None:
         raise ValueError("give num_stages (e.g. num_stages=2) or a topology")
-    if isinstance(num_stages, bool) or not isinstance(num_stages, int) or num_stages < 1:
-        raise ValueError(f"num_stages={num_stages!r} must be a whole number >= 1, e.g. num_stages=2")
+    whole_number("num_stages", num_stages, example="num_stages=2")
     if num_stages > num_layers:
         raise ValueError(f"num_stages={num_stages} exceeds the {num_layers} layers, so a stage would "
                          f"own no layer; use at most {num_layers} stages")

@@ -12,9 +12,12 @@ The methods of ``PipelineModule(partition_method=...)``:
 * ``"type:REGEX"``: balance the number of layers whose class name matches REGEX;
 * ``"profile"``: balance measured forward+backward time per layer (DeepSpeed names this method
   but raises ``NotImplementedError`` for it).
+
+``split_model`` cuts a ``nn.Sequential`` into stage modules directly (lessons 06 and 07).
 """
 from __future__ import annotations
 
+import math
 import re
 import statistics
 import time
@@ -24,6 +27,7 @@ from typing import Callable, Sequence
 import torch
 import torch.nn as nn
 
+from pipelab.checks import whole_number
 from pipelab.hardware import synchronize
 
 METHODS = ("uniform", "parameters", "type:REGEX", "profile")
@@ -31,7 +35,7 @@ METHODS = ("uniform", "parameters", "type:REGEX", "profile")
 
 def partition_uniform(num_items: int, num_parts: int) -> list[int]:
     """Equal-count stages; the first ``num_items % num_parts`` stages get one extra item."""
-    _check_parts(num_parts)
+    whole_number("num_parts", num_parts, example="num_stages=2")
     if num_items <= num_parts:
         # More stages than layers: one layer per stage, trailing stages empty.
         return [min(p, num_items) for p in range(num_parts + 1)]
@@ -47,7 +51,7 @@ def partition_balanced(weights: Sequence[float], num_parts: int) -> list[int]:
     ``k`` of the last stage. On ties the latest ``k`` wins, as in DeepSpeed, so zero-weight
     layers go to the earlier stage. With no more items than parts it falls back to uniform.
     """
-    _check_parts(num_parts)
+    whole_number("num_parts", num_parts, example="num_stages=2")
     n, m = len(weights), num_parts
     if n <= m:
         return partition_uniform(n, m)
@@ -69,6 +73,25 @@ def partition_balanced(weights: Sequence[float], num_parts: int) -> list[int]:
     for j in range(m, 0, -1):
         parts.append(start[parts[-1]][j])
     return parts[::-1]
+
+
+def split_model(model: nn.Sequential, num_stages: int) -> list[nn.Sequential]:
+    """Cut a Sequential into `num_stages` consecutive stages with (nearly) equal numbers of
+    parameterised layers; a parameter-free layer (an activation) stays with the layer before it."""
+    whole_number("num_stages", num_stages)
+    blocks: list[list[nn.Module]] = []
+    for layer in model:
+        if any(True for _ in layer.parameters()) or not blocks:
+            blocks.append([layer])
+        else:
+            blocks[-1].append(layer)
+    if num_stages > len(blocks):
+        raise ValueError(f"cannot cut a model with {len(blocks)} layers into {num_stages} stages: "
+                         f"use at most {len(blocks)} stages, or a deeper model "
+                         f"(e.g. models.mlp with {num_stages + 1} widths or more)")
+    sizes = partition_uniform(len(blocks), num_stages)
+    return [nn.Sequential(*[layer for block in blocks[lo:hi] for layer in block])
+            for lo, hi in zip(sizes[:-1], sizes[1:])]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -175,31 +198,43 @@ def stage_sums(weights: Sequence[float], parts: Sequence[int]) -> list[float]:
     return [sum(weights[lo:hi]) for lo, hi in zip(parts[:-1], parts[1:])]
 
 
+def check_method(method) -> str:
+    """``method`` in lower case if it names a partition method, else a ValueError listing them."""
+    key = method.lower() if isinstance(method, str) else None
+    if key is None or not (key in ("uniform", "parameters", "profile") or key.startswith("type:")):
+        raise ValueError(f"unknown partition method {method!r}; use one of {METHODS}")
+    return key
+
+
+def check_profile(seconds, num_layers: int) -> list[float]:
+    """A profile gives every layer a time that is a number >= 0."""
+    seconds = list(seconds)
+    if len(seconds) != num_layers:
+        raise ValueError(f"the profile gave {len(seconds)} times for {num_layers} layers; it must give one "
+                         "per layer, in order (e.g. profile_weights(layers, sample))")
+    for i, t in enumerate(seconds):
+        if isinstance(t, bool) or not isinstance(t, (int, float)) or not math.isfinite(t) or t < 0:
+            raise ValueError(f"the profile's time of layer {i} is {t!r}; every layer needs a finite "
+                             "number of seconds >= 0")
+    return seconds
+
+
 def partition_layers(layers: Sequence, num_stages: int, method: str = "parameters",
                      profile: Callable[[], list[float]] | None = None) -> list[int]:
     """Stage boundaries for ``layers`` by ``method``: 'uniform', 'parameters', 'type:REGEX' or
     'profile' (then ``profile()`` returns the measured seconds per layer)."""
-    if not isinstance(method, str):
-        raise ValueError(f"partition method must be a string, got {method!r}; use one of {METHODS}")
-    key = method.lower()
+    key = check_method(method)
     if key == "uniform":
         return partition_uniform(len(layers), num_stages)
     if key == "parameters":
         return partition_balanced(parameter_counts(layers), num_stages)
     if key.startswith("type:"):
         return partition_balanced(type_weights(layers, method[len("type:"):]), num_stages)
-    if key == "profile":
-        if profile is None:
-            raise ValueError("partition method 'profile' times every layer on a sample micro-batch; "
-                             "pass one, e.g. PipelineModule(..., partition_method='profile', "
-                             "profile_input=x[:8])")
-        return partition_balanced(profile(), num_stages)
-    raise ValueError(f"unknown partition method {method!r}; use one of {METHODS}")
-
-
-def _check_parts(num_parts) -> None:
-    if isinstance(num_parts, bool) or not isinstance(num_parts, int) or num_parts < 1:
-        raise ValueError(f"num_parts={num_parts!r} must be a whole number >= 1, e.g. num_stages=2")
+    if profile is None:  # the method is 'profile'
+        raise ValueError("partition method 'profile' times every layer on a sample micro-batch; "
+                         "pass one, e.g. PipelineModule(..., partition_method='profile', "
+                         "profile_input=x[:8])")
+    return partition_balanced(check_profile(profile(), len(layers)), num_stages)
 
 
 def _chain(fns: Sequence[Callable]) -> Callable:
@@ -208,25 +243,3 @@ def _chain(fns: Sequence[Callable]) -> Callable:
             x = fn(x)
         return x
     return run
-
-
-def plot_stage_bars(per_method: dict[str, Sequence[float]], ylabel: str, title: str, ax=None):
-    """Grouped bars: for each stage, one bar per partition method (e.g. parameters or seconds)."""
-    import matplotlib.pyplot as plt
-
-    if ax is None:
-        _, ax = plt.subplots(figsize=(6, 3.5))
-    num_stages = max(len(v) for v in per_method.values())
-    width = 0.8 / len(per_method)
-    for i, (method, values) in enumerate(per_method.items()):
-        xs = [s + (i - (len(per_method) - 1) / 2) * width for s in range(len(values))]
-        ax.bar(xs, values, width=width, label=method)
-    ax.set_xticks(range(num_stages), [f"stage {s}" for s in range(num_stages)])
-    ax.set_xlabel("pipeline stage")
-    ax.set_ylabel(ylabel)
-    ax.set_title(title)
-    ax.grid(axis="y", alpha=0.3)
-    top = max(max(v) for v in per_method.values())
-    ax.set_ylim(0, 1.45 * top if top > 0 else 1)  # head room for the legend above the bars
-    ax.legend(title="partition method", fontsize="small", loc="upper center", ncol=2)
-    return ax

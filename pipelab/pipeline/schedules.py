@@ -4,18 +4,25 @@ A pipeline cuts a model into stages and a batch into micro-batches. A schedule s
 rank, in which order it runs
 
 * `F(stage, mb)`: the forward pass of one stage on one micro-batch,
-* `B(stage, mb)`: its backward pass (in a zero-bubble schedule only the *input* gradient),
-* `W(stage, mb)`: the *weight* gradient, split off from `B` so it can fill idle time.
+* `B(stage, mb)`: its full backward pass (the gradients of the input and of the weights), or
+  split in two, so that the part nobody waits for can fill idle time:
+* `I(stage, mb)`: the gradient of the stage's *input* only (the previous stage waits for it),
+* `W(stage, mb)`: the gradient of its *weights* only (after its `I`).
 
-The orders below are the ones `torch.distributed.pipelining` executes (GPipe, 1F1B, interleaved
-1F1B and its zero-bubble schedule with one stage per rank, i.e. ZB-H1), written out one rule at a
-time. `validate` checks any schedule, including one you write by hand.
+These are torch's names too: `torch.distributed.pipelining` calls them FORWARD "F", FULL_BACKWARD
+"B", BACKWARD_INPUT "I" and BACKWARD_WEIGHT "W" (`_ComputationType`), and writes an action as
+stage, kind, micro-batch ("1F0"). The orders below are the ones it executes (GPipe, 1F1B,
+interleaved 1F1B and its zero-bubble schedule with one stage per rank, i.e. ZB-H1), written out
+one rule at a time. `validate` checks any schedule, including one you write by hand.
 """
 
 from __future__ import annotations
 
 from collections import Counter
+from collections.abc import Container, Iterator
 from dataclasses import dataclass
+
+from pipelab.checks import whole_number
 
 
 class ScheduleError(ValueError):
@@ -24,7 +31,7 @@ class ScheduleError(ValueError):
 
 @dataclass(frozen=True)
 class Action:
-    """One unit of work of a schedule: `kind` ("F", "B" or "W") of `stage` on micro-batch `mb`."""
+    """One unit of work of a schedule: `kind` ("F", "B", "I" or "W") of `stage` on micro-batch `mb`."""
 
     kind: str
     stage: int
@@ -36,18 +43,26 @@ class Action:
     __repr__ = __str__
 
 
+KINDS = ("F", "B", "I", "W")
+
+
 def F(stage: int, mb: int) -> Action:
     """Forward of `stage` on micro-batch `mb`."""
     return Action("F", stage, mb)
 
 
 def B(stage: int, mb: int) -> Action:
-    """Backward (input gradient) of `stage` on micro-batch `mb`."""
+    """Full backward of `stage` on micro-batch `mb`: input and weight gradients at once."""
     return Action("B", stage, mb)
 
 
+def I(stage: int, mb: int) -> Action:  # noqa: E743 - torch's name for it
+    """Input gradient only of `stage` on micro-batch `mb`: what the previous stage waits for."""
+    return Action("I", stage, mb)
+
+
 def W(stage: int, mb: int) -> Action:
-    """Weight gradient of `stage` on micro-batch `mb` (zero-bubble schedules only)."""
+    """Weight gradient only of `stage` on micro-batch `mb`, after its `I`."""
     return Action("W", stage, mb)
 
 
@@ -55,21 +70,21 @@ class Schedule:
     """The action lists of all ranks for `num_microbatches` micro-batches on `num_ranks` ranks.
 
     Stage `s` lives on rank `s % num_ranks`, so with `stages_per_rank` = v > 1 each rank holds v
-    "virtual" stages (rank 0 holds stages 0, p, 2p, ...). Subclasses define `rank_actions`."""
+    "virtual" stages (rank 0 holds stages 0, p, 2p, ...). Subclasses define `rank_actions`; a
+    schedule written by hand (or lowered from another library) is given its `actions` and `name`."""
 
     name = "custom"
-    split_backward = False  # True when B computes only input gradients and W the weight gradients
 
     def __init__(self, num_ranks: int, num_microbatches: int, stages_per_rank: int = 1,
-                 actions: list[list[Action]] | None = None, split_backward: bool | None = None):
-        _check_positive("num_ranks", num_ranks, "e.g. num_ranks=2")
-        _check_positive("num_microbatches", num_microbatches, "e.g. num_microbatches=4")
-        _check_positive("stages_per_rank", stages_per_rank, "e.g. stages_per_rank=2")
-        self.num_ranks = num_ranks
-        self.num_microbatches = num_microbatches
-        self.stages_per_rank = stages_per_rank
-        if split_backward is not None:
-            self.split_backward = split_backward
+                 actions: list[list[Action]] | None = None, name: str | None = None):
+        self.num_ranks = whole_number("num_ranks", num_ranks, example="num_ranks=2")
+        self.num_microbatches = whole_number("num_microbatches", num_microbatches,
+                                             example="num_microbatches=4")
+        self.stages_per_rank = whole_number("stages_per_rank", stages_per_rank, example="stages_per_rank=2")
+        if name is not None:
+            if not isinstance(name, str):
+                raise ValueError(f"a schedule's name must be a string, got {name!r}; e.g. name='my 1F1B'")
+            self.name = name
         if actions is None:
             actions = [self.rank_actions(r) for r in range(num_ranks)]
         self.actions: list[list[Action]] = [list(a) for a in actions]
@@ -89,6 +104,10 @@ class Schedule:
         """The stages rank `rank` holds, first to last."""
         return [rank + k * self.num_ranks for k in range(self.stages_per_rank)]
 
+    def split_backwards(self) -> set[tuple[int, int]]:
+        """The (stage, micro-batch) pairs whose backward runs as `I` then `W` instead of one `B`."""
+        return {(a.stage, a.mb) for actions in self.actions for a in actions if a.kind == "I"}
+
     def table(self) -> str:
         """The action lists as text, a row per rank (no timing: see `simulate` for that)."""
         return "\n".join(f"rank {r}: " + " ".join(map(str, acts)) for r, acts in enumerate(self.actions))
@@ -96,11 +115,6 @@ class Schedule:
     def __repr__(self) -> str:
         v = f", v={self.stages_per_rank}" if self.stages_per_rank > 1 else ""
         return f"{type(self).__name__}(p={self.num_ranks}, m={self.num_microbatches}{v})"
-
-
-def _check_positive(name: str, value, hint: str) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"{name} must be a whole number >= 1, got {value!r}; pass {hint}")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -147,8 +161,8 @@ class ScheduleInterleaved1F1B(Schedule):
     warmup_factor = 2  # extra warm-up forwards per hop from the last rank
 
     def __init__(self, num_ranks: int, num_microbatches: int, stages_per_rank: int = 2):
-        _check_positive("num_ranks", num_ranks, "e.g. num_ranks=2")
-        _check_positive("num_microbatches", num_microbatches, "e.g. num_microbatches=4")
+        whole_number("num_ranks", num_ranks, example="num_ranks=2")
+        whole_number("num_microbatches", num_microbatches, example="num_microbatches=4")
         rounds = max(1, num_microbatches // num_ranks)
         if num_microbatches % rounds:
             ok = [k for k in range(max(1, num_microbatches - 4), num_microbatches + 5)
@@ -197,24 +211,23 @@ class ScheduleInterleaved1F1B(Schedule):
 
 
 class ScheduleZeroBubble(Schedule):
-    """Zero-bubble ZB-H1 (Qi et al., 2024): 1F1B with the backward split into B (input gradient,
+    """Zero-bubble ZB-H1 (Qi et al., 2024): 1F1B with the backward split into I (input gradient,
     on the critical path) and W (weight gradient, which nobody waits for). Rank r holds back its
-    first r W's and runs them in the cool-down, where 1F1B idles. With equal F, B and W costs each
-    rank idles p-1 slots instead of 1F1B's 3(p-1), and stashes as many micro-batches. Same order as torch's
-    ScheduleInterleavedZeroBubble with one stage per rank."""
+    first r W's and runs them in the cool-down, where 1F1B idles. With equal F, I and W costs each
+    rank idles p-1 slots instead of 1F1B's 3(p-1), and stashes as many micro-batches. Same order
+    as torch's ScheduleInterleavedZeroBubble with one stage per rank."""
 
     name = "ZB-H1"
-    split_backward = True
 
     def rank_actions(self, rank: int) -> list[Action]:
         m, p = self.num_microbatches, self.num_ranks
         warmup = min(m, p - 1 - rank)
         actions = [F(rank, i) for i in range(warmup)]
         next_w = 0
-        for k in range(m):  # the k-th backward, after a forward while forwards remain
+        for k in range(m):  # the k-th input gradient, after a forward while forwards remain
             if warmup + k < m:
                 actions.append(F(rank, warmup + k))
-            actions.append(B(rank, k))
+            actions.append(I(rank, k))
             if k >= rank:  # rank r holds back its first r weight gradients
                 actions.append(W(rank, next_w))
                 next_w += 1
@@ -233,7 +246,7 @@ SCHEDULES: dict[str, type[Schedule]] = {
 def make_schedule(name: str, num_ranks: int, num_microbatches: int, stages_per_rank: int = 2,
                   check: bool = True) -> Schedule:
     """Build a schedule by name ("gpipe", "1f1b", "interleaved", "zb-h1") and validate it."""
-    key = name.lower()
+    key = name.lower() if isinstance(name, str) else None
     if key not in SCHEDULES:
         raise ValueError(f"unknown schedule {name!r}; choose one of {sorted(SCHEDULES)}")
     cls = SCHEDULES[key]
@@ -247,59 +260,43 @@ def make_schedule(name: str, num_ranks: int, num_microbatches: int, stages_per_r
 
 
 # ---------------------------------------------------------------------------------------------
-# The validator
+# Dependencies, the sweep that plays a schedule, and the validator
 # ---------------------------------------------------------------------------------------------
 
-def dependencies(action: Action, num_stages: int) -> list[Action]:
-    """The actions that must finish before `action` can start (wherever they run)."""
+def dependencies(action: Action, num_stages: int, split: Container[tuple[int, int]] = ()) -> list[Action]:
+    """The actions that must finish before `action` can start (wherever they run). `split` holds
+    the (stage, mb) pairs whose backward is an `I` and a `W` (see `Schedule.split_backwards`)."""
     s, mb = action.stage, action.mb
-    if action.kind == "F":
+    if action.kind == "F":  # the previous stage's activation
         return [F(s - 1, mb)] if s > 0 else []
-    if action.kind == "B":  # needs its own forward, and the gradient from the next stage
-        return [F(s, mb)] + ([B(s + 1, mb)] if s < num_stages - 1 else [])
-    return [B(s, mb)]  # W reuses the output gradient that B received
+    if action.kind == "W":  # reuses the output gradient that its I received
+        return [I(s, mb)]
+    # B or I: its own forward, and the gradient of the next stage's input (made by its B or its I)
+    if s == num_stages - 1:
+        return [F(s, mb)]
+    next_grad = I if (s + 1, mb) in split else B
+    return [F(s, mb), next_grad(s + 1, mb)]
 
 
-def validate(schedule: Schedule) -> None:
-    """Raise ScheduleError unless `schedule` can run: each rank runs only its own stages; every
-    (stage, mb) has exactly one F and one B (and one W when the backward is split); and executing
-    every rank's list in order, with sends that never block, no rank waits forever."""
-    S, m, p = schedule.num_stages, schedule.num_microbatches, schedule.num_ranks
-    if len(schedule.actions) != p:
-        raise ScheduleError(f"{schedule!r} has action lists for {len(schedule.actions)} ranks, expected {p}")
-    kinds = ("F", "B", "W") if schedule.split_backward else ("F", "B")
-    counts: Counter = Counter()
-    for rank, actions in enumerate(schedule.actions):
-        for a in actions:
-            if a.kind not in kinds or not (0 <= a.stage < S) or not (0 <= a.mb < m):
-                raise ScheduleError(f"rank {rank}: {a} is not an action of {schedule!r} "
-                                    f"(kinds {kinds}, stages 0..{S - 1}, micro-batches 0..{m - 1})")
-            if schedule.rank_of(a.stage) != rank:
-                raise ScheduleError(f"rank {rank} runs {a}, but stage {a.stage} lives on rank "
-                                    f"{schedule.rank_of(a.stage)}")
-            counts[a] += 1
-    for kind in kinds:
-        for s in range(S):
-            for mb in range(m):
-                n = counts[Action(kind, s, mb)]
-                if n != 1:
-                    raise ScheduleError(f"{Action(kind, s, mb)} appears {n} times in {schedule!r}; "
-                                        "every (stage, micro-batch) needs exactly one")
-    _check_progress(schedule)
+def play(schedule: Schedule) -> Iterator[tuple[int, Action, list[Action]]]:
+    """Run every rank's list in order, on paper: a rank blocks until its next action's inputs exist;
+    sends never block. Yields (rank, action, its dependencies) in an order where each comes after
+    its dependencies and after the rank's earlier actions. Raises ScheduleError on a deadlock.
 
-
-def _check_progress(schedule: Schedule) -> None:
-    """Run every rank's list in order (a rank blocks until its next action's inputs exist)."""
+    `validate` plays a schedule to prove it finishes; `simulate` to time it."""
+    split = schedule.split_backwards()
     done: set[Action] = set()
     position = [0] * schedule.num_ranks
     remaining = sum(len(a) for a in schedule.actions)
     while remaining:
         progressed = False
         for rank, actions in enumerate(schedule.actions):
-            while position[rank] < len(actions):
+            while position[rank] < len(actions):  # advance this rank as far as its inputs allow
                 a = actions[position[rank]]
-                if not all(d in done for d in dependencies(a, schedule.num_stages)):
+                deps = dependencies(a, schedule.num_stages, split)
+                if not all(d in done for d in deps):
                     break
+                yield rank, a, deps
                 done.add(a)
                 position[rank] += 1
                 remaining -= 1
@@ -309,3 +306,40 @@ def _check_progress(schedule: Schedule) -> None:
                      if position[r] < len(acts)}
             raise ScheduleError(f"{schedule!r} deadlocks: every rank waits for an input that never "
                                 f"comes; the ranks are stuck at {stuck}")
+
+
+def validate(schedule: Schedule) -> None:
+    """Raise ScheduleError unless `schedule` can run: each rank runs only its own stages; every
+    (stage, mb) has exactly one F and either exactly one B or exactly one I and one W; and playing
+    every rank's list in order (`play`), no rank waits forever."""
+    S, m, p = schedule.num_stages, schedule.num_microbatches, schedule.num_ranks
+    if len(schedule.actions) != p:
+        raise ScheduleError(f"{schedule!r} has action lists for {len(schedule.actions)} ranks, expected {p}")
+    counts: Counter = Counter()
+    for rank, actions in enumerate(schedule.actions):
+        for a in actions:
+            if a.kind not in KINDS or not (0 <= a.stage < S) or not (0 <= a.mb < m):
+                raise ScheduleError(f"rank {rank}: {a} is not an action of {schedule!r} "
+                                    f"(kinds {KINDS}, stages 0..{S - 1}, micro-batches 0..{m - 1})")
+            if schedule.rank_of(a.stage) != rank:
+                raise ScheduleError(f"rank {rank} runs {a}, but stage {a.stage} lives on rank "
+                                    f"{schedule.rank_of(a.stage)}")
+            counts[a] += 1
+    for s in range(S):
+        for mb in range(m):
+            _check_counts(schedule, counts, s, mb)
+    for _ in play(schedule):
+        pass
+
+
+def _check_counts(schedule: Schedule, counts: Counter, s: int, mb: int) -> None:
+    """One F, and either one B or one I and one W, for (stage s, micro-batch mb)."""
+    n = {kind: counts[Action(kind, s, mb)] for kind in KINDS}
+    if n["B"] and (n["I"] or n["W"]):
+        raise ScheduleError(f"{B(s, mb)} and {I(s, mb) if n['I'] else W(s, mb)} both appear in "
+                            f"{schedule!r}; a backward is either one B or one I and one W")
+    wanted = ("F", "I", "W") if n["I"] or n["W"] else ("F", "B")
+    for kind in wanted:
+        if n[kind] != 1:
+            raise ScheduleError(f"{Action(kind, s, mb)} appears {n[kind]} times in {schedule!r}; every "
+                                "(stage, micro-batch) needs exactly one F, and one B or one I and one W")

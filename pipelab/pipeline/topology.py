@@ -10,14 +10,20 @@ from itertools import product
 
 import torch.distributed as dist
 
+from pipelab.checks import whole_number
+
 
 class ProcessTopology:
     """Maps each rank to a coordinate on named axes (e.g. pipe, data) and back."""
 
     def __init__(self, axes: list[str], dims: list[int]):
-        if len(axes) != len(dims) or any(d < 1 for d in dims):
-            raise ValueError(f"axes {axes} and dims {dims} must have equal length and dims >= 1")
-        self.axes, self.dims = list(axes), list(dims)
+        axes, dims = list(axes), list(dims)
+        if len(axes) != len(dims) or len(set(axes)) != len(axes):
+            raise ValueError(f"axes {axes} and dims {dims} must have equal length and distinct names; "
+                             "e.g. ProcessTopology(axes=['pipe', 'data'], dims=[2, 2])")
+        for axis, d in zip(axes, dims):
+            whole_number(f"the size of axis {axis!r}", d, example="dims=[2, 2]")
+        self.axes, self.dims = axes, dims
         self.ProcessCoord = namedtuple("ProcessCoord", self.axes)
         # product() varies its last range fastest, which gives DeepSpeed's rank order.
         self.mapping = {self.ProcessCoord(*c): rank
@@ -37,7 +43,15 @@ class ProcessTopology:
         """Rank at a full coordinate, e.g. ``get_rank(pipe=1, data=0)``."""
         if set(coord) != set(self.axes):
             raise ValueError(f"get_rank needs one value per axis {self.axes}, got {sorted(coord)}")
+        for axis, value in coord.items():
+            if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value < self.get_dim(axis):
+                raise ValueError(f"get_rank({axis}={value!r}): axis {axis!r} has positions "
+                                 f"0..{self.get_dim(axis) - 1} in this {self._grid_text()} grid")
         return self.mapping[self.ProcessCoord(**coord)]
+
+    def _grid_text(self) -> str:
+        """The grid's shape, e.g. "pipe=2 x data=2"."""
+        return " x ".join(f"{a}={d}" for a, d in zip(self.axes, self.dims))
 
     def get_coord(self, rank: int):
         """Coordinate (a namedtuple with one field per axis) of ``rank``."""
@@ -103,41 +117,3 @@ def axis_groups(topo: ProcessTopology, axis: str, rank: int):
         if rank in ranks:
             mine = group
     return mine
-
-
-def draw_topology(topo: ProcessTopology, ax=None, title: str | None = None):
-    """Draw a pipe x data grid: a box per rank (stage down, replica across), the pipe groups
-    (activations and gradients flow down a column) and the data groups (gradients are averaged
-    along a row)."""
-    import matplotlib.pyplot as plt
-    from matplotlib.lines import Line2D
-
-    if topo.get_axis_names()[:2] != ["pipe", "data"]:
-        raise ValueError(f"draw_topology draws pipe x data grids, got axes {topo.get_axis_names()}")
-    P, D = topo.get_dim("pipe"), topo.get_dim("data")
-    if ax is None:
-        _, ax = plt.subplots(figsize=(1.8 * D + 2.5, 1.3 * P + 1.2))
-    for ranks in topo.get_axis_comm_lists("data"):
-        if len(ranks) > 1:  # one row: the replicas of one stage
-            y = topo.get_coord(ranks[0]).pipe
-            ax.plot([0, D - 1], [y, y], color="#DD8452", linewidth=6, alpha=0.5, zorder=1)
-    for ranks in topo.get_axis_comm_lists("pipe"):
-        if len(ranks) > 1:  # one column: the stages of one replica
-            x = topo.get_coord(ranks[0]).data
-            ax.annotate("", xy=(x, P - 1), xytext=(x, 0), zorder=1,
-                        arrowprops=dict(arrowstyle="->", color="#4C72B0", linewidth=2))
-    for rank in range(topo.world_size()):
-        c = topo.get_coord(rank)
-        ax.text(c.data, c.pipe, f"rank {rank}\npipe={c.pipe} data={c.data}", ha="center", va="center",
-                fontsize=9, zorder=2, bbox=dict(boxstyle="round", facecolor="white", edgecolor="black"))
-    ax.set_xticks(range(D), [f"replica {d}" for d in range(D)])
-    ax.set_yticks(range(P), [f"stage {p}" for p in range(P)])
-    ax.set_xlim(-0.6, D - 0.4)
-    ax.set_ylim(P - 0.5, -0.5)  # stage 0 on top
-    ax.set_xlabel("data-parallel axis (replica index)")
-    ax.set_ylabel("pipe axis (stage index)")
-    ax.set_title(title or f"Process grid: pipe={P} x data={D} ({topo.world_size()} ranks, last axis fastest)")
-    ax.legend(handles=[Line2D([], [], color="#4C72B0", linewidth=2, label="pipe group: send/recv"),
-                       Line2D([], [], color="#DD8452", linewidth=6, alpha=0.5, label="data group: all-reduce")],
-              loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize="small")
-    return ax

@@ -15,7 +15,7 @@ from pipelab.timeline import Timeline
 
 # Fixed colours for the kinds the course uses, so F is the same blue in every lesson.
 KIND_COLORS = {
-    "F": "#4C72B0", "B": "#55A868", "W": "#8172B2", "loss": "#CCB974",
+    "F": "#4C72B0", "B": "#55A868", "I": "#9BD3A4", "W": "#8172B2", "loss": "#CCB974",
     "allreduce": "#DD8452", "broadcast": "#C44E52", "send": "#937860", "recv": "#DA8BC3",
     "copy": "#EBC85E", "compute": "#4C72B0", "optimizer": "#64B5CD", "idle": "#DDDDDD",
     "held": "#BBBBBB",  # a device held back on purpose (lesson 04's race demonstration)

@@ -1,4 +1,5 @@
-"""The workers of lesson 00: collectives, a ping-pong between two ranks, a compute-then-communicate step.
+"""Lesson 00's workers: all-reduce and broadcast, a ping-pong between two ranks (latency and
+bandwidth against message size), a compute-then-communicate step.
 
 Each function runs inside a worker process started by `pipelab.launch.spawn`, so `ctx` tells it its
 rank, the world size and its device, and `ctx.rec` records what it did on the timeline.

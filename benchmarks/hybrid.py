@@ -1,0 +1,87 @@
+"""The pipe x data grid against one pipeline and against pure data parallelism, same processes.
+
+    python benchmarks/hybrid.py [--pipe 2] [--data 2] [--microbatches 4] [--schedule 1f1b]
+                                [--width 1024] [--layers 8] [--batch 256] [--steps 5] [--rounds 3]
+
+An MLP of `layers` Linear layers of `width` on `pipe x data` processes, laid out three ways in one
+set of processes: one pipeline of `pipe x data` stages on the whole batch, the grid (`data`
+pipelines of `pipe` stages, each stage's gradients all-reduced over its copies from the moment its
+last backward is done), and pure data parallelism (every process the whole model). The layouts
+alternate in rounds so that a busy machine slows them all alike; a step time is the slowest
+process's, and we report the median of the timed steps. Every layout is first checked against one
+process (losses, gradients, weights after the SGD steps).
+
+Prints a table, then, as its last line, one JSON object: the grid's step time against one pipeline
+and against pure data parallelism (below 1.0: the grid is faster), and the share of the grid's
+data-parallel all-reduce time (from the last copy's launch to arrival) during which some process
+still computed, i.e. hidden behind pipeline compute (median of the timed steps, with the lowest and
+highest).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+import torch
+from torch import nn
+
+from pipelab import hardware, models
+from pipelab.display import format_table
+from pipelab.experiments.grid import layouts_of, one_device_seconds, predicted_seconds, run_layouts
+from pipelab.reference import assert_same, reference_run
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--pipe", type=int, default=2)
+    parser.add_argument("--data", type=int, default=2)
+    parser.add_argument("--microbatches", type=int, default=4)
+    parser.add_argument("--schedule", default="1f1b")
+    parser.add_argument("--width", type=int, default=1024)
+    parser.add_argument("--layers", type=int, default=8)
+    parser.add_argument("--batch", type=int, default=256)
+    parser.add_argument("--steps", type=int, default=5, help="timed steps per layout and round")
+    parser.add_argument("--rounds", type=int, default=3, help="rounds, the layouts alternating")
+    args = parser.parse_args()
+    world = args.pipe * args.data
+    print(hardware.describe(world))
+
+    torch.manual_seed(0)
+    model = models.mlp([args.width] * (args.layers + 1))
+    x, y = torch.randn(args.batch, args.width), torch.randn(args.batch, args.width)
+    runs = run_layouts(model, x, y, layouts_of(world, args.pipe, args.data, args.microbatches), schedule=args.schedule,
+                       steps=args.steps, rounds=args.rounds, timeout=900)
+    worst = 0.0
+    for run in runs:
+        reference = reference_run(model, x, y, nn.MSELoss(), steps=len(run.losses), lr=0.1)
+        worst = max(worst, assert_same(run, reference, atol=1e-5, rtol=1e-4))
+    device = "cuda" if hardware.gpu_count() >= world else "cpu"
+    one = one_device_seconds(model, x, y, device=device)
+    devices = world if device == "cuda" else hardware.cpu_cores()
+
+    one_pipe, grid, dp = runs
+    print(f"{world} processes, MLP {args.layers} x {args.width}, batch {args.batch}, {args.schedule}, "
+          f"m={args.microbatches}; median of {args.rounds} rounds x {args.steps} timed steps; every layout matches "
+          f"one process (largest gradient difference {worst:.1e}); one {device} forward+backward of the whole "
+          f"batch: {one * 1e3:.1f} ms")
+    print(format_table([{"layout": r.name, "step_ms": round(r.step_time * 1e3, 1),
+                         "fastest_ms": round(r.spread[0] * 1e3, 1), "slowest_ms": round(r.spread[1] * 1e3, 1),
+                         f"predicted_ms_{devices}_{device}": round(predicted_seconds(r.layout, one, devices) * 1e3, 1),
+                         f"predicted_ms_{world}_gpus": round(predicted_seconds(r.layout, one, world) * 1e3, 1),
+                         "hidden_allreduce": round(r.hidden[0], 3)} for r in runs]))
+    hidden, low, high = grid.hidden
+    figures = {
+        "world_size": world, "pipe": args.pipe, "data": args.data, "microbatches": args.microbatches,
+        "schedule": args.schedule, "grid_ms": round(grid.step_time * 1e3, 2),
+        "one_pipeline_ms": round(one_pipe.step_time * 1e3, 2), "data_parallel_ms": round(dp.step_time * 1e3, 2),
+        "grid_vs_one_pipeline": round(grid.step_time / one_pipe.step_time, 3),
+        "grid_vs_data_parallel": round(grid.step_time / dp.step_time, 3),
+        "allreduce_hidden": round(hidden, 3), "allreduce_hidden_min": round(low, 3),
+        "allreduce_hidden_max": round(high, 3),
+    }
+    print(json.dumps(figures))
+
+
+if __name__ == "__main__":
+    main()

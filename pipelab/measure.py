@@ -1,0 +1,120 @@
+"""One way to time training steps on a rank, and one way to gather the ranks' times.
+
+A step's time is read on every rank from just after a barrier (all ranks start together) to the
+end of the step, GPU work included (`hardware.synchronize`). The first step warms up (allocator,
+caches, lazy initialisation) and is dropped from the times when there are more. A step of the
+whole job ends when its slowest rank is done, so the gathered time of a step is the slowest rank's,
+and the typical step is the median over the timed steps: a typical step, not a lucky one.
+"""
+
+from __future__ import annotations
+
+import statistics
+from dataclasses import dataclass, field
+from typing import Any, Callable, Mapping, Sequence
+
+from pipelab.hardware import synchronize
+from pipelab.timeline import Timeline, now
+
+
+@dataclass
+class RankSteps:
+    """What one rank measured: every step's result, and the times and timelines of the timed ones."""
+
+    results: list[Any]  # what `step` returned, every step (warm-up included)
+    seconds: list[float]  # timed steps only
+    timelines: list[Timeline] = field(repr=False)  # timed steps only, this rank's spans
+
+
+def timed_slice(steps: int, warmup: int = 1) -> slice:
+    """Which of `steps` steps are timed: all but the first `warmup`, unless that leaves none."""
+    return slice(warmup, None) if steps > warmup else slice(None)
+
+
+def time_steps(ctx, step: Callable[[int], Any], steps: int, prepare: Callable[[int], None] | None = None,
+               warmup: int = 1) -> RankSteps:
+    """Run `step(i)` for i in range(steps) on this rank and time each one.
+
+    Each step: `prepare(i)` (e.g. zero the gradients; not timed), a barrier, a fresh timeline,
+    the clock, the step, the GPU drained, the clock."""
+    results, seconds, timelines = [], [], []
+    for i in range(steps):
+        if prepare is not None:
+            prepare(i)
+        ctx.barrier()  # every rank starts the step together, so a step time is the step's
+        ctx.rec.clear()
+        start = now()
+        results.append(step(i))
+        synchronize(ctx.device)
+        seconds.append(now() - start)
+        timelines.append(ctx.rec.timeline())
+    timed = timed_slice(steps, warmup)
+    return RankSteps(results, seconds[timed], timelines[timed])
+
+
+@dataclass
+class Steps:
+    """The timed steps of all ranks, gathered."""
+
+    seconds: list[float]  # per timed step: the slowest rank's time
+    timelines: list[Timeline] = field(repr=False)  # per timed step: every rank's spans merged
+
+    @property
+    def step_time(self) -> float:
+        """Median over the timed steps of the slowest rank's time (seconds)."""
+        return statistics.median(self.seconds)
+
+    @property
+    def spread(self) -> tuple[float, float]:
+        """(fastest, slowest) of the timed steps, seconds."""
+        return min(self.seconds), max(self.seconds)
+
+    @property
+    def typical_index(self) -> int:
+        """Index of the step whose merged timeline has the median makespan."""
+        order = sorted(range(len(self.timelines)), key=lambda i: self.timelines[i].makespan)
+        return order[(len(order) - 1) // 2]
+
+    @property
+    def typical(self) -> Timeline:
+        """The timed step of median makespan, all ranks."""
+        return self.timelines[self.typical_index]
+
+
+def gather_steps(per_rank: Sequence[RankSteps]) -> Steps:
+    """Line up the ranks' timed steps: slowest rank per step, merged timeline per step."""
+    seconds = [max(step) for step in zip(*(r.seconds for r in per_rank))]
+    timelines = [Timeline.merge(tls) for tls in zip(*(r.timelines for r in per_rank))]
+    return Steps(seconds, timelines)
+
+
+def median_spread(values: Sequence[float]) -> tuple[float, float, float]:
+    """(median, min, max) of repeated measurements: a figure and how much it moved."""
+    return statistics.median(values), min(values), max(values)
+
+
+def best_of(runs: Mapping[Any, Callable[[], Any]], repeats: int, prepare: Callable[[], None] | None = None,
+            warmup: int = 1) -> dict[Any, tuple[float, Any]]:
+    """Time one-process runs in rounds; for each run its fastest time (s) and what that call returned.
+
+    A run is a call that returns only once its work is done (worker threads and GPU included).
+    `warmup` untimed rounds first (thread start, allocator); then each of `repeats` rounds calls
+    every run once, after `prepare()` (not timed). On a machine whose load drifts, every run then
+    sees the same drift, not just the one measured last; and the fastest of a run's repeats is the
+    one least disturbed by whatever else the machine was doing."""
+    for _ in range(warmup):
+        for run in runs.values():
+            if prepare is not None:
+                prepare()
+            run()
+    best = {key: (float("inf"), None) for key in runs}
+    for _ in range(repeats):
+        for key, run in runs.items():
+            if prepare is not None:
+                prepare()
+            start = now()
+            result = run()
+            seconds = now() - start
+            if seconds < best[key][0]:
+                best[key] = (seconds, result)
+    return best

@@ -1,0 +1,213 @@
+"""One rank's stages at work: forward, backward, and the stash kept between them.
+
+* `F(s, mb)`: take micro-batch `mb`'s input (the batch slice on stage 0, else the activation
+  received from stage s-1), run the stage, send the output on (or, on the last stage, compute the
+  loss), and *stash* what the backward will need.
+* `B(s, mb)`: take the gradient of the stage's output (from stage s+1, or the loss), backpropagate
+  (input and weight gradients), send the input's gradient to stage s-1 and free the stash.
+* `I(s, mb)`: the same, but the input gradient only; each layer's output gradient stays in the stash.
+* `W(s, mb)`: the weight gradients, from the output gradients `I` kept for each layer; frees the stash.
+
+The kinds are torch.distributed.pipelining's (F, B "full backward", I "backward input", W
+"backward weight"). What the stash holds is measured: the bytes of every tensor autograd saves.
+
+Gradients flow only where they can: a received activation wants its gradient only if it is floating
+point (token ids have none), and a stage whose output needs no gradient (a parameter-free first
+stage) has no backward to run.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+from torch import nn
+
+from pipelab.pipeline.p2p import P2P, Message
+from pipelab.pipeline.schedules import Action, Schedule
+from pipelab.timeline import now
+
+
+@dataclass
+class Stash:
+    """What the backward of one (stage, micro-batch) needs, kept from its F to its B (or W)."""
+
+    inputs: torch.Tensor
+    outputs: torch.Tensor  # the stage output, or the micro-batch loss on the last stage
+    layers: list[tuple[torch.Tensor, list[nn.Parameter]]]  # (layer output, its parameters) for W
+    nbytes: int
+    output_grads: list[torch.Tensor] | None = None  # per layer, left by I for W
+
+
+class StashMeter:
+    """Counts live stashes and their bytes over the step, so memory is measured, not assumed."""
+
+    def __init__(self):
+        self.live = 0
+        self.live_bytes = 0
+        self.trace: list[tuple[float, int, int]] = [(now(), 0, 0)]  # (time, stashes, bytes)
+
+    def change(self, count: int, nbytes: int) -> None:
+        self.live += count
+        self.live_bytes += nbytes
+        self.trace.append((now(), self.live, self.live_bytes))
+
+    @property
+    def peak(self) -> int:
+        return max(n for _, n, _ in self.trace)
+
+    @property
+    def peak_bytes(self) -> int:
+        return max(b for _, _, b in self.trace)
+
+
+class SavedBytes:
+    """Adds up the bytes a forward keeps for its backward: every tensor autograd saves (seen
+    through saved-tensors hooks) and any tensor kept by hand, each storage once, leaving out the
+    `exclude` storages (the parameters and the batch, which live anyway)."""
+
+    def __init__(self, exclude: set[int]):
+        self.exclude, self.seen, self.total = exclude, set(), 0
+
+    def add(self, t: torch.Tensor) -> torch.Tensor:
+        ptr = t.untyped_storage().data_ptr()
+        if ptr not in self.exclude and ptr not in self.seen:
+            self.seen.add(ptr)
+            self.total += t.untyped_storage().nbytes()
+        return t
+
+    def hooks(self):
+        return torch.autograd.graph.saved_tensors_hooks(self.add, lambda t: t)
+
+
+def trainable(module: nn.Module) -> list[nn.Parameter]:
+    """The parameters of `module` that get gradients (frozen ones get none)."""
+    return [p for p in module.parameters() if p.requires_grad]
+
+
+def forward_by_layer(module: nn.Module, x: torch.Tensor):
+    """Run `module`, keeping each parameterised layer's output: W needs the gradient there."""
+    if not isinstance(module, nn.Sequential):
+        out, params = module(x), trainable(module)
+        return out, [(out, params)] if params else []
+    layers, h = [], x
+    for layer in module:
+        h = layer(h)
+        params = trainable(layer)
+        if params:
+            layers.append((h, params))
+    return h, layers
+
+
+def sums_over_samples(loss_fn: Callable) -> bool:
+    """Whether `loss_fn` sums over its samples (`reduction="sum"`) rather than averaging them
+    (torch's default, `reduction="mean"`). A plain function, which has no `reduction`, is taken to average."""
+    return getattr(loss_fn, "reduction", "mean") == "sum"
+
+
+def loss_divisor(loss_fn: Callable, num_microbatches: int) -> int:
+    """What each micro-batch's loss is divided by, so that the m of them add up to the batch's loss:
+    m for a loss that averages over its samples, 1 for one that sums them."""
+    return 1 if sums_over_samples(loss_fn) else num_microbatches
+
+
+def gradients(outputs: torch.Tensor, inputs: list[torch.Tensor], grad_out: torch.Tensor | None) -> list:
+    """The gradients of `inputs` from `outputs`' gradient, keeping the graph for W; None for an
+    input the outputs do not depend on (or for all, when the outputs need no gradient)."""
+    if not inputs or not outputs.requires_grad:
+        return [None] * len(inputs)
+    return list(torch.autograd.grad(outputs, inputs, grad_out, retain_graph=True, allow_unused=True))
+
+
+class StageRunner:
+    """Runs the F, B, I and W actions of the stages one rank holds (`modules`: stage -> module)."""
+
+    def __init__(self, ctx, schedule: Schedule, modules: dict[int, nn.Module], loss_fn: Callable,
+                 p2p: P2P, x_mbs: list[torch.Tensor], y_mbs: list[torch.Tensor]):
+        self.ctx, self.schedule, self.modules, self.loss_fn = ctx, schedule, modules, loss_fn
+        self.p2p, self.x_mbs, self.y_mbs = p2p, x_mbs, y_mbs
+        self.last = schedule.num_stages - 1
+        # A (stage, micro-batch) whose backward is split into I and W runs its forward layer by layer.
+        self.split = schedule.split_backwards()
+        self.stash: dict[tuple[int, int], Stash] = {}
+        self.meter = StashMeter()
+        self.losses: list[torch.Tensor] = []
+        self.divisor = loss_divisor(loss_fn, schedule.num_microbatches)
+        # Saved tensors that are not stash: the weights, and the batch itself (it lives anyway).
+        self.not_stash = {t.untyped_storage().data_ptr() for t in [*x_mbs, *y_mbs]}
+        self.not_stash |= {p.untyped_storage().data_ptr() for m in modules.values() for p in m.parameters()}
+
+    def run(self, action: Action) -> None:
+        """Run one action: the method named by its kind."""
+        {"F": self.F, "B": self.B, "I": self.I, "W": self.W}[action.kind](action.stage, action.mb)
+
+    def F(self, stage: int, mb: int) -> None:
+        """Forward of `stage` on micro-batch `mb`: run it, stash for the backward, send the output on."""
+        x = self.x_mbs[mb] if stage == 0 else self.p2p.recv(Message("act", stage - 1, mb))
+        if stage > 0 and x.is_floating_point():  # the gradient of what we received goes back
+            x.requires_grad_(True)
+        saved = SavedBytes(self.not_stash)
+        with self.ctx.rec.span("F", mb=mb, stage=stage), saved.hooks():
+            if (stage, mb) in self.split:
+                out, layers = forward_by_layer(self.modules[stage], x)
+            else:
+                out, layers = self.modules[stage](x), []
+            if stage == self.last:  # the loss of a micro-batch, scaled so the m of them add up to the batch's
+                out = self.loss_fn(out, self.y_mbs[mb]) / self.divisor
+                self.losses.append(out.detach())
+        for layer_out, _ in layers:  # kept for W
+            saved.add(layer_out)
+        self.stash[stage, mb] = Stash(x, out, layers, saved.total)
+        self.meter.change(+1, saved.total)
+        if stage < self.last:
+            self.p2p.send(Message("act", stage, mb), out)
+
+    def output_grad(self, stage: int, mb: int) -> torch.Tensor | None:
+        """The gradient of the stage's output: from the next stage (None on the last: its output is the loss)."""
+        return None if stage == self.last else self.p2p.recv(Message("grad", stage + 1, mb))
+
+    def B(self, stage: int, mb: int) -> None:
+        """Full backward: input and weight gradients (these add up over micro-batches); send the
+        input gradient back and free the stash."""
+        grad_out = self.output_grad(stage, mb)
+        st = self.stash[stage, mb]
+        with self.ctx.rec.span("B", mb=mb, stage=stage):
+            if st.outputs.requires_grad:
+                torch.autograd.backward(st.outputs, grad_out)
+        self.free(stage, mb)
+        self.send_input_grad(stage, mb, st.inputs, st.inputs.grad)
+
+    def I(self, stage: int, mb: int) -> None:  # noqa: E743 - torch's name for "backward input"
+        """Input gradient only, sent back at once; keeps every layer's output gradient for W."""
+        grad_out = self.output_grad(stage, mb)
+        st = self.stash[stage, mb]
+        takes_grad = st.inputs.requires_grad  # a received floating-point activation
+        with self.ctx.rec.span("I", mb=mb, stage=stage):
+            wanted = ([st.inputs] if takes_grad else []) + [out for out, _ in st.layers]
+            grads = gradients(st.outputs, wanted, grad_out)
+        st.output_grads = grads[1:] if takes_grad else grads
+        self.send_input_grad(stage, mb, st.inputs, grads[0] if takes_grad else None)
+
+    def W(self, stage: int, mb: int) -> None:
+        """Weight gradients of `stage` on `mb`, from the output gradients I kept; free the stash."""
+        st = self.stash[stage, mb]
+        with self.ctx.rec.span("W", mb=mb, stage=stage):
+            for (out, params), g in zip(st.layers, st.output_grads):
+                # Each layer's weight gradient from its own output gradient: no walk back through
+                # the earlier layers, which I already did.
+                for p, dp in zip(params, gradients(out, params, g) if g is not None else []):
+                    if dp is not None:
+                        p.grad = dp if p.grad is None else p.grad.add_(dp)
+        self.free(stage, mb)
+
+    def send_input_grad(self, stage: int, mb: int, inputs: torch.Tensor, grad: torch.Tensor | None) -> None:
+        """Send the gradient of the stage's input back to stage-1 (zeros where the output did not
+        depend on it; nothing for token ids, which have no gradient)."""
+        if stage > 0:
+            self.p2p.send(Message("grad", stage, mb), grad if grad is not None else torch.zeros_like(inputs))
+
+    def free(self, stage: int, mb: int) -> None:
+        """Drop the stash of (stage, mb): its activations can go."""
+        st = self.stash.pop((stage, mb))
+        self.meter.change(-1, -st.nbytes)

@@ -1,0 +1,26 @@
+"""Single-process devices: real CUDA devices and streams, or CPU "virtual devices".
+
+A virtual device runs each of its streams on a worker thread that executes submitted work in
+order, exactly like a CUDA stream: `submit` returns at once, the work runs later. PyTorch releases
+the GIL inside its kernels, so two virtual devices really compute at the same time on two cores.
+Every kernel and copy is recorded as a Span (rank = device label, lane = stream name).
+
+Both kinds of stream have one interface, `Stream`: `VirtualStream` (a CPU worker thread) and
+`CudaStream` (a `torch.cuda.Stream`) implement it, and `Device` picks the one its device needs.
+
+A tensor goes from one stream to another in one of two ways:
+
+* hand over the Future that `submit` or `copy` returned: the receiving stream waits for the work
+  that produces it (the Future carries that work's completion; on CUDA, a CUDA event);
+* hand over a buffer that another stream fills (`copy(src, out=buf)`): then nothing orders the
+  writer and the reader but an `Event` recorded on the writer and waited for by the reader, as in
+  raw CUDA code. Forget the event and the reader may see the buffer before the copy lands.
+"""
+
+from pipelab.streams.base import CHUNK_BYTES, Event, Stream, Work, chunk_rows
+from pipelab.streams.cuda import CudaStream, CudaWork
+from pipelab.streams.device import Device, Devices, devices, timeline
+from pipelab.streams.virtual import VirtualStream
+
+__all__ = ["CHUNK_BYTES", "CudaStream", "CudaWork", "Device", "Devices", "Event", "Stream", "VirtualStream", "Work",
+           "chunk_rows", "devices", "timeline"]

@@ -1,0 +1,284 @@
+"""Lesson 05: BucketedDDP on a module spread over two devices, the overlaps read off a timeline,
+the pipe x data grid's groups and gradients against one process, and the inputs refused before
+any process starts."""
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from pipelab import hardware, models
+from pipelab.ddp import MIB, Bucket, module_bucket_plan, plan_buckets
+from pipelab.experiments import grid as grid_experiment
+from pipelab.experiments import hybrid as hybrid_experiment
+from pipelab.experiments.grid import Layout, hidden_behind_pipeline, layouts_of, run_grid, run_layouts
+from pipelab.experiments.hybrid import OVERLAPS, hidden_share, overlaps, run_replicas
+from pipelab.hybrid import ModelParallelReplica, check_grid, gpu_path, grid_place, last_backwards
+from pipelab.launch import spawn
+from pipelab.pipeline.schedules import B, F, I, W, make_schedule
+from pipelab.reference import assert_same, reference_run
+from pipelab.streams import devices
+from pipelab.timeline import Span, Timeline
+
+
+def toy_problem(batch: int = 16):
+    """The DDP tutorial's ToyMpModel (Linear 10->10, ReLU | Linear 10->5) and a batch for it."""
+    torch.manual_seed(0)
+    return models.ToyModel(), torch.randn(batch, 10), torch.randn(batch, 5)
+
+
+def mlp_problem(batch: int = 32, width: int = 16):
+    torch.manual_seed(0)
+    return models.mlp([width] * 9), torch.randn(batch, width), torch.randn(batch, width)
+
+
+# ---------------------------------------------------------------------------------------------
+# Buckets on a module spread over devices (pure)
+# ---------------------------------------------------------------------------------------------
+
+def test_buckets_never_mix_devices_and_fill_in_backward_order():
+    params = [("a", 100), ("b", 300), ("c", 50), ("d", 600)]
+    buckets = plan_buckets(params, 400 / MIB, devices=["x", "y", "x", "y"])
+    assert buckets == [Bucket(0, ("d",), (600,), "y"), Bucket(1, ("b",), (300,), "y"),
+                       Bucket(2, ("c", "a"), (50, 100), "x")]
+    # one device: the plan of one device, with that device named
+    same = plan_buckets(params, 400 / MIB, devices=["x"] * 4)
+    assert [(b.names, b.device) for b in same] == [(("d",), "x"), (("c", "b", "a"), "x")]
+    with pytest.raises(ValueError, match="got 3 devices for 4 parameters"):
+        plan_buckets(params, 1, devices=["x", "y", "x"])
+
+
+def test_a_two_device_replica_names_each_parameter_s_device():
+    devs = devices(2)
+    try:
+        replica = ModelParallelReplica(models.SplitMLP(8, 2, 3), devs)
+        where = replica.device_of()
+        assert set(where) == {n for n, _ in replica.named_parameters()}
+        assert {n.split(".")[0]: d for n, d in where.items()} == {"seq1": "device 0", "seq2": "device 1", "fc": "device 1"}
+        buckets = module_bucket_plan(replica, 1.0, where)
+        assert [b.device for b in buckets] == ["device 1", "device 0"]  # the second half's gradients come first
+        assert buckets[0].names == ("fc.bias", "fc.weight", "seq2.0.bias", "seq2.0.weight")
+        with pytest.raises(ValueError, match="names no device for"):
+            module_bucket_plan(replica, 1.0, {"fc.weight": "device 1"})
+        assert module_bucket_plan(replica, 1.0) == module_bucket_plan(models.SplitMLP(8, 2, 3), 1.0)  # no device told
+    finally:
+        for d in devs:
+            d.close()
+
+
+# ---------------------------------------------------------------------------------------------
+# Overlaps read off hand-made timelines (pure)
+# ---------------------------------------------------------------------------------------------
+
+def test_the_three_overlaps_of_a_hand_made_step():
+    spans = [
+        Span(0, "device 0", "F", 0, 4, mb=0), Span(0, "device 1", "copy", 4, 5, mb=0),
+        Span(0, "device 0", "F", 4, 8, mb=1), Span(0, "device 1", "F", 5, 9, mb=0),
+        Span(0, "device 1", "copy", 9, 10, mb=1), Span(0, "device 1", "F", 10, 14, mb=1),
+        Span(0, "device 1", "B", 14, 18), Span(0, "device 0", "B", 18, 22),
+        Span(0, "comm", "allreduce", 18, 26, meta={"bucket": 0}),
+        Span(0, "device 1", "copy", 26, 27, meta={"bucket": 0}),  # the wrapper's write-back: no activation copy
+    ]
+    got = overlaps(Timeline(spans))
+    assert set(got) == set(OVERLAPS)
+    assert got["copy/compute"] == pytest.approx(0.5)  # copy 0 under device 0's F 1; copy 1 under nothing
+    assert got["device/device"] == pytest.approx(3 / 21)  # both computed 5..8; one or both 0..9 and 10..22
+    assert got["all-reduce/compute"] == pytest.approx(0.5)  # 18..22 of 18..26
+
+
+def test_hidden_behind_pipeline_counts_flight_from_the_last_launch_and_any_process():
+    spans = [Span(0, "compute", "B", 0, 10, meta={"stage": 0}), Span(1, "compute", "B", 0, 4, meta={"stage": 1}),
+             Span(1, "comm", "allreduce", 4, 12, meta={"stage": 1}),
+             Span(3, "comm", "allreduce", 6, 12, meta={"stage": 1})]
+    tl = Timeline(spans)
+    # process 1's all-reduce waits for process 3's launch at 6: flight 6..12 on both, 6..10 under process 0's B
+    assert hidden_behind_pipeline(tl) == pytest.approx(8 / 12)
+    assert hidden_share(tl, lambda s: s.kind == "allreduce", lambda s: s.kind == "B") == pytest.approx(0.0)
+
+
+def test_last_backwards_is_where_a_stage_s_gradients_are_final():
+    one = make_schedule("1f1b", 2, 4)
+    for rank, actions in enumerate(one.actions):
+        (stage, index), = last_backwards(actions).items()
+        assert stage == rank and actions[index] == B(rank, 3) and index == len(actions) - 1
+    assert last_backwards([F(0, 0), I(0, 0), F(0, 1), W(0, 0), I(0, 1), W(0, 1)]) == {0: 5}
+    inter = make_schedule("interleaved", 2, 4)
+    last = last_backwards(inter.actions[0])
+    assert set(last) == {0, 2} and last[2] < last[0]  # the later stage is done first: its all-reduce overlaps
+
+
+# ---------------------------------------------------------------------------------------------
+# DDP over two-device replicas, on real processes
+# ---------------------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def toy_runs():
+    model, x, y = toy_problem()
+    return {split: run_replicas(model, x, y, world_size=2, split_size=split, bucket_cap_mb=1e-9, steps=3)
+            for split in (None, 2)}, model, x, y
+
+
+@pytest.mark.parametrize("split", [None, 2])
+@pytest.mark.parametrize("variant", ["bucketed", "torch"])
+def test_ddp_over_two_device_replicas_equals_one_process(toy_runs, split, variant):
+    runs, model, x, y = toy_runs
+    run = runs[split][variant]
+    assert_same(run, reference_run(model, x, y, nn.MSELoss(), steps=3, lr=0.1))
+    assert len(run.losses) == 3 and run.replica_spread == 0.0  # ranks started elsewhere: the broadcast fixed that
+    assert run.devices == [["cpu:0", "cpu:1"]] * 2 or hardware.gpu_count() >= 4
+
+
+@pytest.mark.parametrize("split", [None, 2])
+def test_bucketed_timeline_has_both_devices_and_the_all_reduce_lane(toy_runs, split):
+    runs, _, _, _ = toy_runs
+    run = runs[split]["bucketed"]
+    assert [b.device for b in run.buckets] == ["device 1", "device 1", "device 0", "device 0"]
+    splits = 1 if split is None else 16 // 2 // split
+    for tl in run.steps.timelines:
+        for rank in (0, 1):
+            mine = tl.filter(rank=rank)
+            assert {s.lane for s in mine} == {"device 0", "device 1", "comm"}
+            assert sorted(s.mb for s in mine.filter(lane="device 0", kind="F")) == list(range(splits))
+            assert sorted(s.mb for s in mine.filter(lane="device 1", kind="copy") if s.mb is not None) == list(range(splits))
+            assert [s.meta["layer"] for s in mine.filter(kind="B")] == ["seq2", "seq1.0"]
+            assert [s.lane for s in mine.filter(kind="B")] == ["device 1", "device 0"]
+            assert sorted(s.meta["bucket"] for s in mine.filter(kind="allreduce")) == [0, 1, 2, 3]
+            # device 1's buckets leave before device 0's backward is over
+            first = min(s.start for s in mine.filter(kind="allreduce") if s.meta["bucket"] < 2)
+            assert first <= mine.filter(lane="device 0", kind="B").spans[0].end
+    for kind in OVERLAPS:
+        med, lo, hi = run.overlap(kind)
+        assert 0.0 <= lo <= med <= hi <= 1.0
+    if split is None:
+        assert run.overlap("copy/compute") == (0.0, 0.0, 0.0)  # lesson 02's forward: nothing to hide a copy under
+
+
+# ---------------------------------------------------------------------------------------------
+# The pipe x data grid, on real processes
+# ---------------------------------------------------------------------------------------------
+
+def groups_worker(ctx, pipe, data):
+    place = grid_place(ctx, check_grid(pipe, data, ctx.world_size))
+    group = dist.get_process_group_ranks(place.data_group) if place.data_group is not None else None
+    ctx.barrier()  # rank 0 holds the store the others build their groups with: stay until all are done
+    return place.rank, place.ranks, group
+
+
+def test_grid_groups_come_from_the_topology():
+    got = spawn(groups_worker, 4, 2, 2)
+    # rank = pipe * data_size + data: pipelines are columns, stage copies are rows
+    assert got == [(0, [0, 2], [0, 1]), (0, [1, 3], [0, 1]), (1, [0, 2], [2, 3]), (1, [1, 3], [2, 3])]
+    assert spawn(groups_worker, 4, 4, 1) == [(r, [0, 1, 2, 3], None) for r in range(4)]
+    assert [g for _, _, g in spawn(groups_worker, 4, 1, 4)] == [[0, 1, 2, 3]] * 4
+
+
+@pytest.fixture(scope="module")
+def layout_runs():
+    model, x, y = mlp_problem()
+    return run_layouts(model, x, y, layouts_of(4, 2, 2, 4), steps=2, rounds=1), model, x, y
+
+
+def test_every_layout_equals_one_process_after_optimizer_steps(layout_runs):
+    runs, model, x, y = layout_runs
+    assert [r.name for r in runs] == ["one pipeline (4 x 1)", "grid (2 x 2)", "data parallel (1 x 4)"]
+    for run in runs:
+        assert len(run.losses) == 3  # one checked warm-up step, two timed
+        assert_same(run, reference_run(model, x, y, nn.MSELoss(), steps=3, lr=0.1))
+        assert run.replica_spread == 0.0
+    one_pipe, grid, dp = runs
+    assert one_pipe.pipelines == [[0, 1, 2, 3]] and grid.pipelines == [[0, 2], [1, 3]]
+    assert grid.stages == [[0], [0], [1], [1]] and dp.stages == [[0]] * 4
+
+
+def test_the_stage_all_reduce_starts_after_its_last_backward_and_only_in_data_groups(layout_runs):
+    runs, _, _, _ = layout_runs
+    one_pipe, grid, dp = runs
+    for tl in one_pipe.steps.timelines:
+        assert not tl.filter(kind="allreduce")  # one pipeline: no copies to average with
+    for run in (grid, dp):
+        for tl in run.steps.timelines:
+            reduces = tl.filter(kind="allreduce")
+            assert sorted(s.rank for s in reduces) == [0, 1, 2, 3]  # one per process and step
+            for a in reduces:
+                backwards = [b for b in tl.filter(rank=a.rank, kind="B") if b.meta["stage"] == a.meta["stage"]]
+                assert len(backwards) == run.layout.microbatches and a.start >= max(b.end for b in backwards)
+        med, lo, hi = run.hidden
+        assert 0.0 <= lo <= med <= hi <= 1.0
+    for row in grid.launches():
+        assert row["launched (ms)"] <= row["arrived (ms)"]
+
+
+def test_interleaved_grid_overlaps_its_own_process_s_remaining_work():
+    model, x, y = mlp_problem()
+    run = run_grid(model, x, y, pipe=2, data=2, microbatches=4, schedule="interleaved", steps=1)
+    assert len(run.losses) == 2  # the checked warm-up step and one timed step
+    assert_same(run, reference_run(model, x, y, nn.MSELoss(), steps=2, lr=0.1))
+    assert run.stages == [[0, 2], [0, 2], [1, 3], [1, 3]]
+    tl = run.timeline
+    for rank in range(4):
+        later = [a for a in tl.filter(rank=rank, kind="allreduce") if a.meta["stage"] >= 2]
+        assert later and all(a.start < max(s.end for s in tl.filter(rank=rank, lane="compute")) for a in later)
+
+
+# ---------------------------------------------------------------------------------------------
+# Refused before any process starts
+# ---------------------------------------------------------------------------------------------
+
+@pytest.fixture
+def no_spawn(monkeypatch):
+    def refuse(*args, **kwargs):
+        raise AssertionError("a process was started for input that should have been refused")
+    monkeypatch.setattr(hybrid_experiment, "spawn", refuse)
+    monkeypatch.setattr(grid_experiment, "spawn", refuse)
+
+
+def test_bad_replica_input_is_refused(no_spawn):
+    model, x, y = toy_problem()
+    too_many = hardware.gpu_count() // 2 + 1
+    with pytest.raises(ValueError, match=f"need {2 * too_many} GPUs, and this machine has {hardware.gpu_count()}"):
+        run_replicas(model, x[:2 * too_many], y[:2 * too_many], world_size=too_many, device="cuda")
+    with pytest.raises(ValueError, match="devices_per_replica=3, but a replica here is a model in two halves"):
+        gpu_path(2, 3)
+    with pytest.raises(ValueError, match="device must be 'auto', 'cpu' or 'cuda'"):
+        run_replicas(model, x, y, device="tpu")
+    with pytest.raises(ValueError, match="has no seq1, seq2, fc"):
+        run_replicas(nn.Linear(10, 5), x, y)
+    with pytest.raises(ValueError, match="16 samples does not split evenly over world_size=3"):
+        run_replicas(model, x, y, world_size=3)
+    with pytest.raises(ValueError, match="split_size=9 is larger than a replica's slice"):
+        run_replicas(model, x, y, split_size=9)
+    with pytest.raises(ValueError, match="variants must be some of"):
+        run_replicas(model, x, y, variants=["naive"])
+
+
+def test_bad_grid_input_is_refused(no_spawn):
+    model, x, y = mlp_problem()
+    with pytest.raises(ValueError, match=r"pipe=2 x data=2 holds 4 ranks, not world_size=3.*1 x 3, 3 x 1"):
+        run_grid(model, x, y, pipe=2, data=2, world_size=3)
+    with pytest.raises(ValueError, match=r"holds 2 ranks, not world_size=4"):
+        run_layouts(model, x, y, [Layout(2, 2, 4), Layout(2, 1, 4)])
+    with pytest.raises(ValueError, match=r"batch of 30 samples does not split over data=2 replicas x 4 micro-batches"
+                                         r".*multiple of 8, or microbatches in \[1, 3, 5, 15\]"):
+        run_grid(model, x[:30], y[:30], pipe=2, data=2, microbatches=4)
+    with pytest.raises(ValueError, match="pass an nn.Sequential"):
+        run_grid(models.ToyModel(), x, y)
+    with pytest.raises(ValueError, match="cannot cut a model with 8 layers into 16 stages"):
+        run_grid(model, x, y, pipe=16, data=1, microbatches=1)
+    with pytest.raises(ValueError, match="reduction='mean'"):
+        run_grid(model, x, y, loss_fn=nn.MSELoss(reduction="sum"))
+    with pytest.raises(ValueError, match="unknown schedule"):
+        run_grid(model, x, y, schedule="pipedream")
+    with pytest.raises(ValueError, match="pipe must be a whole number"):
+        run_grid(model, x, y, pipe=0)
+
+
+def test_predicted_step_of_a_layout():
+    assert grid_experiment.ideal_fraction(Layout(4, 1, 4)) == pytest.approx(7 / 16)
+    assert grid_experiment.ideal_fraction(Layout(2, 2, 4)) == pytest.approx(5 / 16)
+    assert grid_experiment.ideal_fraction(Layout(1, 4, 1)) == pytest.approx(1 / 4)
+    # fewer devices than processes: a bubble is filled by another process's work
+    assert grid_experiment.predicted_seconds(Layout(4, 1, 4), 1.0, devices=2) == pytest.approx(0.5)
+    assert grid_experiment.predicted_seconds(Layout(4, 1, 4), 1.0, devices=4) == pytest.approx(7 / 16)
+    model = models.mlp([4, 4])  # 20 parameters, 80 bytes of gradients
+    assert grid_experiment.allreduce_bytes(Layout(1, 4, 1), model) == pytest.approx(120)
+    assert grid_experiment.allreduce_bytes(Layout(4, 1, 1), model) == 0

@@ -1,0 +1,178 @@
+"""The multi-node path, proven on one machine: two torchrun processes, one per "node", each
+starting one worker with `python -m pipelab.launch MODULE:FUNCTION`, exactly as two hosts would
+(`--nnodes 2 --node-rank 0|1 --master-addr ...`). The lesson workers they run (lesson 01's DDP
+step, lesson 06's GPipe step) must compute what `spawn` computes on the same inputs.
+
+The targets live in tests/multinode_targets.py; the torchrun processes find it on PYTHONPATH.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import time
+from types import SimpleNamespace
+
+import pytest
+import torch
+from torch import nn
+
+import multinode_targets as targets
+from pipelab.experiments.ddp import VARIANTS, run_ddp
+from pipelab.experiments.pipeline import gather, run_pipeline
+from pipelab.reference import assert_same, reference_run
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TESTS = os.path.join(ROOT, "tests")
+TORCHRUN = os.path.join(os.path.dirname(sys.executable), "torchrun")
+NODES = 2
+TIMEOUT_S = 150  # both nodes together; a normal run takes a few seconds
+
+pytestmark = [pytest.mark.skipif(not os.path.exists(TORCHRUN), reason=f"no torchrun next to {sys.executable}"),
+              pytest.mark.timeout(2 * TIMEOUT_S + 60)]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _node_env(out_dir: str) -> dict[str, str]:
+    env = dict(os.environ)
+    env.update({
+        "PYTHONPATH": os.pathsep.join([TESTS, ROOT, env.get("PYTHONPATH", "")]).rstrip(os.pathsep),
+        targets.OUT_DIR: out_dir,  # also how we find every process of this run (see _processes_of)
+        # gloo, as spawn uses here: on a 1-GPU machine two "nodes" would otherwise both take cuda:0.
+        "PIPELAB_BACKEND": "gloo",
+        "OMP_NUM_THREADS": "1",
+        "PYTHONUNBUFFERED": "1",
+    })
+    return env
+
+
+def _start_node(node_rank: int, port: int, target: str, out_dir: str, log) -> subprocess.Popen:
+    command = [TORCHRUN, "--nnodes", str(NODES), "--nproc-per-node", "1", "--node-rank", str(node_rank),
+               "--master-addr", "127.0.0.1", "--master-port", str(port),
+               "-m", "pipelab.launch", f"multinode_targets:{target}"]
+    return subprocess.Popen(command, cwd=ROOT, env=_node_env(out_dir), stdout=log, stderr=subprocess.STDOUT,
+                            stdin=subprocess.DEVNULL, start_new_session=True)
+
+
+def _processes_of(out_dir: str) -> list[int]:
+    """Live processes started for this run: their environment names our output folder. torchrun
+    puts its workers in sessions of their own, so this also finds a worker its agent left behind."""
+    marker = f"{targets.OUT_DIR}={out_dir}\0".encode()
+    pids = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/environ", "rb") as f:
+                    if marker in f.read():
+                        pids.append(int(entry))
+            except OSError:  # gone meanwhile, or not ours to read
+                pass
+    return pids
+
+
+def _stop(nodes: list[subprocess.Popen], out_dir: str) -> None:
+    """Stop both torchruns (SIGTERM: each stops its worker), then kill whatever is left."""
+    for p in nodes:
+        if p.poll() is None:
+            p.send_signal(signal.SIGTERM)
+    deadline = time.monotonic() + 15
+    for p in nodes:
+        try:
+            p.wait(timeout=max(0.1, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            os.killpg(p.pid, signal.SIGKILL)
+            p.wait(timeout=10)
+    for pid in _processes_of(out_dir):
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+
+def run_two_nodes(target: str, tmp_path) -> tuple[list, list[str]]:
+    """Run `multinode_targets:<target>` on two torchrun "nodes"; return each rank's saved result
+    and each node's log. On any failure or timeout, everything started here is stopped."""
+    out_dir = str(tmp_path / "out")
+    os.makedirs(out_dir, exist_ok=True)
+    for attempt in range(2):  # a second try only if another program took our free port meanwhile
+        port = _free_port()
+        logs = [tmp_path / f"{target}-node{n}-try{attempt}.log" for n in range(NODES)]
+        nodes = []
+        try:
+            for n in range(NODES):
+                with open(logs[n], "wb") as log:
+                    nodes.append(_start_node(n, port, target, out_dir, log))
+            deadline = time.monotonic() + TIMEOUT_S
+            while any(p.poll() is None for p in nodes) and time.monotonic() < deadline:
+                if any(p.poll() not in (None, 0) for p in nodes):
+                    time.sleep(2)  # let the other node report too, then stop it
+                    break
+                time.sleep(0.1)
+            codes = [p.poll() for p in nodes]
+        finally:
+            _stop(nodes, out_dir)
+        texts = [log.read_text(errors="replace") for log in logs]
+        if codes == [0] * NODES:
+            assert not _processes_of(out_dir), "a torchrun worker outlived its node"
+            results = [torch.load(os.path.join(out_dir, f"{target}-rank{r}.pt"), weights_only=False)
+                       for r in range(NODES)]
+            return results, texts
+        if attempt == 0 and any("address already in use" in t.lower() for t in texts):
+            continue
+        report = "\n".join(f"--- node {n} (exit code {codes[n]}, None = stopped at the timeout) ---\n{t[-4000:]}"
+                           for n, t in enumerate(texts))
+        raise AssertionError(f"two-node torchrun of {target} failed:\n{report}")
+    raise AssertionError("unreachable")
+
+
+def _assert_ranks_on_both_nodes(logs: list[str], target: str) -> None:
+    """Node n's torchrun ran global rank n (one worker per node)."""
+    for n, text in enumerate(logs):
+        assert f"{target}: rank {n} of {NODES} saved" in text, f"node {n} did not run rank {n}:\n{text}"
+
+
+def test_ddp_step_on_two_nodes_equals_spawn(tmp_path):
+    """Lesson 01: each DDP variant's loss, gradients, updated weights and replica spread over two
+    torchrun nodes equal those of `run_ddp` (spawn) on the same model and batch."""
+    per_rank, logs = run_two_nodes("ddp_step", tmp_path)
+    _assert_ranks_on_both_nodes(logs, "ddp_step")
+    model, x, y = targets.ddp_inputs()
+    spawned = run_ddp(model, x, y, world_size=NODES, bucket_cap_mb=targets.DDP_BUCKET_CAP_MB,
+                      lr=targets.DDP_LR, steps=1, backend="gloo")
+    reference = reference_run(model, x, y, nn.MSELoss(), steps=1, lr=targets.DDP_LR)
+    for variant in VARIANTS:
+        ranks = [r[variant] for r in per_rank]
+        two_nodes = SimpleNamespace(name=f"{variant} on two nodes",
+                                    losses=[statistics.mean(r["steps"].results[0] for r in ranks)],
+                                    grads=ranks[0]["grads"], weights=ranks[0]["weights"],
+                                    replica_spread=max(r["spread"] for r in ranks))
+        run = spawned[variant]
+        torch.testing.assert_close(two_nodes.losses, run.losses, msg=lambda m: f"{variant} losses: {m}")
+        torch.testing.assert_close(two_nodes.grads, run.grads, msg=lambda m: f"{variant} gradients: {m}")
+        torch.testing.assert_close(two_nodes.weights, run.weights, msg=lambda m: f"{variant} weights: {m}")
+        assert_same(two_nodes, reference)  # and both equal one process (replicas in step included)
+    assert len(per_rank[0]["bucketed"]["buckets"]) > 1  # several buckets: the overlapping path ran
+
+
+def test_gpipe_step_on_two_nodes_equals_spawn(tmp_path):
+    """Lesson 06: GPipe's loss and every stage's gradients over two torchrun nodes (one stage
+    each, activations sent between the nodes) equal those of `run_pipeline` (spawn)."""
+    per_rank, logs = run_two_nodes("gpipe_step", tmp_path)
+    _assert_ranks_on_both_nodes(logs, "gpipe_step")
+    stages, schedule, x, y = targets.gpipe_inputs()
+    two_nodes = gather(schedule, [results[0] for results in per_rank])
+    spawned = run_pipeline(stages, schedule, x, y, nn.MSELoss(), steps=1, backend="gloo")
+    torch.testing.assert_close(two_nodes.losses, spawned.losses, msg=lambda m: f"losses: {m}")
+    torch.testing.assert_close(two_nodes.grads, spawned.grads, msg=lambda m: f"gradients: {m}")
+    assert [r[0].stages for r in per_rank] == [[0], [1]]
+    assert two_nodes.messages_sent == spawned.messages_sent > 0  # activations and gradients crossed
+    assert_same(two_nodes, reference_run(nn.Sequential(*stages), x, y, nn.MSELoss(), lr=None))

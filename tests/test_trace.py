@@ -1,0 +1,155 @@
+"""pipelab's tracer (pipeline/trace.py): cut points, values that skip a stage, tied weights,
+equality with the unsplit model and with torch's pipeline(), and the errors it gives."""
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+from pipelab.experiments import splitting
+from pipelab.pipeline.schedules import make_schedule
+from pipelab.pipeline.trace import check_stages, split
+from pipelab.reference import assert_same, reference_run
+from pipelab.transformer import ModelArgs, Transformer, token_loss
+
+ARGS = ModelArgs(dim=16, n_layers=4, n_heads=2, vocab_size=50)
+
+
+class Skip(nn.Module):
+    """a -> b -> c, plus a residual from a's output to the end: it skips stage 1."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b, self.c = nn.Linear(4, 4), nn.Linear(4, 4), nn.Linear(4, 4)
+
+    def forward(self, x):
+        h = self.a(x)
+        return self.c(self.b(h)) + h
+
+
+class Branchy(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Linear(4, 4)
+
+    def forward(self, x):
+        if x.sum() > 0:  # data-dependent: cannot be traced
+            return self.a(x)
+        return x
+
+
+class Unused(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = nn.Linear(4, 4), nn.Linear(4, 4)
+
+    def forward(self, x):
+        return self.a(x)
+
+
+def run_chain(stages, *inputs):
+    """The stages in a row, each a separate copy (as on separate processes)."""
+    values = inputs
+    for stage in stages:
+        out = stage(*values)
+        values = out if isinstance(out, tuple) else (out,)
+    return values[0]
+
+
+def transformer(tied=False):
+    torch.manual_seed(0)
+    return Transformer(ARGS, tie_weights=tied)
+
+
+def test_cut_points_and_a_value_that_skips_a_stage_is_forwarded():
+    torch.manual_seed(0)
+    model = Skip()
+    parts = split(model, ["b", "c"])
+    assert len(parts) == 3
+    assert parts.receives == [["x"], ["a"], ["a", "b"]]
+    assert parts.sends == [["a"], ["a", "b"], ["output"]]
+    assert [sorted(n for n, _ in s.named_parameters()) for s in parts.stages] == \
+        [["a.bias", "a.weight"], ["b.bias", "b.weight"], ["c.bias", "c.weight"]]
+    x = torch.randn(3, 4)
+    stages = [copy.deepcopy(s) for s in parts.stages]
+    run_chain(stages, x).sum().backward()
+    ref = reference_run(model, x, torch.zeros(3, 4), lambda out, _: out.sum(), lr=None)
+    grads = [{n: p.grad for n, p in s.named_parameters()} for s in stages]
+    assert torch.allclose(run_chain(parts.stages, x), model(x))
+    for g in grads:
+        for name, grad in g.items():  # a's gradient includes the residual's, through stage 1
+            torch.testing.assert_close(grad, ref.grads[name])
+
+
+def test_transformer_split_equals_the_unsplit_model():
+    model = transformer()
+    x, y = splitting.make_batch(ARGS, 4, 8)
+    parts = split(model, ["layers.1", "layers.3"])
+    assert parts.receives[1:] == [["layers_0"], ["layers_2"]]
+    assert "tok_embeddings.weight" in dict(parts.stages[0].named_parameters())
+    assert "output.weight" in dict(parts.stages[2].named_parameters())
+    stages = [copy.deepcopy(s) for s in parts.stages]
+    loss = token_loss(run_chain(stages, x), y)
+    loss.backward()
+    ref = reference_run(model, x, y, token_loss, lr=None)
+    assert loss.item() == pytest.approx(ref.loss, abs=1e-6)
+    for stage in stages:
+        for name, p in stage.named_parameters():
+            torch.testing.assert_close(p.grad, ref.grads[name], atol=1e-6, rtol=1e-5)
+
+
+def test_tied_weight_is_held_by_both_stages_and_its_gradients_add_up():
+    model = transformer(tied=True)
+    x, y = splitting.make_batch(ARGS, 4, 8)
+    parts = split(model, ["layers.2"])
+    stages = [copy.deepcopy(s) for s in parts.stages]  # separate copies, as on two processes
+    assert stages[0].tok_embeddings.weight is not stages[1].output.weight
+    token_loss(run_chain(stages, x), y).backward()
+    grads = [{n: p.grad for n, p in s.named_parameters()} for s in stages]
+    ref = reference_run(model, x, y, token_loss, lr=None)
+    either = splitting.tied_gradient(grads, ["tok_embeddings.weight", "output.weight"])
+    torch.testing.assert_close(either, ref.grads["tok_embeddings.weight"], atol=1e-6, rtol=1e-5)
+    with pytest.raises(AssertionError):  # one stage's share alone is not the gradient
+        torch.testing.assert_close(grads[0]["tok_embeddings.weight"], ref.grads["tok_embeddings.weight"])
+
+
+def test_same_stages_as_torch_pipeline():
+    model = transformer()
+    x, _ = splitting.make_batch(ARGS, 4, 8)
+    parts = split(model, ["layers.2"])
+    pipe = splitting.torch_pipe(model, x[:2], ["layers.2"])
+    assert splitting.compare_with_torch(parts, pipe, x[:2]) < 1e-5
+    assert splitting.pipe_crossings(pipe)[1] == ["submod_pp_0"]
+
+
+def test_errors_name_the_module_or_the_line():
+    model = transformer()
+    with pytest.raises(ValueError, match="'layers.9' names no submodule"):
+        split(model, ["layers.9"])
+    with pytest.raises(ValueError, match="out of order: 'layers.1' runs before 'layers.3'"):
+        split(model, ["layers.3", "layers.1"])
+    with pytest.raises(ValueError, match="leave stage 0 with nothing to compute"):
+        split(model, ["tok_embeddings"])
+    with pytest.raises(ValueError, match="never called"):
+        split(Unused(), ["b"])
+    with pytest.raises(ValueError, match=r"cannot trace Branchy.*test_trace.py:\d+: if x.sum\(\) > 0"):
+        split(Branchy(), ["a"])
+    with pytest.raises(ValueError, match="3 stages but 2 processes"):
+        check_stages(3, 2)
+    x, y = splitting.make_batch(ARGS, 4, 8)
+    with pytest.raises(ValueError, match="3 stages but 2 processes"):
+        splitting.run_traced(model, ["layers.1", "layers.2"], [make_schedule("gpipe", 2, 2)], x, y)
+
+
+def test_traced_stages_run_under_pipelab_runtime():
+    model = transformer(tied=True)
+    x, y = splitting.make_batch(ARGS, 4, 8)
+    _, (run,) = splitting.run_traced(model, ["layers.2"], [make_schedule("1f1b", 2, 2)], x, y)
+    ref = reference_run(model, x, y, token_loss, lr=None)
+    tied = splitting.tied_gradient(run.grads, ["tok_embeddings.weight", "output.weight"])
+    torch.testing.assert_close(tied, ref.grads["tok_embeddings.weight"], atol=1e-6, rtol=1e-5)
+    run.grads[1].pop("output.weight")
+    run.grads[0].pop("tok_embeddings.weight")
+    ref.grads.pop("tok_embeddings.weight")
+    assert_same(run, ref, atol=1e-6)
