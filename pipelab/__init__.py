@@ -11,8 +11,8 @@ import importlib
 __version__ = "0.1.0"
 
 _SUBMODULES = {
-    "batch", "checks", "cli", "collectives", "ddp", "display", "experiments", "hardware", "hybrid",
-    "launch", "measure", "model_parallel", "models", "pipeline", "plots", "reference", "streams",
+    "batch", "checks", "cli", "collectives", "data", "ddp", "display", "experiments", "hardware", "hybrid",
+    "launch", "lm", "measure", "model_parallel", "models", "pipeline", "plots", "reference", "streams",
     "timeline", "transformer", "widgets", "worker",
 }
 

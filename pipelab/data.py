@@ -27,7 +27,7 @@ UNK, EOS = "<unk>", "<eos>"
 
 def tokenize(line: str) -> list[str]:
     """Words and punctuation marks of one line, lower-cased (the tutorial's `basic_english`)."""
-    return re.findall(r"[a-z0-9]+(?:'[a-z]+)?|[^\sa-z0-9]", line.lower())
+    return re.findall(r"[a-z0-9_]+(?:'[a-z]+)?|[^\sa-z0-9_]", line.lower())
 
 
 def pydoc_lines() -> list[str]:

@@ -85,3 +85,14 @@ def test_tutorial_normalisation_is_too_small_on_a_long_set():
 def test_bad_recipe_is_refused_before_starting():
     with pytest.raises(ValueError, match="multiple of 8"):
         train_lm(load_corpus(max_lines=100), LMConfig(batch_size=20, microbatches=4))
+
+
+def test_a_recipe_that_does_not_fit_is_refused():
+    from pipelab.experiments.capstone import check_fits, expected_memory
+    cfg = LMConfig(emsize=32, nhid=64)
+    model = cfg.model(100)
+    rows = expected_memory(model, partition_layers(list(model), 2), cfg, 100)
+    assert all(r["total"] > 2 * r["parameters"] > 0 for r in rows)
+    check_fits(rows, 2**30)
+    with pytest.raises(ValueError, match="GiB"):
+        check_fits(rows, 1000)
