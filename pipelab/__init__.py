@@ -20,6 +20,6 @@ _SUBMODULES = {
 def __getattr__(name: str):
     if name in _SUBMODULES:
         return importlib.import_module(f"pipelab.{name}")
-    if name in ("show", "headline"):
+    if name in ("show", "headline", "conclude"):
         return getattr(importlib.import_module("pipelab.display"), name)
     raise AttributeError(f"module 'pipelab' has no attribute {name!r}")

@@ -182,7 +182,10 @@ def format_headline(h: dict | None) -> str:
         except ValueError:
             pass
     shown = f"{value:.4g}" if isinstance(value, (int, float)) and not isinstance(value, bool) else str(value)
-    return f"{h.get('name', 'headline')} = {shown} {h.get('unit') or ''}".rstrip()
+    text = f"{h.get('name', 'headline')} = {shown} {h.get('unit') or ''}".rstrip()
+    if isinstance(h.get("low"), (int, float)) and isinstance(h.get("high"), (int, float)):
+        text += f" ({h['low']:.3g}-{h['high']:.3g})"
+    return text
 
 
 def summary_table(runs: list[NotebookRun]) -> str:

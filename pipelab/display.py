@@ -6,6 +6,7 @@ import inspect
 import json
 
 HEADLINE_MIME = "application/vnd.pipelab.headline+json"
+CONCLUSION_MIME = "application/vnd.pipelab.conclusion+json"
 
 
 def show(obj) -> None:
@@ -24,13 +25,58 @@ def show(obj) -> None:
     display({"text/html": html, "text/plain": f"# {where}\n{source}"}, raw=True)
 
 
-def headline(name: str, value: float, unit: str = "") -> None:
-    """Report this notebook's one headline figure (the `pipelab run` summary table reads it)."""
+def headline(name: str, value, unit: str = "") -> None:
+    """Report this notebook's one headline figure (the `pipelab run` summary table reads it).
+
+    `value` is a number or a `measure.Measured`; then the median is the figure and its min-max
+    spread over the repeats travels with it."""
     from IPython.display import display
 
-    text = f"Headline: {name} = {value:.4g} {unit}".rstrip()
-    data = {"name": name, "value": float(value), "unit": unit}
+    data = {"name": name, "value": float(getattr(value, "median", value)), "unit": unit}
+    if hasattr(value, "values") and len(value.values) > 1:
+        data["low"], data["high"] = float(value.low), float(value.high)
+    text = f"Headline: {name} = {data['value']:.4g} {unit}".rstrip()
+    if "low" in data:
+        text += f" (min {data['low']:.4g}, max {data['high']:.4g} over {len(value.values)} repeats)"
     display({HEADLINE_MIME: data, "text/plain": text}, raw=True)
+
+
+def conclude(key: str, verdict: str, text: str, **figures) -> None:
+    """State a conclusion this run supports, computed from its figures.
+
+    `verdict` is the conclusion in a word or two ('lower', 'within noise', 'fits', ...): the part
+    that must not change from run to run. `text` is the sentence the student reads, written from
+    the figures; `figures` are the numbers behind it. `benchmarks/conclusions.py` runs the course
+    several times and lists every `key` whose verdict changed."""
+    from IPython.display import display
+
+    data = {"key": key, "verdict": verdict, "text": text, "figures": _plain(figures)}
+    display({CONCLUSION_MIME: data, "text/markdown": f"**On this run:** {text}",
+             "text/plain": f"On this run: {text}"}, raw=True)
+
+
+def _plain(figures: dict) -> dict:
+    """Figures as JSON can hold them (a `Measured` becomes median/low/high)."""
+    out = {}
+    for name, value in figures.items():
+        if hasattr(value, "median") and hasattr(value, "values"):
+            out[name] = {"median": value.median, "low": value.low, "high": value.high}
+        elif isinstance(value, (int, float, str, bool)) or value is None:
+            out[name] = value
+        else:
+            out[name] = str(value)
+    return out
+
+
+def read_conclusions(notebook: dict) -> list[dict]:
+    """Every conclusion an executed notebook stated, in order."""
+    found = []
+    for cell in notebook.get("cells", []):
+        for out in cell.get("outputs", []):
+            value = out.get("data", {}).get(CONCLUSION_MIME)
+            if value is not None:
+                found.append(json.loads(value) if isinstance(value, str) else dict(value))
+    return found
 
 
 def read_headline(notebook: dict) -> dict | None:

@@ -118,3 +118,85 @@ def best_of(runs: Mapping[Any, Callable[[], Any]], repeats: int, prepare: Callab
             if seconds < best[key][0]:
                 best[key] = (seconds, result)
     return best
+
+
+@dataclass(frozen=True)
+class Measured:
+    """A figure measured several times: its median and how far the repeats spread (min to max).
+
+    Lessons draw conclusions from the median and show the spread beside it, so one disturbed
+    repeat on a busy machine moves neither the figure nor the sentence written from it."""
+
+    values: tuple[float, ...]
+
+    @classmethod
+    def of(cls, values) -> "Measured":
+        values = tuple(float(v) for v in values)
+        if not values:
+            raise ValueError("Measured.of needs at least one value; run the measurement at least once")
+        return cls(values)
+
+    @property
+    def median(self) -> float:
+        return statistics.median(self.values)
+
+    @property
+    def low(self) -> float:
+        return min(self.values)
+
+    @property
+    def high(self) -> float:
+        return max(self.values)
+
+    @property
+    def relative_spread(self) -> float:
+        """(max - min) / median: 0.1 means the repeats moved 10 % around their median."""
+        return (self.high - self.low) / abs(self.median) if self.median else float("inf")
+
+    def scaled(self, factor: float) -> "Measured":
+        """The same repeats in another unit (e.g. seconds to milliseconds)."""
+        return Measured(tuple(v * factor for v in self.values))
+
+    def __format__(self, spec: str) -> str:
+        spec = spec or ".3g"
+        if len(self.values) == 1:
+            return format(self.median, spec)
+        return f"{self.median:{spec}} ({self.low:{spec}}-{self.high:{spec}})"
+
+    def __str__(self) -> str:
+        return format(self, "")
+
+
+def compare(a: Measured, b: Measured) -> str:
+    """'lower', 'higher' or 'within noise': how `a` stands against `b` on this run.
+
+    A direction is claimed only when the two ranges of repeats do not overlap (every repeat of one
+    beat every repeat of the other); otherwise the machine's noise is as large as the effect."""
+    if a.high < b.low:
+        return "lower"
+    if a.low > b.high:
+        return "higher"
+    return "within noise"
+
+
+def ratios(a: Sequence[float], b: Sequence[float]) -> Measured:
+    """Round-by-round ratios a[i] / b[i] of two measurements taken in alternation."""
+    if len(a) != len(b):
+        raise ValueError(f"ratios needs as many repeats of each side, got {len(a)} and {len(b)}")
+    return Measured.of(x / y for x, y in zip(a, b))
+
+
+def alternate(runs: Mapping[Any, Callable[[], float]], repeats: int, warmup: int = 1) -> dict[Any, list[float]]:
+    """Call each run once per round, in turn (A B A B ...), for `repeats` rounds; each run returns
+    its own figure (e.g. a step time). Returns every run's figures, one per round.
+
+    A load that comes and goes on the machine then hits every side alike, so the per-round ratio
+    (`ratios`) is steadier than a ratio of two figures measured minutes apart."""
+    for _ in range(warmup):
+        for run in runs.values():
+            run()
+    figures: dict[Any, list[float]] = {key: [] for key in runs}
+    for _ in range(repeats):
+        for key, run in runs.items():
+            figures[key].append(float(run()))
+    return figures
