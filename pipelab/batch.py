@@ -56,6 +56,7 @@ class NotebookRun:
     traceback: str = ""  # the failing cell's traceback, colours removed
     html: str = ""  # the HTML copy, when one was rendered
     note: str = ""  # e.g. that the notebook has no such profile and ran with its defaults
+    conclusions: list = field(default_factory=list)  # what the run stated (pipelab.conclude), in order
 
     def summary(self) -> dict:
         """This run as JSON-safe data (NaN and infinities written as text)."""
@@ -126,14 +127,15 @@ def run_notebook(path: str, out_dir: str = "build", parameters: dict | None = No
         status = "failed"
         error, tb = describe_failure(e, watch)
     seconds = watch.elapsed()
-    headline = None
+    headline, conclusions = None, []
     if os.path.exists(out_path):
-        from pipelab.display import read_headline
+        from pipelab.display import read_conclusions, read_headline
 
         with open(out_path) as f:
-            headline = read_headline(json.load(f))
+            executed = json.load(f)
+        headline, conclusions = read_headline(executed), read_conclusions(executed)
     return NotebookRun(name or os.path.basename(path), status, seconds, headline, error,
-                       dict(parameters or {}), out_path, tb)
+                       dict(parameters or {}), out_path, tb, conclusions=conclusions)
 
 
 def describe_failure(e: Exception, watch: _Watch) -> tuple[str, str]:
@@ -199,3 +201,42 @@ def _json_safe(value):
     if isinstance(value, (list, tuple)):
         return [_json_safe(v) for v in value]
     return value
+
+
+def conclusion_changes(runs: list[list[dict]]) -> list[dict]:
+    """Conclusions whose verdict differed between repeated runs of the same notebooks.
+
+    `runs`: per run, the notebook rows of its summary.json (each with "notebook" and "conclusions").
+    Returns one entry per (notebook, key) whose verdicts were not all equal, or that some run did not
+    state: the verdicts, sentences and figures of every run, so a reader sees what moved and why."""
+    seen: dict[tuple[str, str], list] = {}
+    for i, rows in enumerate(runs):
+        for row in rows:
+            for c in row.get("conclusions") or []:
+                seen.setdefault((row["notebook"], c["key"]), [None] * len(runs))[i] = c
+    changes = []
+    for (notebook, key), stated in seen.items():
+        verdicts = [c["verdict"] if c else None for c in stated]
+        if len(set(verdicts)) > 1:
+            changes.append({"notebook": notebook, "key": key, "verdicts": verdicts,
+                            "texts": [c["text"] if c else None for c in stated],
+                            "figures": [c.get("figures") if c else None for c in stated]})
+    return changes
+
+
+def headline_spread(runs: list[list[dict]]) -> dict[str, dict]:
+    """Per notebook: its headline's name, unit and value in each run, with median, min and max."""
+    import statistics
+
+    out: dict[str, dict] = {}
+    for rows in runs:
+        for row in rows:
+            h = row.get("headline") or {}
+            value = h.get("value")
+            if isinstance(value, (int, float)):
+                entry = out.setdefault(row["notebook"], {"name": h.get("name"), "unit": h.get("unit"), "values": []})
+                entry["values"].append(value)
+    for entry in out.values():
+        v = entry["values"]
+        entry.update(median=statistics.median(v), low=min(v), high=max(v))
+    return out

@@ -308,6 +308,10 @@ def main(argv: list[str] | None = None) -> int:
     except UsageError as e:
         print(f"pipelab {ns.command}: {e}", file=sys.stderr)
         return 2
+    except BrokenPipeError:
+        # The reader went away (`pipelab profiles | head`): stop quietly, as other commands do.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 0
 
 
 if __name__ == "__main__":
