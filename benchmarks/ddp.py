@@ -1,16 +1,19 @@
 """Our BucketedDDP against torch's DistributedDataParallel: same model, data, ranks and bucket size.
 
     python benchmarks/ddp.py [--ranks 2] [--width 1024] [--layers 10] [--batch 128]
-                             [--bucket-cap-mb 8 25] [--steps 5] [--rounds 3]
+                             [--bucket-cap-mb 8 25] [--steps 3] [--rounds 5]
 
 An MLP of about 10M parameters (10 Linear layers of 1024 x 1024, 40 MiB of gradients). Our
 gradients are first checked against one process. Then both wrappers train in one set of
-processes, alternating rounds so that a busy machine slows both alike; a step time is the slowest
-rank's, and we report the median of the timed steps (each wrapper's first step warms up).
+processes, in turn (ours, torch's, ours, torch's, ... `measure.alternate`), `--steps` timed steps
+each per round, so that a load that comes and goes hits both alike. A step time is the slowest
+rank's; a round's figure is its median step. Each round gives one ratio ours / torch, and we
+report the median of those ratios with their min and max.
 
-Prints a table, then, as its last line, one JSON object: the step time ratio ours / torch (below
-1.0: ours is faster) and the fraction of our all-reduce time hidden behind compute, at the first
-bucket size given (8 MiB: 5 buckets), and the same figures at the others (torch's default of
+Prints a table, then, as its last line, one JSON object: the ratio ours / torch (below 1.0: ours
+is faster; median over rounds, with `ratio_vs_torch_low` and `_high` its min and max) and the
+fraction of our all-reduce time hidden behind compute, at the first bucket size given (8 MiB:
+5 buckets), and the same figures at the others (torch's default of
 25 MiB makes only 2 buckets of this model, and the last, 40% of the bytes, can only leave after
 backward, which caps the overlap near one half).
 """
@@ -36,8 +39,8 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=128, help="the whole batch, split over the ranks")
     parser.add_argument("--bucket-cap-mb", type=float, nargs="+", default=[8.0, 25.0],
                         help="bucket sizes in MiB; the first one gives the headline figures")
-    parser.add_argument("--steps", type=int, default=5, help="timed steps per wrapper and round")
-    parser.add_argument("--rounds", type=int, default=3, help="alternating rounds of ours and torch's")
+    parser.add_argument("--steps", type=int, default=3, help="timed steps per wrapper and round")
+    parser.add_argument("--rounds", type=int, default=5, help="alternating rounds of ours and torch's")
     args = parser.parse_args()
     print(hardware.describe(args.ranks))
 
@@ -54,23 +57,30 @@ def main() -> None:
     points = bucket_sweep(model, x, y, args.bucket_cap_mb, world_size=args.ranks, steps=args.steps,
                           rounds=args.rounds, timeout=600)
     print(f"{args.ranks} ranks, MLP {args.layers} x {args.width} ({params / 1e6:.1f}M parameters, "
-          f"{params * 4 / 2**20:.0f} MiB of gradients), batch {args.batch}; median of {args.rounds} rounds x "
-          f"{args.steps} timed steps; gradients match one process (largest difference {worst:.1e})")
-    print(f"{'bucket_cap_mb':>13} {'buckets':>7} {'ours (ms)':>10} {'torch (ms)':>10} {'ratio':>6} {'overlap':>7}")
+          f"{params * 4 / 2**20:.0f} MiB of gradients), batch {args.batch}; {args.rounds} rounds x "
+          f"{args.steps} timed steps, ours and torch's in turn; gradients match one process (largest "
+          f"difference {worst:.1e})")
+    print("step times: median (min-max) over every timed step; ratio: median (min-max) over rounds")
+    print(f"{'bucket_cap_mb':>13} {'buckets':>7} {'ours (ms)':>20} {'torch (ms)':>20} {'ours / torch':>20} "
+          f"{'overlap':>7}")
     for p in points:
-        print(f"{p.bucket_cap_mb:>13g} {p.num_buckets:>7} {p.step_time * 1e3:>10.1f} "
-              f"{p.torch_step_time * 1e3:>10.1f} {p.step_time / p.torch_step_time:>6.3f} {p.overlap:>7.2f}")
+        print(f"{p.bucket_cap_mb:>13g} {p.num_buckets:>7} {format(p.times.scaled(1e3), '.1f'):>20} "
+              f"{format(p.torch_times.scaled(1e3), '.1f'):>20} {format(p.ratio, '.3f'):>20} {p.overlap:>7.2f}")
     main_point = points[0]
     figures = {
         "world_size": args.ranks, "params_M": round(params / 1e6, 2), "bucket_cap_mb": main_point.bucket_cap_mb,
         "buckets": main_point.num_buckets, "ours_ms": round(main_point.step_time * 1e3, 2),
         "torch_ms": round(main_point.torch_step_time * 1e3, 2),
-        "ratio_vs_torch": round(main_point.step_time / main_point.torch_step_time, 3),
-        "overlap": round(main_point.overlap, 3),
+        "ratio_vs_torch": round(main_point.ratio.median, 3),
+        "ratio_vs_torch_low": round(main_point.ratio.low, 3), "ratio_vs_torch_high": round(main_point.ratio.high, 3),
+        "rounds": args.rounds, "overlap": round(main_point.overlap, 3),
     }
     for p in points[1:]:
-        figures[f"ratio_vs_torch_at_{p.bucket_cap_mb:g}mb"] = round(p.step_time / p.torch_step_time, 3)
-        figures[f"overlap_at_{p.bucket_cap_mb:g}mb"] = round(p.overlap, 3)
+        at = f"at_{p.bucket_cap_mb:g}mb"
+        figures[f"ratio_vs_torch_{at}"] = round(p.ratio.median, 3)
+        figures[f"ratio_vs_torch_low_{at}"] = round(p.ratio.low, 3)
+        figures[f"ratio_vs_torch_high_{at}"] = round(p.ratio.high, 3)
+        figures[f"overlap_{at}"] = round(p.overlap, 3)
     print(json.dumps(figures))
 
 

@@ -7,15 +7,17 @@ An MLP of `layers` Linear layers of `width` on `pipe x data` processes, laid out
 set of processes: one pipeline of `pipe x data` stages on the whole batch, the grid (`data`
 pipelines of `pipe` stages, each stage's gradients all-reduced over its copies from the moment its
 last backward is done), and pure data parallelism (every process the whole model). The layouts
-alternate in rounds so that a busy machine slows them all alike; a step time is the slowest
-process's, and we report the median of the timed steps. Every layout is first checked against one
-process (losses, gradients, weights after the SGD steps).
+alternate round by round (`measure.alternate`: A B C A B C ...) so that a load that comes and goes
+slows them all alike; a step time is the slowest process's, a round's figure the median of its
+timed steps. Every layout is first checked against one process (losses, gradients, weights after
+the SGD steps).
 
 Prints a table, then, as its last line, one JSON object: the grid's step time against one pipeline
-and against pure data parallelism (below 1.0: the grid is faster), and the share of the grid's
-data-parallel all-reduce time (from the last copy's launch to arrival) during which some process
-still computed, i.e. hidden behind pipeline compute (median of the timed steps, with the lowest and
-highest).
+and against pure data parallelism (below 1.0: the grid is faster) as the median of the round-by-
+round ratios with their min and max (`measure.ratios`), and the share of the grid's data-parallel
+all-reduce time (from the last copy's launch to arrival) during which some process still computed,
+i.e. hidden behind pipeline compute (median of the timed steps, with the lowest and highest), beside
+the share the schedule would hide on one device per process, simulated with the measured costs.
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ from torch import nn
 from pipelab import hardware, models
 from pipelab.display import format_table
 from pipelab.experiments.grid import layouts_of, one_device_seconds, predicted_seconds, run_layouts
+from pipelab.measure import ratios
 from pipelab.reference import assert_same, reference_run
 
 
@@ -62,23 +65,29 @@ def main() -> None:
 
     one_pipe, grid, dp = runs
     print(f"{world} processes, MLP {args.layers} x {args.width}, batch {args.batch}, {args.schedule}, "
-          f"m={args.microbatches}; median of {args.rounds} rounds x {args.steps} timed steps; every layout matches "
+          f"m={args.microbatches}; {args.rounds} alternating rounds x {args.steps} timed steps; every layout matches "
           f"one process (largest gradient difference {worst:.1e}); one {device} forward+backward of the whole "
           f"batch: {one * 1e3:.1f} ms")
     print(format_table([{"layout": r.name, "step_ms": round(r.step_time * 1e3, 1),
                          "fastest_ms": round(r.spread[0] * 1e3, 1), "slowest_ms": round(r.spread[1] * 1e3, 1),
+                         "grid_vs_this": f"{ratios(grid.round_times, r.round_times):.3f}",
                          f"predicted_ms_{devices}_{device}": round(predicted_seconds(r.layout, one, devices) * 1e3, 1),
                          f"predicted_ms_{world}_gpus": round(predicted_seconds(r.layout, one, world) * 1e3, 1),
-                         "hidden_allreduce": round(r.hidden[0], 3)} for r in runs]))
-    hidden, low, high = grid.hidden
+                         "hidden_allreduce": round(r.hidden.median, 3)} for r in runs]))
+    hidden = grid.hidden
+    vs_pipe, vs_dp = ratios(grid.round_times, one_pipe.round_times), ratios(grid.round_times, dp.round_times)
     figures = {
         "world_size": world, "pipe": args.pipe, "data": args.data, "microbatches": args.microbatches,
         "schedule": args.schedule, "grid_ms": round(grid.step_time * 1e3, 2),
         "one_pipeline_ms": round(one_pipe.step_time * 1e3, 2), "data_parallel_ms": round(dp.step_time * 1e3, 2),
-        "grid_vs_one_pipeline": round(grid.step_time / one_pipe.step_time, 3),
-        "grid_vs_data_parallel": round(grid.step_time / dp.step_time, 3),
-        "allreduce_hidden": round(hidden, 3), "allreduce_hidden_min": round(low, 3),
-        "allreduce_hidden_max": round(high, 3),
+        "rounds": args.rounds,
+        "grid_vs_one_pipeline": round(vs_pipe.median, 3), "grid_vs_one_pipeline_min": round(vs_pipe.low, 3),
+        "grid_vs_one_pipeline_max": round(vs_pipe.high, 3),
+        "grid_vs_data_parallel": round(vs_dp.median, 3), "grid_vs_data_parallel_min": round(vs_dp.low, 3),
+        "grid_vs_data_parallel_max": round(vs_dp.high, 3),
+        "allreduce_hidden": round(hidden.median, 3), "allreduce_hidden_min": round(hidden.low, 3),
+        "allreduce_hidden_max": round(hidden.high, 3),
+        "allreduce_hidden_simulated": round(grid.simulated_hidden(), 3),
     }
     print(json.dumps(figures))
 

@@ -1,12 +1,15 @@
 """Lesson 10's Transformer LM: tokens/s of the pipe x data grid against one process, same machine.
 
     python benchmarks/lm.py [--pipe 2] [--data 2] [--microbatches 2] [--schedule 1f1b]
-                            [--emsize 64] [--nhid 128] [--nlayers 4] [--batches 100]
+                            [--emsize 64] [--nhid 128] [--nlayers 4] [--batches 100] [--repeats 3]
 
-Trains `batches` windows of the built-in corpus (Python's documentation) on the grid, checks that
-its first losses equal one process's, then times the same number of steps of the whole model in
-this process on one thread (as a worker runs). Prints a table, then, as its last line, one JSON
-object: tokens/s of both and their ratio (above 1.0: the grid is faster).
+Each round trains `batches` windows of the built-in corpus (Python's documentation) on the grid
+(its tokens/s: the median over its log intervals, the first dropped) and then the same number of
+steps of the whole model in this process on one thread (as a worker runs); rounds alternate the
+two (A B A B ...), so a load that comes and goes hits both alike. The grid's first losses are
+checked against one process's. Prints a table, then, as its last line, one JSON object: the
+median tokens/s of both and the median round-by-round ratio with its min-max (above 1.0: the
+grid is faster).
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ from pipelab import hardware
 from pipelab.data import load_corpus
 from pipelab.display import format_table
 from pipelab.experiments.capstone import LMConfig, single_process_losses, train_lm, train_one_process
+from pipelab.measure import Measured, alternate, ratios
 
 
 def main() -> None:
@@ -31,23 +35,37 @@ def main() -> None:
     parser.add_argument("--emsize", type=int, default=64)
     parser.add_argument("--nhid", type=int, default=128)
     parser.add_argument("--nlayers", type=int, default=4)
-    parser.add_argument("--batches", type=int, default=100, help="training windows timed on each side")
+    parser.add_argument("--batches", type=int, default=100, help="training windows timed on each side, per round")
+    parser.add_argument("--repeats", type=int, default=3, help="rounds of grid then one process")
     args = parser.parse_args()
     print(hardware.describe(args.pipe * args.data))
 
     corpus = load_corpus()
     cfg = LMConfig(emsize=args.emsize, nhid=args.nhid, nlayers=args.nlayers, pipe=args.pipe, data=args.data,
                    microbatches=args.microbatches, schedule=args.schedule, max_batches=args.batches,
-                   log_interval=args.batches)
-    run = train_lm(corpus, cfg, timeout=900)
-    torch.testing.assert_close(run.losses[:3], single_process_losses(corpus, cfg, 3), atol=1e-4, rtol=1e-5)
-    one = train_one_process(corpus, cfg, len(run.losses))
-    rows = [{"run": f"grid {args.pipe} x {args.data}, {args.schedule}", "tokens/s": round(run.tokens_per_second)},
-            {"run": "one process, one thread", "tokens/s": round(one)}]
+                   log_interval=max(1, args.batches // 5))
+    first_losses = []
+
+    def grid() -> float:
+        run = train_lm(corpus, cfg, timeout=900, progress=False)
+        first_losses.append(run.losses[:3])
+        return run.interval_tokens_per_second().median
+
+    figures = alternate({"grid": grid, "one": lambda: train_one_process(corpus, cfg, args.batches)},
+                        repeats=args.repeats, warmup=0)
+    want = single_process_losses(corpus, cfg, 3)
+    for losses in first_losses:
+        torch.testing.assert_close(losses, want, atol=1e-4, rtol=1e-5)
+    grid_rate, one_rate = Measured.of(figures["grid"]), Measured.of(figures["one"])
+    speedup = ratios(figures["grid"], figures["one"])
+    rows = [{"run": f"grid {args.pipe} x {args.data}, {args.schedule}", "tokens/s (median, min-max)": f"{grid_rate:,.0f}"},
+            {"run": "one process, one thread", "tokens/s (median, min-max)": f"{one_rate:,.0f}"},
+            {"run": "grid / one process, per round", "tokens/s (median, min-max)": f"{speedup:.3f}"}]
     print(format_table(rows))
-    print(json.dumps({"grid_tokens_per_s": round(run.tokens_per_second, 1), "one_process_tokens_per_s": round(one, 1),
-                      "speedup": round(run.tokens_per_second / one, 3), "pipe": args.pipe, "data": args.data,
-                      "schedule": args.schedule}))
+    print(json.dumps({"grid_tokens_per_s": round(grid_rate.median, 1), "one_process_tokens_per_s": round(one_rate.median, 1),
+                      "speedup": round(speedup.median, 3), "speedup_min": round(speedup.low, 3),
+                      "speedup_max": round(speedup.high, 3), "repeats": args.repeats, "pipe": args.pipe,
+                      "data": args.data, "schedule": args.schedule}))
 
 
 if __name__ == "__main__":

@@ -1,16 +1,18 @@
 """One device vs naive model parallel vs best split vs dual streams, measured in one run.
 
-Times one forward of the SplitResNet (best of a few repeats) on two devices: CUDA GPUs when the
-machine has two, otherwise two virtual CPU devices. The pipelined and dual-stream sweeps run in
-interleaved rounds, so a drifting machine load hits both alike. Also reports how much of device
-1's compute stream the copies take when they sit in it (pipelined) and how much of the copy time
-runs under compute when they have their own stream (dual stream).
+Times one forward of the SplitResNet on two devices: CUDA GPUs when the machine has two,
+otherwise two virtual CPU devices. The one-device forward and every pipelined and dual-stream
+split run in alternating rounds (`measure.alternate`: A B C ... A B C ...), so a load that comes
+and goes hits all alike; each speedup is the median of the round-by-round ratios, with its min
+and max. Also reports, from the median runs, how much of device 1's compute stream the copies
+take when they sit in it (pipelined) and how much of the copy time runs under compute when they
+have their own stream (dual stream).
 
     python benchmarks/model_parallel.py                      # lessons 02-03's model
     python benchmarks/model_parallel.py --channels 16 --blocks 1 2 --expansion 8 --batch 32 --size 32
                                                              # lesson 04's wide cut
 
-Last line: one JSON object of the figures.
+Last line: one JSON object of the figures (a measured figure X comes with X_min and X_max).
 """
 
 import argparse
@@ -20,9 +22,15 @@ import torch
 
 from pipelab import hardware
 from pipelab import model_parallel as mp
-from pipelab.experiments.model_parallel import split_sweeps, time_forward
+from pipelab.experiments.model_parallel import time_forwards
+from pipelab.measure import Measured, ratios
 from pipelab.models import SplitResNet
 from pipelab.streams import devices
+
+
+def _figure(name: str, m: Measured, digits: int = 3) -> dict:
+    """A measured figure as JSON keys: the median under `name`, its min and max beside it."""
+    return {name: round(m.median, digits), f"{name}_min": round(m.low, digits), f"{name}_max": round(m.high, digits)}
 
 
 def main(channels: int = 64, blocks: tuple[int, int] = (2, 2), batch: int = 64, size: int = 16,
@@ -32,34 +40,37 @@ def main(channels: int = 64, blocks: tuple[int, int] = (2, 2), batch: int = 64, 
     model = mp.place(SplitResNet(channels, tuple(blocks), expansion=expansion), devs)
     x = torch.randn(batch, 3, size, size)
     sizes = [s for s in (2, 4, 8, 16, 32, 64, 128, 256) if s <= batch]
-    sweeps = split_sweeps(model, x, devs, sizes, ("pipelined", "dual_stream"), repeats)
-    piped, dual = sweeps["pipelined"], sweeps["dual_stream"]
-    base = piped["one_device_s"]
-    best, best_dual = piped["best_split"], dual["best_split"]
-    naive, _ = time_forward(model, x, devs, "naive", repeats=repeats)
-    _, tl_piped = time_forward(model, x, devs, "pipelined", best, repeats)
-    _, tl_dual = time_forward(model, x, devs, "dual_stream", best_dual, repeats)
+    cases = {"one_device": ("one_device", None), "naive": ("naive", None)}
+    cases.update({(v, s): (v, s) for v in ("pipelined", "dual_stream") for s in sizes})
+    runs = time_forwards(model, x, devs, cases, repeats)  # all of them in alternating rounds
+    base = runs["one_device"]
+    speedup = {key: ratios(base.seconds, r.seconds) for key, r in runs.items()}  # round by round
+    best = max(sizes, key=lambda s: speedup[("pipelined", s)].median)
+    best_dual = max(sizes, key=lambda s: speedup[("dual_stream", s)].median)
+    naive_speedup = speedup["naive"]
+    dual_over_best = ratios(runs[("pipelined", best)].seconds, runs[("dual_stream", best_dual)].seconds)
+    tl_piped, tl_dual = runs[("pipelined", best)].typical, runs[("dual_stream", best_dual)].typical  # median runs
     d1 = devs[1].label
     copy_share = tl_piped.filter(kind="copy").busy_time(d1, "compute") / tl_piped.busy_time(d1, "compute")
     overlap = tl_dual.overlap("compute", "copy", rank=d1)
 
-    print(hardware.describe())
+    print(hardware.describe_devices(2))
     print(f"SplitResNet(channels={channels}, blocks={tuple(blocks)}, expansion={expansion}), "
-          f"batch {batch}, {size}x{size} images")
-    print(f"{'variant':<26}{'forward ms':>12}{'speedup':>10}")
-    print(f"{'one device':<26}{base * 1e3:>12.1f}{1.0:>10.2f}")
-    print(f"{'naive (2 devices)':<26}{naive * 1e3:>12.1f}{base / naive:>10.2f}")
-    for s in sizes:
-        print(f"{f'pipelined split={s}':<26}{piped['seconds'][s] * 1e3:>12.1f}{piped['speedup'][s]:>10.2f}")
-    for s in sizes:
-        print(f"{f'dual stream split={s}':<26}{dual['seconds'][s] * 1e3:>12.1f}{dual['speedup'][s]:>10.2f}")
+          f"batch {batch}, {size}x{size} images; median (min-max) of {repeats} alternating rounds")
+    print(f"{'variant':<26}{'forward ms':>24}{'speedup':>22}")
+    for name, key in [("one device", "one_device"), ("naive (2 devices)", "naive"),
+                      *((f"{v} split={s}", (v, s)) for v in ("pipelined", "dual_stream") for s in sizes)]:
+        ms = format(runs[key].measured.scaled(1e3), ".1f")
+        print(f"{name:<26}{ms:>24}{format(speedup[key], '.2f'):>22}")
+    print(f"copy stream's best (split {best_dual}) over pipelined's best (split {best}): {dual_over_best:.2f}x")
     print(f"copies take {copy_share:.0%} of device 1's compute stream when pipelined (split {best}); "
-          f"with a copy stream {overlap:.0%} of the copy time overlaps compute (split {best_dual})")
-    return {"device": devs[0].name.split(":")[0], "one_device_ms": round(base * 1e3, 2),
-            "naive_speedup": round(base / naive, 3), "best_split": best,
-            "best_split_speedup": round(piped["speedup"][best], 3),
-            "dual_stream_split": best_dual, "dual_stream_speedup": round(dual["speedup"][best_dual], 3),
-            "dual_stream_over_best_split": round(piped["seconds"][best] / dual["seconds"][best_dual], 3),
+          f"with a copy stream {overlap:.0%} of the copy time overlaps compute (split {best_dual}); median runs")
+    return {"device": devs[0].name.split(":")[0], "repeats": repeats,
+            **_figure("one_device_ms", base.measured.scaled(1e3), 2),
+            **_figure("naive_speedup", naive_speedup), "best_split": best,
+            **_figure("best_split_speedup", speedup[("pipelined", best)]),
+            "dual_stream_split": best_dual, **_figure("dual_stream_speedup", speedup[("dual_stream", best_dual)]),
+            **_figure("dual_stream_over_best_split", dual_over_best),
             "pipelined_copy_share": round(copy_share, 3), "dual_stream_overlap": round(overlap, 3)}
 
 

@@ -1,30 +1,43 @@
 """Our GPipe and 1F1B against torch.distributed.pipelining's, same model, data and ranks.
 
     python benchmarks/pipeline.py [--ranks 2] [--microbatches 8] [--width 1024] [--layers 8]
-                                  [--batch 256] [--steps 5] [--rounds 3]
+                                  [--batch 256] [--steps 5] [--rounds 5]
 
-Both run in this one invocation, alternating rounds so that a busy machine slows both alike.
-Prints a table, then, as its last line, one JSON object with: step time ratio ours / torch per
-schedule (below 1.0: ours is faster), and our measured bubble against (p-1)/(m+p-1) (torch's
-bubble, measured from its F/B calls, and the simulated bubble with our measured per-stage costs
-beside it).
+Ours and torch's run in alternation, round by round (ours, torch, ours, torch, ...:
+`measure.alternate`), so a load that comes and goes on the machine slows both alike; the ratio
+ours / torch is taken round by round (`measure.ratios`) and reported as its median with the min and
+max over the rounds. Prints a table, then, as its last line, one JSON object with, per schedule:
+the step time ratio ours / torch (below 1.0: ours is faster) and its `_low`/`_high`, both step
+times, and our measured bubble against (p-1)/(m+p-1), torch's bubble (measured from its F/B calls)
+and the bubble simulated with our measured per-stage costs, each with its `_low`/`_high`.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import statistics
 
 import torch
 
-from pipelab import hardware, models
+from pipelab import hardware, measure, models
 from pipelab.display import format_table
-from pipelab.experiments.pipeline import run_pipelines, run_torch_pipelines
+from pipelab.experiments.pipeline import run_pipelines, run_torch_pipelines, simulated_bubbles
+from pipelab.measure import Measured
 from pipelab.pipeline.partition import split_model
 from pipelab.pipeline.schedules import make_schedule
-from pipelab.pipeline.simulate import Costs, gpipe_bubble, simulate
+from pipelab.pipeline.simulate import gpipe_bubble
 from pipelab.reference import assert_same, reference_run
+
+
+def pooled(measurements) -> Measured:
+    """All repeats of several rounds as one measurement."""
+    return Measured.of(v for m in measurements for v in m.values)
+
+
+def spread(figures: dict, name: str, value: Measured, digits: int) -> None:
+    """Record a figure as its median under `name`, and its min and max as `name_low`, `name_high`."""
+    figures[name] = round(value.median, digits)
+    figures[f"{name}_low"], figures[f"{name}_high"] = round(value.low, digits), round(value.high, digits)
 
 
 def main() -> None:
@@ -35,7 +48,7 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=8)
     parser.add_argument("--batch", type=int, default=256)
     parser.add_argument("--steps", type=int, default=5, help="steps per round; the first warms up")
-    parser.add_argument("--rounds", type=int, default=3, help="alternating rounds of ours and torch's")
+    parser.add_argument("--rounds", type=int, default=5, help="alternating rounds of ours and torch's")
     args = parser.parse_args()
     print(hardware.describe())
 
@@ -48,45 +61,47 @@ def main() -> None:
     schedules = [make_schedule("gpipe", p, m), make_schedule("1f1b", p, m)]
     reference = reference_run(torch.nn.Sequential(*stages), x, y, loss_fn, lr=None)
 
-    times: dict[tuple[str, str], list[float]] = {}
-    bubbles: dict[tuple[str, str], list[float]] = {}
-    for _ in range(args.rounds):
-        ours = run_pipelines(stages, schedules, x, y, loss_fn, steps=args.steps)
-        theirs = run_torch_pipelines(stages, schedules, x, y, loss_fn, steps=args.steps)
+    runs: dict[str, list] = {"ours": [], "torch": []}  # per side, per round: one run per schedule
+
+    def side(name: str, run_all):
+        def one_round() -> float:
+            result = run_all(stages, schedules, x, y, loss_fn, steps=args.steps)
+            runs[name].append(result)
+            return sum(r.step_time for r in result)
+        return one_round
+
+    measure.alternate({"ours": side("ours", run_pipelines), "torch": side("torch", run_torch_pipelines)},
+                      args.rounds, warmup=0)  # every round starts fresh processes and drops its first step
+    for ours, theirs in zip(runs["ours"], runs["torch"]):
         for a, b in zip(ours, theirs):
             assert_same(a, reference, atol=1e-4, rtol=1e-4)
             assert abs(a.loss - b.loss) <= 1e-5 * max(1.0, abs(b.loss))
-            times.setdefault((a.schedule.name, "ours"), []).append(a.step_time)
-            times.setdefault((a.schedule.name, "torch"), []).append(b.step_time)
-            bubbles.setdefault((a.schedule.name, "ours"), []).append(a.bubble_fraction)
-            bubbles.setdefault((a.schedule.name, "torch"), []).append(b.bubble_fraction)
-            # The ideal bubble of this schedule with each stage's measured costs: unequal stages included.
-            fitted = simulate(a.schedule, Costs.from_timeline(a.timeline, per_stage=True))
-            bubbles.setdefault((a.schedule.name, "simulated"), []).append(fitted.bubble_fraction)
 
     formula = gpipe_bubble(p, m)
-    rows, figures = [], {"p": p, "m": m, "bubble_formula": round(formula, 4)}
-    for s in schedules:
-        ours_ms = 1e3 * statistics.median(times[s.name, "ours"])
-        torch_ms = 1e3 * statistics.median(times[s.name, "torch"])
-        bubble = statistics.median(bubbles[s.name, "ours"])
-        torch_bubble = statistics.median(bubbles[s.name, "torch"])
-        simulated = statistics.median(bubbles[s.name, "simulated"])
-        rows.append({"schedule": s.name, "ours_ms": round(ours_ms, 2), "torch_ms": round(torch_ms, 2),
-                     "ratio": round(ours_ms / torch_ms, 3), "bubble": round(bubble, 3),
-                     "torch bubble": round(torch_bubble, 3), "simulated": round(simulated, 3),
-                     "formula": round(formula, 3),
-                     "bubble-formula": round(bubble - formula, 3)})
+    rows, figures = [], {"p": p, "m": m, "rounds": args.rounds, "bubble_formula": round(formula, 4)}
+    for i, s in enumerate(schedules):
+        ours = [r[i] for r in runs["ours"]]
+        theirs = [r[i] for r in runs["torch"]]
+        ratio = measure.ratios([r.step_time for r in ours], [r.step_time for r in theirs])
+        ours_ms = Measured.of(r.step_time for r in ours).scaled(1e3)
+        torch_ms = Measured.of(r.step_time for r in theirs).scaled(1e3)
+        bubble, torch_bubble = pooled(r.bubbles for r in ours), pooled(r.bubbles for r in theirs)
+        simulated = pooled(simulated_bubbles(r) for r in ours)
+        rows.append({"schedule": s.name, "ours_ms": f"{ours_ms:.1f}", "torch_ms": f"{torch_ms:.1f}",
+                     "ratio": f"{ratio:.3f}", "bubble": f"{bubble:.3f}", "torch bubble": f"{torch_bubble:.3f}",
+                     "simulated": f"{simulated:.3f}", "formula": round(formula, 3),
+                     "bubble-formula": round(bubble.median - formula, 3)})
         key = s.name.lower()
-        figures[f"{key}_ratio"] = round(ours_ms / torch_ms, 3)
-        figures[f"{key}_ours_ms"] = round(ours_ms, 2)
-        figures[f"{key}_torch_ms"] = round(torch_ms, 2)
-        figures[f"{key}_bubble"] = round(bubble, 4)
-        figures[f"{key}_torch_bubble"] = round(torch_bubble, 4)
-        figures[f"{key}_simulated_bubble"] = round(simulated, 4)
-        figures[f"{key}_bubble_minus_formula"] = round(bubble - formula, 4)
+        spread(figures, f"{key}_ratio", ratio, 3)
+        spread(figures, f"{key}_ours_ms", ours_ms, 2)
+        spread(figures, f"{key}_torch_ms", torch_ms, 2)
+        spread(figures, f"{key}_bubble", bubble, 4)
+        spread(figures, f"{key}_torch_bubble", torch_bubble, 4)
+        spread(figures, f"{key}_simulated_bubble", simulated, 4)
+        figures[f"{key}_bubble_minus_formula"] = round(bubble.median - formula, 4)
     print(f"p={p} ranks, m={m} micro-batches, MLP {args.layers} x {args.width}, batch {args.batch}; "
-          f"median of {args.rounds} rounds x {args.steps - 1} measured steps")
+          f"{args.rounds} alternating rounds x {args.steps - 1} measured steps; median (min-max): "
+          "step times and ratios over the rounds, bubbles over every measured step")
     print(format_table(rows))
     print(json.dumps(figures))
 

@@ -1,18 +1,20 @@
 """Lesson 00's workers: all-reduce and broadcast, a ping-pong between two ranks (latency and
-bandwidth against message size), a compute-then-communicate step.
+bandwidth against message size), the ring all-reduce and its cost, a compute-then-communicate step.
 
-Each function runs inside a worker process started by `pipelab.launch.spawn`, so `ctx` tells it its
-rank, the world size and its device, and `ctx.rec` records what it did on the timeline.
+Each worker runs inside a process started by `pipelab.launch.spawn`, so `ctx` tells it its rank,
+the world size and its device, and `ctx.rec` records what it did on the timeline.
 """
 
 from __future__ import annotations
 
 import statistics
+from typing import Sequence
 
 import torch
 import torch.distributed as dist
 
 from pipelab.hardware import synchronize
+from pipelab.measure import Measured
 from pipelab.timeline import now
 
 
@@ -32,36 +34,201 @@ def broadcast_demo(ctx, src: int = 0) -> dict:
     return {"rank": ctx.rank, "before": before, "after": t.cpu()}
 
 
-def ping_pong(ctx, sizes_bytes: list[int], repeats: int = 20, warmup: int = 3) -> list[dict] | None:
-    """Rank 0 sends a message to rank 1, which sends it straight back; half the round trip is the
-    one-way latency, and size / latency the bandwidth. Other ranks sit this one out.
+# ---------------------------------------------------------------------------------------------
+# Ping-pong: latency and bandwidth of one message
+# ---------------------------------------------------------------------------------------------
 
-    Returns, on rank 0, one row per size: median latency (s) and bandwidth (bytes/s)."""
+
+def round_trip(ctx, msg: torch.Tensor, peer: int) -> float:
+    """Seconds for `msg` to go from rank 0 to `peer` and back (rank `peer` echoes it)."""
+    synchronize(ctx.device)
+    start = now()
+    if ctx.rank == 0:
+        dist.send(msg, peer)
+        dist.recv(msg, peer)
+    else:
+        dist.recv(msg, peer)
+        dist.send(msg, peer)
+    synchronize(ctx.device)
+    return now() - start
+
+
+def ping_pong(ctx, sizes_bytes: Sequence[int], rounds: int = 5, trips: int = 4, warmup: int = 1) -> list[dict] | None:
+    """Rank 0 sends a message to rank 1, which sends it straight back; half the round trip is the
+    one-way time of a message. Other ranks sit this one out.
+
+    The sizes are swept `rounds` times (after `warmup` untimed sweeps), so a hiccup of the machine
+    spreads over all sizes instead of ruining one; a round's figure for a size is the median of
+    its `trips` round trips. Returns, on rank 0, one row per size: bytes, the one-way time
+    (`Measured`, seconds, one value per round) and the bandwidth (bytes / one-way time)."""
     if ctx.rank > 1:
         return None
     peer = 1 - ctx.rank
-    rows = []
-    for size in sizes_bytes:
-        msg = torch.zeros(max(1, size // 4), dtype=torch.float32, device=ctx.device)
-        trips = []
-        for i in range(warmup + repeats):
-            synchronize(ctx.device)
-            t0 = now()
-            if ctx.rank == 0:
-                dist.send(msg, peer)
-                dist.recv(msg, peer)
-            else:
-                dist.recv(msg, peer)
-                dist.send(msg, peer)
-            synchronize(ctx.device)
-            t1 = now()
-            if i >= warmup:
-                trips.append(t1 - t0)
-                if i == warmup:  # one round trip per size on the timeline is plenty
-                    ctx.rec.add("send" if ctx.rank == 0 else "recv", t0, t1, lane="comm", bytes=msg.nbytes)
-        latency = statistics.median(trips) / 2
-        rows.append({"bytes": msg.nbytes, "latency_s": latency, "bandwidth_Bps": msg.nbytes / latency})
-    return rows if ctx.rank == 0 else None
+    msgs = [torch.zeros(max(1, size // 4), dtype=torch.float32, device=ctx.device) for size in sizes_bytes]
+    one_way: list[list[float]] = [[] for _ in msgs]
+    for round_ in range(-warmup, rounds):
+        for i, msg in enumerate(msgs):
+            times = [round_trip(ctx, msg, peer) for _ in range(trips)]
+            if round_ >= 0:
+                one_way[i].append(statistics.median(times) / 2)
+    if ctx.rank != 0:
+        return None
+    return [{"bytes": msg.nbytes, "one_way": Measured.of(t), "bandwidth": Measured.of(msg.nbytes / s for s in t)}
+            for msg, t in zip(msgs, one_way)]
+
+
+def small_message_latency(rows: list[dict], small_bytes: int = 4096) -> Measured:
+    """The latency of a message: per round, the median one-way time over the sizes up to
+    `small_bytes` (at least the smallest size), where the bytes themselves cost next to nothing.
+    A median over several sizes, so one disturbed size cannot become the figure."""
+    small = [r for r in rows if r["bytes"] <= small_bytes] or [min(rows, key=lambda r: r["bytes"])]
+    rounds = len(small[0]["one_way"].values)
+    return Measured.of(statistics.median(r["one_way"].values[k] for r in small) for k in range(rounds))
+
+
+def fit_latency_bandwidth(rows: list[dict], small_bytes: int = 4096, large: int = 2) -> tuple[float, float]:
+    """(latency in s, bandwidth in bytes/s) of the model `time = latency + bytes / bandwidth`,
+    fitted to a ping-pong sweep: the latency from the small messages (`small_message_latency`),
+    the bandwidth from the `large` largest ones, as their bytes over the time left once the
+    latency is paid (median over those sizes)."""
+    latency = small_message_latency(rows, small_bytes).median
+    biggest = sorted(rows, key=lambda r: r["bytes"])[-large:]
+    rates = []
+    for row in biggest:
+        seconds = row["one_way"].median
+        # A message barely slower than the latency (too small to show the bandwidth, or noise)
+        # would give a near-infinite bandwidth: count its whole time as bytes instead.
+        moving = seconds - latency if seconds > 1.5 * latency else seconds
+        rates.append(row["bytes"] / moving)
+    return latency, statistics.median(rates)
+
+
+# ---------------------------------------------------------------------------------------------
+# The ring all-reduce, and what it costs
+# ---------------------------------------------------------------------------------------------
+
+
+def ring_schedule(world_size: int) -> list[list[tuple[int, int]]]:
+    """Which chunk every rank sends and receives at each of the ring's 2(N-1) steps.
+
+    The tensor is cut into N chunks; each rank sends only to its right neighbour (rank + 1) and
+    receives only from its left one (rank - 1). `steps[s][rank]` is (chunk sent, chunk received).
+    Steps 0 .. N-2 are the reduce-scatter: rank r starts by sending its own chunk r, and each
+    chunk travels round the ring collecting one more rank's contribution per step, so after N-1
+    steps rank r holds the full sum of chunk r+1. Steps N-1 .. 2N-3 are the all-gather: every
+    rank passes on the finished chunk it last got, until every rank has all N."""
+    if world_size < 1:
+        raise ValueError(f"world_size must be 1 or more, got {world_size}")
+    n = world_size
+    reduce_scatter = [[((r - s) % n, (r - s - 1) % n) for r in range(n)] for s in range(n - 1)]
+    all_gather = [[((r + 1 - s) % n, (r - s) % n) for r in range(n)] for s in range(n - 1)]
+    return reduce_scatter + all_gather
+
+
+def ring_all_reduce(tensor: torch.Tensor, group=None) -> torch.Tensor:
+    """Sum `tensor` over the ranks of `group`, in place, with point-to-point messages only: the
+    ring algorithm NCCL uses for large tensors (gloo has one too). Returns `tensor`.
+
+    Every rank cuts the tensor into N chunks (the first ones a bit larger when N does not divide
+    its length) and walks `ring_schedule(N)`: N-1 steps of reduce-scatter, where the chunk it
+    receives is added to its own, then N-1 steps of all-gather, where it replaces its own."""
+    n, rank = dist.get_world_size(group), dist.get_rank(group)
+    if not tensor.is_contiguous():
+        raise ValueError("ring_all_reduce cuts the tensor's memory into chunks, so it needs a contiguous "
+                         "tensor; pass tensor.contiguous() and use what it returns")
+    chunks = torch.tensor_split(tensor.view(-1), n)
+    right, left = (rank + 1) % n, (rank - 1) % n
+    for step, plan in enumerate(ring_schedule(n)):
+        send, recv = plan[rank]
+        if step < n - 1:  # reduce-scatter: add the left neighbour's partial sum to ours
+            incoming = torch.empty_like(chunks[recv])
+            exchange(chunks[send], right, incoming, left, group)
+            chunks[recv].add_(incoming)
+        else:  # all-gather: the left neighbour's finished chunk replaces ours
+            exchange(chunks[send], right, chunks[recv], left, group)
+    return tensor
+
+
+def exchange(outgoing: torch.Tensor, right: int, incoming: torch.Tensor, left: int, group=None) -> None:
+    """One ring step on this rank: send `outgoing` to `right` while receiving `incoming` from
+    `left` (ranks within `group`). Both are posted together (`batch_isend_irecv`), so no rank
+    waits for its right neighbour before listening to its left one and the whole ring moves at
+    once; a blocking send first would deadlock wherever a send waits for its receiver (NCCL)."""
+    ops = []
+    # A tensor with fewer elements than ranks has empty chunks: nothing to send or receive then
+    # (the sender and the receiver of a chunk agree on its size, so both skip it).
+    if outgoing.numel():
+        ops.append(dist.P2POp(dist.isend, outgoing, group=group, group_peer=right))
+    if incoming.numel():
+        ops.append(dist.P2POp(dist.irecv, incoming, group=group, group_peer=left))
+    for work in dist.batch_isend_irecv(ops) if ops else []:
+        work.wait()
+
+
+def ring_all_reduce_time(nbytes: float, world_size: int, bandwidth: float, latency: float) -> float:
+    """Predicted seconds of a ring all-reduce of `nbytes` over `world_size` ranks, in the
+    latency-bandwidth model, where one message of m bytes takes `latency + m / bandwidth`.
+
+    The ring cuts the tensor into N chunks of nbytes/N. In each of its 2(N-1) steps
+    (`ring_schedule`), every rank sends one chunk to its right neighbour while receiving one from
+    its left, all ranks at once: a step costs one message, latency + (nbytes/N) / bandwidth. So
+
+        T = 2(N-1) * latency + 2(N-1)/N * nbytes / bandwidth
+
+    The bandwidth term hardly grows with N (2(N-1)/N stays below 2: every rank sends about twice
+    its tensor, however many ranks there are), the latency term grows with N: large tensors pay
+    bandwidth, small ones pay latency, once per step."""
+    if world_size < 1 or bandwidth <= 0 or latency < 0:
+        raise ValueError(f"need world_size >= 1, bandwidth > 0 and latency >= 0; got {world_size}, "
+                         f"{bandwidth}, {latency}")
+    n = world_size
+    return 2 * (n - 1) * latency + 2 * (n - 1) / n * nbytes / bandwidth
+
+
+def back_to_back(ctx, all_reduce, tensors: Sequence[torch.Tensor]) -> float:
+    """Median seconds of one `all_reduce(t)` over `tensors`, called back to back after a barrier."""
+    ctx.barrier()
+    times = []
+    for t in tensors:
+        start = now()
+        all_reduce(t)
+        synchronize(ctx.device)
+        times.append(now() - start)
+    return statistics.median(times)
+
+
+def all_reduce_sweep(ctx, sizes_bytes: Sequence[int], rounds: int = 3, trips: int = 3) -> list[dict] | None:
+    """Time torch's `dist.all_reduce` and our `ring_all_reduce` at each size, call by call in turn
+    (torch, ours, torch, ours ...) so that a busy moment of the machine hits both, and check that
+    they give the same sums.
+
+    Like the ping-pong, a round's figure is the median of `trips` calls made back to back
+    (`back_to_back`), timed on rank 0. Returns, on rank 0, one row per size: bytes, "torch" and
+    "ring" (`Measured` seconds, one value per round) and the largest difference between the two
+    results."""
+    gen = torch.Generator().manual_seed(ctx.rank)
+    tensors = [torch.randn(max(1, size // 4), generator=gen).to(ctx.device) for size in sizes_bytes]
+    ways = {"torch": dist.all_reduce, "ring": ring_all_reduce}
+    figures = {way: [[] for _ in tensors] for way in ways}
+    worst = [0.0 for _ in tensors]
+    for round_ in range(-1, rounds):  # round -1 warms up (connections, allocator)
+        for i, t in enumerate(tensors):
+            sums = {}
+            for way, all_reduce in ways.items():
+                sums[way] = [t.clone() for _ in range(trips)]
+                seconds = back_to_back(ctx, all_reduce, sums[way])
+                if round_ >= 0:
+                    figures[way][i].append(seconds)
+            worst[i] = max(worst[i], (sums["torch"][0] - sums["ring"][0]).abs().max().item())
+    if ctx.rank != 0:
+        return None
+    return [{"bytes": t.nbytes, "torch": Measured.of(figures["torch"][i]), "ring": Measured.of(figures["ring"][i]),
+             "max_difference": worst[i]} for i, t in enumerate(tensors)]
+
+
+# ---------------------------------------------------------------------------------------------
+# A step on the timeline
+# ---------------------------------------------------------------------------------------------
 
 
 def compute_then_communicate(ctx, n: int = 256, steps: int = 3) -> object:
@@ -76,7 +243,7 @@ def compute_then_communicate(ctx, n: int = 256, steps: int = 3) -> object:
             ctx.rec.clear()
         with ctx.rec.span("F", lane="compute", mb=step):
             y = x
-            for _ in range(4 + 2 * ctx.rank):  # higher ranks get more work: the others wait for them
+            for _ in range(4 + 4 * ctx.rank):  # higher ranks get more work: the others wait for them
                 y = torch.tanh(y @ w)
             synchronize(ctx.device)
         with ctx.rec.span("allreduce", lane="comm", mb=step):

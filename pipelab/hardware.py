@@ -1,7 +1,8 @@
 """What this machine has, and which path a lesson takes on it.
 
-Every notebook prints `describe()` first, so a reader of an executed notebook knows whether the
-timelines came from GPUs with NCCL or from CPU processes with gloo.
+Every notebook prints `describe()` first (`describe_devices()` in the one-process lessons 02-04),
+so a reader of an executed notebook knows whether the timelines came from GPUs with NCCL, from CPU
+processes with gloo, or from one process driving devices through streams.
 """
 
 from __future__ import annotations
@@ -76,17 +77,33 @@ def choose_backend(world_size: int, backend: str = "auto") -> str:
     return backend
 
 
-def describe(world_size: int = 2) -> str:
-    """One line: the machine, and the path `world_size` ranks take on it."""
-    hw = detect()
-    backend = choose_backend(world_size)
+def _machine(hw: Hardware) -> str:
+    """The machine in a few words: its GPUs, or its CPU cores."""
     if hw.gpus:
         names = ", ".join(sorted(set(hw.gpus)))
-        machine = f"{hw.gpu_count} GPU(s) ({names}), {hw.cpu_cores} CPU cores, CUDA {hw.cuda_version}"
-    else:
-        machine = f"no GPU, {hw.cpu_cores} CPU cores ({platform.processor() or platform.machine()})"
+        return f"{hw.gpu_count} GPU(s) ({names}), {hw.cpu_cores} CPU cores, CUDA {hw.cuda_version}"
+    return f"no GPU, {hw.cpu_cores} CPU cores ({platform.processor() or platform.machine()})"
+
+
+def describe(world_size: int = 2) -> str:
+    """One line: the machine, and the path `world_size` ranks (one process each) take on it."""
+    hw = detect()
+    backend = choose_backend(world_size)
     if backend == "nccl":
         path = f"GPU path: {world_size} ranks on cuda:0..{world_size - 1} with NCCL"
     else:
         path = f"CPU path: {world_size} ranks on CPU with gloo, one thread each"
-    return f"{path} | {machine} | torch {hw.torch_version}"
+    return f"{path} | {_machine(hw)} | torch {hw.torch_version}"
+
+
+def describe_devices(n: int = 2) -> str:
+    """One line: the machine, and the path of a one-process lesson that drives `n` devices
+    through streams (lessons 02-04): n GPUs when it has them, else n virtual CPU devices
+    (the choice `streams.devices(n)` makes). No ranks, no process group: one Python process."""
+    hw = detect()
+    if hw.gpu_count >= n:
+        path = f"GPU path: one process drives {n} GPUs (cuda:0..{n - 1}), a CUDA stream per stream"
+    else:
+        path = (f"CPU path: one process drives {n} virtual CPU devices, "
+                f"a worker thread per stream, one intra-op thread each")
+    return f"{path} | {_machine(hw)} | torch {hw.torch_version}"

@@ -3,11 +3,16 @@ layers, so that lesson 08's partitioning can cut it into pipeline stages.
 
 `TransformerLM(...)` is an `nn.Sequential`: a scaled token embedding, the sinusoidal positional
 encoding, `nlayers` encoder layers that each apply a causal mask (a token sees only the tokens
-before it), and a linear decoder to the vocabulary. Tokens go in batch first, (batch, seq).
+before it), and a linear decoder to the vocabulary, initialised as the tutorial does
+(`init_weights`). Tokens go in batch first, (batch, seq).
 
 `clip_grad_norm_` clips the gradients of the *whole* model while each process holds one stage:
 the global norm is the square root of the sum of every stage's squared norm, so the squares are
 summed across the pipeline group before any stage scales its gradients.
+
+`stage_memory` says, before anything runs, how many bytes each stage will need: parameters,
+gradients, optimizer state, and one micro-batch's activations times the most micro-batches the
+schedule stashes at once (lesson 07's simulator).
 """
 
 from __future__ import annotations
@@ -19,6 +24,8 @@ import torch.distributed as dist
 from torch import nn
 
 from pipelab.checks import whole_number
+from pipelab.pipeline.schedules import Schedule
+from pipelab.pipeline.simulate import simulate
 
 
 class ScaledEmbedding(nn.Module):
@@ -61,6 +68,21 @@ class Decoder(nn.Linear):
     """The last layer: hidden vectors -> one logit per word of the vocabulary."""
 
 
+def init_weights(model: nn.Sequential, initrange: float = 0.1) -> None:
+    """The tutorial's initialisation: embedding and decoder weights uniform in +-0.1, decoder bias 0.
+
+    Width matters with it: after the encoder's last LayerNorm a hidden vector has length about
+    sqrt(emsize), so a logit starts with a spread of about 0.1 / sqrt(3) x sqrt(emsize) (0.46 at
+    emsize 64, 3.7 at 4096), and a step that moves a decoder row by `delta` moves a logit by up to
+    `delta` x sqrt(emsize)."""
+    for layer in model:
+        if isinstance(layer, ScaledEmbedding):
+            nn.init.uniform_(layer.embedding.weight, -initrange, initrange)
+        elif isinstance(layer, Decoder):
+            nn.init.uniform_(layer.weight, -initrange, initrange)
+            nn.init.zeros_(layer.bias)
+
+
 def TransformerLM(ntoken: int, emsize: int = 64, nhead: int = 2, nhid: int = 128, nlayers: int = 4,
                   dropout: float = 0.0) -> nn.Sequential:
     """The tutorial's model as layers: embedding, positional encoding, `nlayers` causal encoder
@@ -71,7 +93,9 @@ def TransformerLM(ntoken: int, emsize: int = 64, nhead: int = 2, nhid: int = 128
         raise ValueError(f"emsize={emsize} must be a multiple of nhead={nhead} (each head gets emsize/nhead)")
     layers = [ScaledEmbedding(ntoken, emsize), PositionalEncoding(emsize)]
     layers += [CausalEncoderLayer(emsize, nhead, nhid, dropout, batch_first=True) for _ in range(nlayers)]
-    return nn.Sequential(*layers, Decoder(emsize, ntoken))
+    model = nn.Sequential(*layers, Decoder(emsize, ntoken))
+    init_weights(model)
+    return model
 
 
 def lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
@@ -105,6 +129,53 @@ def clip_grad_norm_(params, max_norm: float, group=None) -> float:
     for p in params:
         p.grad.mul_(scale.to(p.grad.device))
     return float(total)
+
+
+def activation_bytes(layer: nn.Module, tokens: int) -> int:
+    """Bytes (float32) autograd keeps for the backward of `layer` on `tokens` tokens: what lesson
+    06's stash meter counts. An encoder layer keeps per token 8 vectors of width emsize (the
+    attention's input, q, k, v and output, the output projection's input, the two norms' inputs),
+    the feed-forward's hidden vector, one number per head (the fused attention kernels keep each
+    row's log-sum-exp, not the seq x seq maps) and the norms' mean and 1/std; the decoder keeps its
+    input and the loss's log-probabilities over the vocabulary. The embedding keeps only the ids."""
+    if isinstance(layer, CausalEncoderLayer):
+        width, hidden = layer.linear1.in_features, layer.linear1.out_features
+        return 4 * tokens * (8 * width + hidden + layer.self_attn.num_heads + 4)
+    if isinstance(layer, Decoder):
+        return 4 * tokens * (layer.in_features + layer.out_features)
+    return 0
+
+
+def stage_memory(model: nn.Sequential, parts: list[int], schedule: Schedule, tokens: int,
+                 optimizer_states: int = 0, host_copy: bool = False) -> list[dict]:
+    """Bytes each stage will need, before anything runs: parameters, their gradients, optimizer
+    state (`optimizer_states` tensors per parameter: plain SGD 0, momentum 1, Adam 2), and the
+    activations of one micro-batch of `tokens` tokens times the most micro-batches the schedule
+    keeps stashed at once on that stage's rank (`simulate(schedule).peak_stash`, lesson 07). With
+    `host_copy` (processes on CPU) each process also holds the whole model it cut its stage from.
+    `model` may live on the "meta" device: only sizes are read."""
+    peaks = simulate(schedule).peak_stash
+    whole = sum(p.numel() * p.element_size() for p in model.parameters())
+    rows = []
+    for s, stage in enumerate(stages_of(model, parts)):
+        params = sum(p.numel() * p.element_size() for p in stage.parameters())
+        per_microbatch = sum(activation_bytes(layer, tokens) for layer in stage)
+        stash = peaks[schedule.rank_of(s)]
+        row = {"stage": s, "layers": f"{parts[s]}-{parts[s + 1] - 1}", "parameters": params, "gradients": params,
+               "optimizer": optimizer_states * params, "activations/mb": per_microbatch, "peak stash": stash,
+               "activations": per_microbatch * stash, "model copy": whole if host_copy else 0}
+        row["total"] = sum(v for k, v in row.items() if k not in ("stage", "layers", "activations/mb", "peak stash"))
+        rows.append(row)
+    return rows
+
+
+def check_fits(rows: list[dict], available: int, where: str = "a device") -> None:
+    """Refuse, before any process starts, a recipe whose largest stage exceeds the memory there is."""
+    worst = max(rows, key=lambda r: r["total"])
+    if worst["total"] > available:
+        raise ValueError(f"stage {worst['stage']} needs about {worst['total'] / 2**30:.2f} GiB and {where} has "
+                         f"{available / 2**30:.2f} GiB: use more stages (pipe), fewer micro-batch tokens "
+                         "(batch_size, bptt, more microbatches) or a smaller model (emsize, nhid, nlayers)")
 
 
 @torch.no_grad()

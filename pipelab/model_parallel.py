@@ -6,6 +6,9 @@ always idle); `forward_pipelined` cuts the batch into splits so device 1 works o
 device 0 works on split i+1; `forward_dual_stream` also moves the copies onto their own stream:
 each lands in a buffer that device 1 owns, and an event per split tells device 1's compute
 stream when it may read it. `raw_hazards` finds, on a timeline, the reads that came too early.
+`forward_split_by_split` runs the splits one after another on one device: the baseline that
+separates what overlap buys from what a smaller batch buys. `ideal_speedup` and `pipeline_time`
+are the theory the lessons measure against.
 """
 
 from __future__ import annotations
@@ -58,6 +61,16 @@ def forward_one_device(model: nn.Module, x: torch.Tensor, dev: Device) -> torch.
     return dev.stream("compute").submit(model, dev.own(x), kind="F").result()
 
 
+def forward_split_by_split(model: nn.Module, x: torch.Tensor, dev: Device, split_size: int) -> torch.Tensor:
+    """The whole model on one device, one split after another: the same kernels as the pipelined
+    forward, with no second device to overlap them. Pipelined over this is what overlap buys;
+    this over `forward_one_device` is what the smaller batch alone buys."""
+    check_split_size(split_size, x.shape[0])
+    s0 = dev.stream("compute")
+    outs = [s0.submit(model, dev.own(xs), kind="F", mb=i) for i, xs in enumerate(x.split(split_size))]
+    return torch.cat([o.result() for o in outs])
+
+
 def forward_naive(model: nn.Module, x: torch.Tensor, devs: list[Device]) -> torch.Tensor:
     """Device 0 runs seq1, its output is copied to device 1, which runs the rest: one device idles."""
     check_devices(devs)
@@ -78,6 +91,24 @@ def forward_pipelined(model: nn.Module, x: torch.Tensor, devs: list[Device], spl
         h1 = s1.copy(h, mb=i)  # the copy sits in device 1's compute queue
         outs.append(s1.submit(second_half, model, h1, kind="F", mb=i))
     return torch.cat([o.result() for o in outs])
+
+
+def ideal_speedup(splits: int) -> float:
+    """The most that pipelining `splits` splits over 2 devices can gain over one device: 2k/(k+1).
+
+    With halves of cost a each, one device takes 2a; the pipeline takes a/k (device 0's first
+    split, device 1 idle) plus k splits of a/k on device 1: (k+1)a/k. Unequal halves or copies
+    only lower it; one split (k=1) is the naive forward, 1x."""
+    whole_number("splits", splits, example="splits=4")
+    return 2 * splits / (splits + 1)
+
+
+def pipeline_time(stage_costs: list[float], splits: int) -> float:
+    """Time for `splits` equal splits to pass stages that each take one split at a time, in
+    order (a flow shop): the first split crosses every stage, then the slowest stage sets the
+    pace for the other k-1. Stages (device 0, copy, device 1) with costs per split."""
+    whole_number("splits", splits, example="splits=4")
+    return sum(stage_costs) + (splits - 1) * max(stage_costs)
 
 
 def cut_shape(model: nn.Module, xs: torch.Tensor) -> torch.Size:

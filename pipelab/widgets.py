@@ -8,26 +8,34 @@ import torch
 from torch import nn
 
 from pipelab import plots
-from pipelab.experiments.model_parallel import time_forward
+from pipelab.experiments.model_parallel import time_forwards
+from pipelab.measure import ratios
 from pipelab.plots.model_parallel import speedup_curve
 from pipelab.streams import Device
 
 
-def split_size_explorer(model: nn.Module, x: torch.Tensor, devs: list[Device], sweep: dict) -> widgets.VBox:
-    """A split-size slider: each move re-runs the pipelined forward, redraws its timeline and
-    marks its measured speedup on the sweep curve from `experiments.model_parallel.split_sweep`."""
+def split_size_explorer(model: nn.Module, x: torch.Tensor, devs: list[Device], sweep: dict,
+                        repeats: int = 3) -> widgets.VBox:
+    """A split-size slider: each move re-runs the pipelined forward `repeats` times, alternating
+    with the one-device forward, redraws the timeline of its median run and marks its speedup
+    (median, min-max of the round-by-round ratios) on the curve of
+    `experiments.model_parallel.split_sweep`."""
     sizes = sorted(sweep["speedup"])
     slider = widgets.SelectionSlider(options=sizes, value=sweep["best_split"], description="split_size")
     out = widgets.Output()
 
     def redraw(split_size: int) -> None:
-        seconds, tl = time_forward(model, x, devs, "pipelined", split_size, repeats=1)
+        runs = time_forwards(model, x, devs, {"one": ("one_device", None), "piped": ("pipelined", split_size)},
+                             repeats)
+        speedup = ratios(runs["one"].seconds, runs["piped"].seconds)
         with out:
             out.clear_output(wait=True)
             fig, (ax_t, ax_s) = plt.subplots(1, 2, figsize=(13, 3.2), gridspec_kw={"width_ratios": [2, 1]})
-            plots.gantt(tl, ax=ax_t, title=f"pipelined forward, split_size={split_size}")
-            speedup_curve(sweep, ax=ax_s, this_run=(split_size, sweep["one_device_s"] / seconds))
+            plots.gantt(runs["piped"].typical, ax=ax_t,
+                        title=f"pipelined forward, split_size={split_size}: median of {repeats} runs")
+            speedup_curve({"sweep": sweep["speedup"]}, ax=ax_s, batch=x.shape[0], this_run=(split_size, speedup))
             plt.show()
+            print(f"split_size={split_size}: speedup {speedup:.2f}x (median, min-max of {repeats} runs)")
 
     slider.observe(lambda change: redraw(change["new"]), names="value")
     redraw(slider.value)

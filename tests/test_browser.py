@@ -123,8 +123,8 @@ def test_split_size_slider_redraws_when_moved_with_the_keyboard(jupyterlab, page
     """Lesson 03's explorer: focus the split-size slider, press an arrow key; its label shows the
     next split size and the pipelined forward re-runs, so the timeline image changes.
 
-    It waits for the explorer, not the headline: the lesson's own speedup assertion after it is
-    tests/test_notebooks.py's to check, and a busy machine can fail it."""
+    It waits for the explorer, not the headline: the rest of the lesson after it is
+    tests/test_notebooks.py's to check. Each move re-runs three timed rounds."""
     def explorers(p):
         return p.locator(".widget-vbox").filter(has=p.locator(".widget-hslider"))
 

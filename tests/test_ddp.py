@@ -187,6 +187,13 @@ def test_timelines_show_each_layer_and_each_all_reduce(uneven_runs, world_size):
         assert [s.meta["param"] for s in comm] == ["4.bias", "4.weight", "2.bias", "2.weight", "0.bias", "0.weight"]
     assert naive.overlap == 0.0  # naive sends only after backward
     assert 0.0 <= bucketed.overlap <= 1.0
+    assert naive.overlaps.values == (0.0,) and bucketed.overlaps.median == bucketed.overlap
+    assert bucketed.step_times.median == bucketed.step_time
+    per_bucket = bucketed.bucket_all_reduce_times()
+    assert [len(m.values) for m in per_bucket] == [world_size] * 3  # one timed step, every rank
+    assert all(m.low > 0 for m in per_bucket)
+    with pytest.raises(ValueError, match="bucketed"):
+        naive.bucket_all_reduce_times()
 
 
 def test_an_unused_parameter_keeps_no_gradient_like_one_process():
@@ -291,11 +298,17 @@ def test_edge_cases_on_real_processes():
 
 def test_bucket_sweep_runs_every_size_in_one_set_of_processes():
     x, y = batch(8, 7, 3)
-    points = bucket_sweep(uneven_model(), x, y, caps_mb=[1e-9, UNEVEN_CAP_MB, 1.0], steps=1, rounds=1)
+    points = bucket_sweep(uneven_model(), x, y, caps_mb=[1e-9, UNEVEN_CAP_MB, 1.0], steps=2, rounds=2)
     assert [p.num_buckets for p in points] == [6, 3, 1]
     for p in points:
         assert p.step_time > 0 and p.torch_step_time > 0 and 0.0 <= p.overlap <= 1.0
         assert len(p.timeline.filter(lane="comm", rank=0)) == p.num_buckets
+        # every timed step of both rounds, and one ours / torch ratio per round
+        assert len(p.times.values) == len(p.torch_times.values) == len(p.overlaps.values) == 4
+        assert p.times.median == p.step_time and p.torch_times.median == p.torch_step_time
+        assert len(p.ratio.values) == 2 and p.ratio.low > 0
+    alone = bucket_sweep(uneven_model(), x, y, caps_mb=[1.0], steps=1, rounds=1, with_torch=False)
+    assert alone[0].torch_times is None and alone[0].ratio is None
 
 
 def buffers_worker(ctx):

@@ -3,7 +3,8 @@ import pytest
 import torch
 import torch.nn as nn
 
-from pipelab.experiments.deepspeed import train, train_deepspeed
+from pipelab.experiments.deepspeed import peak_in_flight, speedup_verdict, train, train_deepspeed
+from pipelab.measure import Measured
 from pipelab.pipeline.module import LayerSpec, PipelineModule, TiedLayerSpec
 from pipelab.reference import assert_same, reference_run
 
@@ -41,6 +42,8 @@ def test_two_stages_train_like_one_process():
     tl = run.timeline
     assert {s.kind for s in tl.filter(rank=0)} >= {"F", "B", "send", "recv", "optimizer"}
     assert sorted(s.mb for s in tl.filter(rank=1, kind="F")) == [0, 1, 2, 3]
+    # 1F1B: stage s holds at most S - s micro-batches between their forward and backward.
+    assert peak_in_flight(tl) == {0: 2, 1: 1}
 
 
 def test_tied_embedding_across_three_stages_sums_its_gradient():
@@ -65,6 +68,15 @@ def test_pipe_by_data_grid_with_tied_weights():
     assert run.topology.get_axis_comm_lists("data") == [[0, 1], [2, 3]]
     assert_same(run, reference_run(module.build_reference(), x, y, module.loss_fn, steps=2, lr=0.5))
     assert {s.rank for s in run.timeline.filter(kind="allreduce")} == {0, 1, 2, 3}
+
+
+def test_a_speedup_has_a_direction_only_when_every_round_agrees():
+    assert speedup_verdict(Measured.of([1.6, 1.2, 1.9]))[0] == "faster"
+    assert speedup_verdict(Measured.of([0.7, 0.8, 0.9]))[0] == "slower"
+    assert speedup_verdict(Measured.of([1.6, 0.9, 1.9]))[0] == "within noise"
+    assert speedup_verdict(Measured.of([1.6, 1.7]))[0] == "within noise"  # too few rounds to tell
+    assert speedup_verdict(Measured.of([1.0, 1.0, 1.0]), same_cut=True)[0] == "same cut"
+    assert "profile cut's" in speedup_verdict(Measured.of([2.0, 2.1, 2.2]), "profile cut")[1]
 
 
 def test_bad_runs_are_refused_before_any_worker_starts():

@@ -15,6 +15,7 @@ from pipelab.experiments.grid import Layout, hidden_behind_pipeline, layouts_of,
 from pipelab.experiments.hybrid import OVERLAPS, hidden_share, overlaps, run_replicas
 from pipelab.hybrid import ModelParallelReplica, check_grid, gpu_path, grid_place, last_backwards
 from pipelab.launch import spawn
+from pipelab.measure import Steps
 from pipelab.pipeline.schedules import B, F, I, W, make_schedule
 from pipelab.reference import assert_same, reference_run
 from pipelab.streams import devices
@@ -96,6 +97,24 @@ def test_hidden_behind_pipeline_counts_flight_from_the_last_launch_and_any_proce
     assert hidden_share(tl, lambda s: s.kind == "allreduce", lambda s: s.kind == "B") == pytest.approx(0.0)
 
 
+def test_simulated_hidden_share_with_the_measured_costs_and_flights():
+    # F 1 ms, B 2 ms on both stages; each stage's all-reduce flies 1 ms (stage 0: launched at 10
+    # and 10.5 by its two copies, so its flight counts from 10.5)
+    spans = [Span(r, "compute", k, 0.0, d, meta={"stage": r // 2}) for r in range(4) for k, d in (("F", 1e-3), ("B", 2e-3))]
+    spans += [Span(0, "comm", "allreduce", 0.010, 0.0115, meta={"stage": 0}),
+              Span(1, "comm", "allreduce", 0.0105, 0.0115, meta={"stage": 0}),
+              Span(2, "comm", "allreduce", 0.020, 0.021, meta={"stage": 1}),
+              Span(3, "comm", "allreduce", 0.020, 0.021, meta={"stage": 1})]
+    tl = Timeline(spans)
+    run = grid_experiment.GridRun(Layout(2, 2, 4), "1f1b", [], [], [], 0.0, Steps([0.03, 0.04], [tl, tl]), rounds=2)
+    assert run.flights() == pytest.approx({0: 1e-3, 1: 1e-3})
+    # 1F1B: stage 1's last B ends one B (2 ms) before stage 0's, long enough to hide its 1 ms
+    # flight; stage 0's all-reduce hides behind nothing: half of the all-reduce time
+    assert run.simulated_hidden() == pytest.approx(0.5)
+    assert run.round_times == [0.03, 0.04] and run.step_times.values == (0.03, 0.04)
+    assert len(run.hidden.values) == 2
+
+
 def test_last_backwards_is_where_a_stage_s_gradients_are_final():
     one = make_schedule("1f1b", 2, 4)
     for rank, actions in enumerate(one.actions):
@@ -147,10 +166,12 @@ def test_bucketed_timeline_has_both_devices_and_the_all_reduce_lane(toy_runs, sp
             first = min(s.start for s in mine.filter(kind="allreduce") if s.meta["bucket"] < 2)
             assert first <= mine.filter(lane="device 0", kind="B").spans[0].end
     for kind in OVERLAPS:
-        med, lo, hi = run.overlap(kind)
-        assert 0.0 <= lo <= med <= hi <= 1.0
+        share = run.overlap(kind)
+        assert len(share.values) == len(run.steps.timelines)  # one figure per timed step
+        assert 0.0 <= share.low <= share.median <= share.high <= 1.0
     if split is None:
-        assert run.overlap("copy/compute") == (0.0, 0.0, 0.0)  # lesson 02's forward: nothing to hide a copy under
+        assert run.overlap("copy/compute").values == (0.0,) * len(run.steps.timelines)  # lesson 02's forward: nothing to hide a copy under
+    assert run.step_times.values == tuple(run.steps.seconds)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -202,10 +223,14 @@ def test_the_stage_all_reduce_starts_after_its_last_backward_and_only_in_data_gr
             for a in reduces:
                 backwards = [b for b in tl.filter(rank=a.rank, kind="B") if b.meta["stage"] == a.meta["stage"]]
                 assert len(backwards) == run.layout.microbatches and a.start >= max(b.end for b in backwards)
-        med, lo, hi = run.hidden
-        assert 0.0 <= lo <= med <= hi <= 1.0
+        hidden = run.hidden
+        assert len(hidden.values) == len(run.steps.timelines)
+        assert 0.0 <= hidden.low <= hidden.median <= hidden.high <= 1.0
     for row in grid.launches():
         assert row["launched (ms)"] <= row["arrived (ms)"]
+    assert one_pipe.flights() == {} and set(grid.flights()) == {0, 1}  # one pipeline has nothing to average
+    assert 0.0 <= grid.simulated_hidden() <= 1.0
+    assert all(len(r.round_times) == 1 for r in runs)  # one round of timed steps
 
 
 def test_interleaved_grid_overlaps_its_own_process_s_remaining_work():

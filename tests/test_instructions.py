@@ -116,6 +116,29 @@ def test_lowering_maps_buffer_ids_back_to_micro_batches():
     assert sim.makespan_ms == simulate(Schedule1F1B(2, 4)).makespan_ms
 
 
+@pytest.mark.parametrize("stages,micro_batches", [(2, 4), (3, 5), (4, 8), (5, 3)])
+def test_each_instruction_notes_the_micro_batch_its_buffer_holds(stages, micro_batches):
+    lowered = to_actions(micro_batches, stages)  # buffer ids mapped back to micro-batches
+    for s in range(stages):
+        sched = TrainSchedule(micro_batches, stages, s)
+        flat = [c for step in sched.steps() for c in step if c.buffer_id is not None]
+        assert all(c.buffer_id == c.micro_batch % sched.num_pipe_buffers() for c in flat)
+        computed = [(type(c), c.micro_batch) for c in flat if isinstance(c, (ForwardPass, BackwardPass))]
+        assert computed == [(ForwardPass if a.kind == "F" else BackwardPass, a.mb) for a in lowered.actions[s]]
+    # The micro-batch is a note for tables: DeepSpeed's instructions compare and print without it.
+    noted = ForwardPass(0, micro_batch=2)
+    assert noted == ForwardPass(0) and repr(noted) == "ForwardPass(buffer_id=0)" and noted.kwargs == {"buffer_id": 0}
+
+
+def test_table_with_micro_batches_tells_buffer_ids_from_micro_batches():
+    table = format_instruction_table(TrainSchedule, 4, 2, show_micro_batches=True).splitlines()
+    # Step 4 of stage 0: micro-batch 2 goes into buffer 0, which micro-batch 0 freed at step 3.
+    assert table[2 + 4].split()[:5] == ["4", "LoadMicroBatch(0)", "mb2,", "ForwardPass(0)", "mb2"]
+    assert "RecvGrad(0) mb0" in table[2 + 3] and "OptimizerStep()" in table[-1]
+    inference = format_instruction_table(InferenceSchedule, 3, 2, show_micro_batches=True)
+    assert "ForwardPass(0) mb2" in inference
+
+
 def test_inference_lowers_to_forwards_only():
     lowered = to_actions(3, 2, InferenceSchedule)
     assert lowered.actions == [[F(0, 0), F(0, 1), F(0, 2)], [F(1, 0), F(1, 1), F(1, 2)]]

@@ -7,10 +7,13 @@ import pytest
 import torch
 
 from pipelab.data import load_corpus
-from pipelab.experiments.capstone import LMConfig, perplexity, single_process_losses, train_lm, tutorial_perplexity
+from pipelab.experiments.capstone import (LMConfig, memory_plan, perplexity, single_process_losses, train_lm,
+                                          tutorial_perplexity)
 from pipelab.launch import spawn
-from pipelab.lm import TransformerLM, clip_grad_norm_, generate, lm_loss, stages_of
+from pipelab.lm import TransformerLM, check_fits, clip_grad_norm_, generate, lm_loss, stage_memory, stages_of
 from pipelab.pipeline.partition import partition_layers
+from pipelab.pipeline.schedules import make_schedule
+from pipelab.progress import progress_bar
 
 
 def test_a_token_sees_only_the_tokens_before_it():
@@ -65,15 +68,21 @@ def test_clipping_across_stages_equals_clipping_the_whole_model():
     assert not all(torch.allclose(p.grad, want[n].grad) for n, p in own.named_parameters())
 
 
-def test_grid_first_steps_equal_one_process():
+@pytest.mark.parametrize("schedule", ["1f1b", "gpipe"])
+def test_grid_first_steps_equal_one_process(schedule, capsys):
     corpus = load_corpus(max_lines=600)
     cfg = LMConfig(emsize=16, nhead=2, nhid=32, nlayers=2, batch_size=8, microbatches=2, max_batches=3,
-                   log_interval=3)
+                   log_interval=3, schedule=schedule)
     run = train_lm(corpus, cfg)
     torch.testing.assert_close(run.losses, single_process_losses(corpus, cfg, 3), atol=1e-5, rtol=1e-5)
     assert run.curve[-1][2] < len(corpus.vocab)  # valid perplexity below guessing
     model = run.load_into(cfg.model(len(corpus.vocab)))
     assert len(generate(model, corpus.vocab, "the", words=5).split()) == 6
+    assert "3/3" in capsys.readouterr().err  # the progress bar followed the batches
+    # The estimate before the run: the schedule's peak stash, and the bytes the stash meters counted.
+    plan = memory_plan(cfg, len(corpus.vocab))
+    assert [count for count, _ in run.stash] == [row["peak stash"] for row in plan]
+    assert [nbytes for _, nbytes in run.stash] == pytest.approx([row["activations"] for row in plan], rel=1e-3)
 
 
 def test_tutorial_normalisation_is_too_small_on_a_long_set():
@@ -85,14 +94,35 @@ def test_tutorial_normalisation_is_too_small_on_a_long_set():
 def test_bad_recipe_is_refused_before_starting():
     with pytest.raises(ValueError, match="multiple of 8"):
         train_lm(load_corpus(max_lines=100), LMConfig(batch_size=20, microbatches=4))
+    with pytest.raises(ValueError, match="'gpipe'"):
+        train_lm(load_corpus(max_lines=100), LMConfig(schedule="interleaved"))
 
 
-def test_a_recipe_that_does_not_fit_is_refused():
-    from pipelab.experiments.capstone import check_fits, expected_memory
-    cfg = LMConfig(emsize=32, nhid=64)
-    model = cfg.model(100)
-    rows = expected_memory(model, partition_layers(list(model), 2), cfg, 100)
-    assert all(r["total"] > 2 * r["parameters"] > 0 for r in rows)
-    check_fits(rows, 2**30)
-    with pytest.raises(ValueError, match="GiB"):
-        check_fits(rows, 1000)
+def test_memory_per_stage_takes_the_peak_stash_from_the_schedule():
+    model = TransformerLM(100, emsize=32, nhead=2, nhid=64, nlayers=2)
+    parts = partition_layers(list(model), 2)
+    gpipe, one_f_one_b = (stage_memory(model, parts, make_schedule(name, 2, 4), tokens=70) for name in ("gpipe", "1f1b"))
+    assert [r["peak stash"] for r in gpipe] == [4, 4] and [r["peak stash"] for r in one_f_one_b] == [2, 1]
+    for r in gpipe:
+        assert r["activations"] == 4 * r["activations/mb"] > 0
+        assert r["parameters"] == 4 * sum(p.numel() for p in stages_of(model, parts)[r["stage"]].parameters())
+        assert r["total"] == 2 * r["parameters"] + r["activations"]
+    check_fits(gpipe, 2**30)
+    with pytest.raises(ValueError, match="stage 1 needs about .* GiB"):
+        check_fits(gpipe, 1000)
+
+
+def test_a_recipe_that_does_not_fit_is_refused_before_starting():
+    huge = LMConfig(emsize=8192, nhid=8192, nhead=16, nlayers=64)  # about 26B parameters: 100 GiB per stage
+    with pytest.raises(ValueError, match="needs about"):
+        train_lm(load_corpus(max_lines=100), huge)
+
+
+def test_progress_bar_counts_the_lines_appended(capsys):
+    with progress_bar(4, "work") as path:
+        with open(path, "a") as f:
+            f.write("1.5\n2.5\n3.")  # the last line is not finished yet
+            f.flush()
+            f.write("5\n0.5\n")
+    err = capsys.readouterr().err
+    assert "4/4" in err and "loss=0.5" in err

@@ -7,9 +7,10 @@ import pytest
 import torch
 
 from pipelab import model_parallel as mp
-from pipelab.experiments.model_parallel import (check_against_one_device, hazard_report, split_sweep,
-                                                time_forward, train_step)
-from pipelab.measure import best_of
+from pipelab.experiments.model_parallel import (Timed, check_against_one_device, hazard_report, simulated_forwards,
+                                                speed_verdict, split_costs, split_sweep, split_sweeps,
+                                                time_forward, time_forwards, train_step)
+from pipelab.measure import Measured, best_of
 from pipelab.models import SplitResNet, ToyModel
 from pipelab.reference import reference_run
 from pipelab.streams import Device, timeline
@@ -120,7 +121,7 @@ def test_hazard_report_with_a_late_producer_sees_every_read_too_early(devs):
 
 def test_pipelined_copies_never_race(devs):
     model, x, _ = _data("resnet")
-    _, tl = time_forward(model, x, devs, "pipelined", 4, repeats=1)
+    tl = time_forward(model, x, devs, "pipelined", 4, repeats=1).typical
     assert mp.raw_hazards(tl, "cpu:1") == []  # copy and compute share one in-order stream
 
 
@@ -136,6 +137,79 @@ def test_split_sweep_variants(devs):
     assert set(sweep["seconds"]) == {3, 6} and sweep["best_split"] in (3, 6)
     with pytest.raises(ValueError, match="variant='naive'"):
         split_sweep(model, x, devs, [3], variant="naive")
+
+
+def test_split_by_split_equals_one_device(devs):
+    model, x, y = _data("resnet")
+    with torch.no_grad():
+        torch.testing.assert_close(mp.forward_split_by_split(model, x, devs[0], 5), model(x))
+    check_against_one_device(model, x, y, devs, "split_by_split", 5)
+
+
+def test_time_forwards_alternates_and_keeps_every_round(devs, monkeypatch):
+    model, x, _ = _data("toy")
+    calls = []
+    real = mp.forward_pipelined
+    monkeypatch.setattr(mp, "forward_pipelined", lambda m, x, d, s: calls.append(s) or real(m, x, d, s))
+    runs = time_forwards(model, x, devs, {"a": ("pipelined", 3), "b": ("pipelined", 6)}, repeats=3)
+    assert calls == [3, 6] * 4  # one warm-up round, then three rounds, A B A B ...
+    for r in runs.values():
+        assert len(r.seconds) == len(r.timelines) == 3 and r.measured.values == tuple(r.seconds)
+    with pytest.raises(ValueError, match="variant='sideways'"):
+        time_forwards(model, x, devs, {"a": ("sideways", 3)})
+
+
+def test_typical_is_the_median_round():
+    timed = Timed([0.3, 0.1, 0.5, 0.2], ["t0", "t1", "t2", "t3"])
+    assert timed.typical_index == 3 and timed.typical == "t3"  # 0.2: the lower middle of four
+    assert Timed([0.3, 0.1, 0.5], ["a", "b", "c"]).typical == "a"
+
+
+def test_split_sweep_speedups_are_round_by_round_ratios(devs):
+    model, x, _ = _data("toy")
+    sweeps = split_sweeps(model, x, devs, [3, 12], ("split_by_split", "pipelined"), repeats=2)
+    piped = sweeps["pipelined"]
+    base = piped["one_device"].seconds
+    for s in (3, 12):
+        expected = [b / t for b, t in zip(base, piped["timed"][s].seconds)]
+        assert piped["speedup"][s].values == pytest.approx(expected)
+        assert piped["seconds"][s].median == piped["timed"][s].measured.median
+    assert sweeps["split_by_split"]["one_device"] is piped["one_device"]  # one baseline for both
+    assert piped["best_split"] == max((3, 12), key=lambda s: piped["speedup"][s].median)
+
+
+def test_ideal_speedup_and_pipeline_time():
+    assert mp.ideal_speedup(1) == 1.0 and mp.ideal_speedup(2) == pytest.approx(4 / 3)
+    assert mp.ideal_speedup(1000) < 2.0
+    # two equal halves of cost 1 per split, k splits: 2 + (k-1); one device: 2k
+    for k in (1, 2, 8):
+        assert 2 * k / mp.pipeline_time([1.0, 1.0], k) == pytest.approx(mp.ideal_speedup(k))
+    assert mp.pipeline_time([1.0, 3.0, 2.0], 4) == 6 + 3 * 3
+    with pytest.raises(ValueError, match="splits"):
+        mp.ideal_speedup(0)
+
+
+def test_simulated_forwards_hide_the_copy_on_its_own_stream():
+    costs = {"device 0": 1.0, "copy": 0.5, "device 1": 1.0}
+    sim = simulated_forwards(costs, 8)
+    assert sim["pipelined"] == pytest.approx(2.5 + 7 * 1.5) and sim["dual_stream"] == pytest.approx(2.5 + 7)
+    no_copy = simulated_forwards({**costs, "copy": 0.0}, 8)
+    assert no_copy["pipelined"] == no_copy["dual_stream"]
+
+
+def test_split_costs_reads_the_median_boxes(devs):
+    model, x, _ = _data("wide")
+    tl = time_forward(model, x, devs, "dual_stream", 4, repeats=1).typical
+    costs = split_costs(tl, devs)
+    copies = sorted(s.duration for s in tl.filter(rank="cpu:1", kind="copy"))
+    assert len(copies) == 3 and costs["copy"] == copies[1]
+    assert costs["device 0"] > 0 and costs["device 1"] > 0
+
+
+def test_speed_verdict_claims_a_direction_only_when_every_round_agrees():
+    assert speed_verdict(Measured.of([1.1, 1.2, 1.3])) == "faster"
+    assert speed_verdict(Measured.of([0.8, 0.9, 0.95])) == "slower"
+    assert speed_verdict(Measured.of([0.9, 1.2, 1.3])) == "within noise"
 
 
 def test_split_size_out_of_range(devs):
@@ -202,3 +276,18 @@ def test_split_size_refused_by_train_step_and_check(devs, variant, bad):
         train_step(model, x, y, devs, variant, bad)
     with pytest.raises(ValueError, match=f"split_size.*{bad!r}"):
         check_against_one_device(model, x, y, devs, variant, bad)
+
+
+def test_speedup_curve_draws_medians_with_their_spread_and_the_bound():
+    import matplotlib.pyplot as plt
+
+    from pipelab.plots.model_parallel import speedup_curve
+
+    curve = {1: Measured.of([0.4, 0.5, 0.6]), 8: Measured.of([1.2, 1.3, 1.5])}
+    ax = speedup_curve({"pipelined": curve}, batch=16, this_run=(8, Measured.of([1.1, 1.2, 1.4])))
+    assert len(ax.containers) == 2  # error bars: the curve and this run
+    medians = ax.containers[0].lines[0]
+    assert list(medians.get_ydata()) == [0.5, 1.3]
+    bound = [line for line in ax.get_lines() if line.get_linestyle() == "--"][0]
+    assert list(bound.get_ydata()) == [mp.ideal_speedup(16), mp.ideal_speedup(2)]
+    plt.close("all")

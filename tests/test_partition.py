@@ -7,9 +7,11 @@ import torch.nn as nn
 
 from pipelab.models import alexnet_layers
 from pipelab.pipeline.p2p import trace
-from pipelab.pipeline.partition import (compare_partitions, forward_backward_time, layer_name, parameter_counts,
-                                        partition_balanced, partition_layers, partition_uniform,
-                                        profile_weights, split_model, stage_sums,
+from pipelab.measure import Measured
+from pipelab.pipeline.partition import (compare_partitions, forward_backward_time, layer_name,
+                                        measure_partitions, parameter_counts, partition_balanced,
+                                        partition_layers, partition_uniform, profile_layers,
+                                        profile_weights, slowest_stage, split_model, stage_sums,
                                         stage_times, type_weights)
 
 ALEXNET_PARAMS = [23296, 0, 0, 307392, 0, 0, 663936, 0, 884992, 0, 590080, 0, 0, 0, 0, 0,
@@ -104,6 +106,30 @@ def test_profile_weights_time_each_layer_and_balance_them():
     assert stage_sums([1, 2, 3, 4], [0, 1, 4]) == [1, 9]
     both = compare_partitions(layers, [[0, 5], [0, 2, 3, 5]], x, repeats=1)
     assert [len(t) for t in both] == [1, 3] and big.weight.grad is None
+
+
+def test_measure_partitions_keeps_every_round_and_slowest_stage_goes_round_by_round():
+    torch.manual_seed(0)
+    layers = [nn.Linear(16, 64), nn.ReLU(), nn.Linear(64, 4)]
+    x = torch.randn(32, 16)
+    timed = measure_partitions(layers, [[0, 3], [0, 1, 3]], x, repeats=4)
+    assert [len(per_stage) for per_stage in timed] == [1, 2]
+    assert all(len(t.values) == 4 and t.low > 0 for per_stage in timed for t in per_stage)
+    assert layers[0].weight.grad is None
+    per_layer = profile_layers(layers, x, repeats=3, tries=2)  # each round: the faster of 2 runs
+    assert len(per_layer) == 3 and all(len(t.values) == 3 for t in per_layer)
+    # Round r's slowest stage is the max over the stages' r-th repeats, not the max of medians.
+    stages = [Measured.of([1.0, 5.0, 2.0]), Measured.of([3.0, 1.0, 1.0])]
+    assert slowest_stage(stages).values == (3.0, 5.0, 2.0)
+
+
+def test_a_round_keeps_the_fastest_of_its_back_to_back_tries(monkeypatch):
+    import pipelab.pipeline.partition as partition
+
+    clock = iter([5.0, 3.0, 4.0, 6.0])  # round 1: tries 5 and 3; round 2: tries 4 and 6
+    monkeypatch.setattr(partition, "forward_backward_time", lambda fn, x, repeats, warmup: (next(clock), x))
+    [[stage]] = measure_partitions([nn.Identity()], [[0, 1]], torch.zeros(1), repeats=2, warmup=0, tries=2)
+    assert stage.values == (3.0, 4.0)
 
 
 def test_forward_backward_time_returns_the_output():

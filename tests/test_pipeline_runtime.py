@@ -1,6 +1,9 @@
 """The pipeline runtime on real processes: every schedule gives the single-process loss and
 gradients; stashes and messages are counted; torch.distributed.pipelining agrees with us."""
 
+import copy
+from types import SimpleNamespace
+
 import pytest
 import torch
 
@@ -8,9 +11,11 @@ from pipelab import models
 from pipelab.experiments.pipeline import run_pipeline, run_pipelines, run_torch_pipelines
 from pipelab.pipeline.p2p import message_specs
 from pipelab.pipeline.partition import split_model
+from pipelab.pipeline.runtime import run_step
 from pipelab.pipeline.schedules import B, F, I, W, Schedule, ScheduleInterleaved1F1B, make_schedule
 from pipelab.pipeline.simulate import simulate
 from pipelab.reference import assert_same, reference_run
+from pipelab.timeline import Recorder
 
 BATCH = 24  # divisible by every micro-batch count used below
 
@@ -90,6 +95,53 @@ def test_gpipe_stash_grows_with_m_and_1f1b_stays_bounded():
     assert len(recvs) == 2 * m  # activations into rank 1, gradients into rank 0
 
 
+@pytest.mark.parametrize("p", [2, 3])
+def test_activation_checkpointing_gives_the_reference_and_keeps_only_the_inputs(p):
+    m = 6
+    stages, x, y, loss_fn = problem(p)
+    schedules = [make_schedule(name, p, m) for name in ("gpipe", "1f1b")]
+    runs = run_pipelines(stages, schedules * 2, x, y, loss_fn, steps=1, checkpoint=[False, False, True, True])
+    plain, ckpt = runs[:2], runs[2:]
+    for a, b in zip(plain, ckpt):
+        assert not a.checkpoint and b.checkpoint
+        assert_same(b, reference(stages, x, y, loss_fn))
+        assert b.peak_stash == a.peak_stash  # as many micro-batches stashed, each much smaller
+        assert not a.timeline.filter(kind="R").spans
+        spans = {(s.kind, s.meta["stage"], s.mb): s for s in b.timeline.filter(lane="compute")}
+        recomputes = [k for k in spans if k[0] == "R"]
+        assert len(recomputes) == p * m  # one recompute per backward, just before it
+        for _, stage, mb in recomputes:
+            assert spans["R", stage, mb].end <= spans["B", stage, mb].start
+    gpipe, gpipe_ckpt = plain[0], ckpt[0]
+    input_bytes = BATCH // m * 16 * 4  # a received activation: 4 samples x 16 float32
+    for rank in range(p):  # measured: one micro-batch's full stash, plus the other inputs kept
+        full = gpipe.peak_stash_bytes[rank] // m
+        kept_input = input_bytes if rank > 0 else 0  # stage 0's input is the batch, which lives anyway
+        assert gpipe_ckpt.peak_stash_bytes[rank] == full + (m - 1) * kept_input
+        assert gpipe_ckpt.peak_stash_bytes[rank] < gpipe.peak_stash_bytes[rank]
+
+
+def test_a_recomputed_forward_draws_the_same_dropout_masks():
+    """Two stages on one rank, in this process, so both runs start from the same random state."""
+    torch.manual_seed(0)
+    stages = [torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Dropout(0.5)),
+              torch.nn.Sequential(torch.nn.Dropout(0.5), torch.nn.Linear(16, 4))]
+    x, y = torch.randn(BATCH, 8), torch.randn(BATCH, 4)
+    schedule = ScheduleInterleaved1F1B(1, 4, 2)
+    ctx = SimpleNamespace(rank=0, device=torch.device("cpu"), rec=Recorder(0))
+    results = []
+    for checkpoint in (False, True):
+        modules = {s: copy.deepcopy(stage) for s, stage in enumerate(stages)}
+        torch.manual_seed(1)
+        runner = run_step(ctx, schedule, modules, torch.nn.MSELoss(), x, y, message_specs(stages, x, 4), checkpoint)
+        results.append((float(sum(runner.losses)), [p.grad for m in modules.values() for p in m.parameters()]))
+    (loss, grads), (loss_ckpt, grads_ckpt) = results
+    assert loss_ckpt == loss
+    for a, b in zip(grads, grads_ckpt):
+        torch.testing.assert_close(b, a)
+    assert ctx.rec.timeline().filter(kind="R").spans
+
+
 def test_torch_pipelining_runs_the_same_order_and_loss():
     p, m = 3, 4
     stages, x, y, loss_fn = problem(p)
@@ -129,6 +181,8 @@ def test_bad_input_is_refused_before_workers_start():
         run_pipeline(stages, make_schedule("interleaved", 2, 4), x, y, loss_fn)
     with pytest.raises(ValueError, match="targets have 23"):
         run_pipeline(stages, make_schedule("gpipe", 2, 4), x, y[:23], loss_fn)
+    with pytest.raises(ValueError, match="one of them per schedule"):
+        run_pipelines(stages, [make_schedule("gpipe", 2, 4)] * 2, x, y, loss_fn, checkpoint=[True])
 
 
 # ---------------------------------------------------------------------------------------------
@@ -244,3 +298,18 @@ def test_message_specs_trace_every_micro_batch_and_leave_the_stages_as_they_were
     assert [[str(s) for s in row] for row in specs] == [["[2, 3, 8] float32", "[2, 4] float64"]] * 3
     assert all(torch.equal(a, b) for a, b in zip(before, stages[0].buffers()))  # BatchNorm's statistics
     assert torch.equal(rng, torch.get_rng_state())  # Dropout drew no numbers from the caller's generator
+
+
+def test_recv_waits_split_a_receive_into_waiting_for_the_sender_and_for_the_message():
+    from pipelab.experiments.pipeline import recv_waits
+    from pipelab.timeline import Span, Timeline
+
+    tl = Timeline([
+        Span(0, "comm", "send", 0.004, 0.0041, 0, {"to": 1}),  # sent 4 ms into a 10 ms wait
+        Span(1, "comm", "recv", 0.000, 0.010, 0, {"frm": 0}),
+        Span(0, "comm", "send", 0.015, 0.0151, 1, {"to": 1}),  # sent before its receiver asked
+        Span(1, "comm", "recv", 0.020, 0.021, 1, {"frm": 0}),
+    ])
+    for_sender, for_message = recv_waits(tl)
+    assert for_sender == pytest.approx(0.004)
+    assert for_message == pytest.approx(0.006 + 0.001)

@@ -6,7 +6,8 @@ from torch.distributed.pipelining import schedules as torch_schedules
 
 from pipelab.pipeline.schedules import (B, F, I, W, Action, Schedule, Schedule1F1B, ScheduleError,
                                         ScheduleGPipe, ScheduleInterleaved1F1B, ScheduleZeroBubble,
-                                        dependencies, make_schedule, play, validate)
+                                        dependencies, make_schedule, messages_per_step, play,
+                                        validate)
 
 SIZES = [(p, m) for p in (1, 2, 3, 4) for m in (1, 2, 3, 4, 5, 6, 8, 12)]
 
@@ -80,6 +81,26 @@ def test_1f1b_bounds_warmup_forwards_by_distance_to_the_end():
     for rank, actions in enumerate(s.actions):
         first_b = next(i for i, a in enumerate(actions) if a.kind == "B")
         assert first_b == 4 - rank  # p - rank forwards before the first backward
+
+
+@pytest.mark.parametrize("p,m", [(2, 4), (3, 6), (4, 8), (4, 4)])
+def test_messages_per_step_is_two_per_boundary_and_micro_batch(p, m):
+    # Every stage boundary crosses ranks: an activation forward and a gradient back per micro-batch.
+    for name in ("gpipe", "1f1b", "zb-h1"):
+        assert messages_per_step(make_schedule(name, p, m)) == 2 * m * (p - 1)
+    for v in (2, 3):
+        interleaved = make_schedule("interleaved", p, m, v)
+        assert messages_per_step(interleaved) == 2 * m * (v * p - 1)  # (vp-1)/(p-1) times 1F1B's, not v
+    assert messages_per_step(make_schedule("1f1b", 1, m)) == 0
+
+
+def test_zero_bubble_stashes_p_micro_batches_on_every_rank_and_1f1b_p_minus_rank():
+    # Live from F to the action that frees the stash: B for 1F1B, W for ZB-H1 (rank r holds back r W's).
+    from pipelab.pipeline.simulate import simulate
+
+    p, m = 4, 8
+    assert simulate(make_schedule("1f1b", p, m)).peak_stash == {r: p - r for r in range(p)}
+    assert simulate(make_schedule("zb-h1", p, m)).peak_stash == {r: p for r in range(p)}
 
 
 def test_validator_rejects_a_missing_backward():

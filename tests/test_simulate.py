@@ -152,3 +152,60 @@ def test_schedule_explorer_redraws_and_explains_refusals():
     by_name["schedule"].value = "interleaved"
     by_name["micro-batches m"].value = 5  # p=2, m=5: refused with a reason, not an exception
     by_name["micro-batches m"].value = 6
+
+
+# ---------------------------------------------------------------------------------------------
+# Activation checkpointing: each backward first recomputes its forward (issue 16)
+# ---------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("p,m", [(2, 4), (3, 5)])
+def test_recompute_adds_a_forward_before_each_backward(p, m):
+    s = make_schedule("gpipe", p, m)
+    costs = Costs(1.0, 1.0, 1.0)
+    plain, ckpt = simulate(s, costs), simulate(s, costs.with_recompute())
+    assert plain.makespan_ms == pytest.approx((m + p - 1) * 3)  # F, then B = I + W
+    assert ckpt.makespan_ms == pytest.approx((m + p - 1) * 4)  # and R, one more forward
+    recomputes = ckpt.timeline.filter(kind="R")
+    assert len(recomputes) == len(ckpt.timeline.filter(kind="B")) == p * m
+    at = {(sp.kind, sp.meta["stage"], sp.mb): sp for sp in ckpt.timeline}
+    for r in recomputes:  # right before its own backward, one forward long
+        assert r.end == pytest.approx(at["B", r.meta["stage"], r.mb].start)
+        assert r.duration == pytest.approx(1e-3)
+    assert ckpt.peak_stash == plain.peak_stash  # the count of stashed micro-batches is the order's
+
+
+def test_recompute_comes_before_i_and_not_before_w():
+    costs = Costs(forward=2.0, backward_input=1.0, backward_weight=0.5, per_stage={1: (3.0, 1.0, 1.0)}).with_recompute()
+    assert costs.parts(B(0, 0)) == [("R", 2.0), ("B", 1.5)]
+    assert costs.parts(I(1, 0)) == [("R", 3.0), ("I", 1.0)]  # stage 1 recomputes its own forward
+    assert costs.parts(W(1, 0)) == [("W", 1.0)]
+    assert costs.of(F(0, 0)) == 2.0 and Costs().parts(B(0, 0)) == [("B", 2.0)]
+
+
+def test_costs_from_a_checkpointed_timeline_take_the_recompute_from_its_r_spans():
+    tl = Timeline([Span(0, "compute", "F", 0.0, 0.002, 0, {"stage": 0}),
+                   Span(0, "compute", "R", 0.002, 0.005, 0, {"stage": 0}),
+                   Span(0, "compute", "B", 0.005, 0.009, 0, {"stage": 0})])
+    costs = Costs.from_timeline(tl, per_stage=True)
+    assert (costs.forward, costs.recompute) == pytest.approx((2.0, 3.0))
+    assert costs.per_stage[0] == pytest.approx((2.0, 2.0, 2.0, 3.0))
+    assert simulate(make_schedule("gpipe", 1, 1), costs).makespan_ms == pytest.approx(9.0)
+
+
+def test_the_fill_drain_picture_numbers_m_plus_p_minus_1_slots_per_phase():
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from pipelab.plots import gantt
+    from pipelab.plots.pipeline import mark_slots
+
+    p, m = 3, 4
+    schedule, costs = make_schedule("gpipe", p, m), Costs(1.0, 1.0, 1.0)
+    ax = gantt(simulate(schedule, costs).timeline, unit="cost units", label_mb=False)
+    assert mark_slots(ax, schedule, costs) == m + p - 1
+    numbers = [t.get_text() for t in ax.texts if t.get_text().isdigit()]
+    assert numbers == [str(i) for i in range(1, m + p)] * 2  # forward slots, then backward slots
+    assert ax.get_xlabel() == "time (cost units)"
+    plt.close("all")

@@ -278,3 +278,13 @@ def test_interpreter_exits_cleanly_with_devices_left_open():
     r = subprocess.run([sys.executable, "-c", EXIT_SCRIPT], capture_output=True, text=True, timeout=60)
     assert r.returncode == 0, r.stderr
     assert r.stdout.strip() == "done" and r.stderr == ""
+
+
+def test_describe_devices_names_the_path_streams_devices_takes():
+    # lessons 02-04 run one process driving devices through streams, not ranks with gloo
+    from pipelab import hardware
+
+    line = hardware.describe_devices(2)
+    assert "ranks" not in line and "gloo" not in line and "one process drives 2" in line
+    with devices(2) as devs:
+        assert ("virtual CPU devices" in line) == (not devs[0].is_cuda)

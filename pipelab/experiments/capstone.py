@@ -4,29 +4,35 @@
 `grid_place`, builds the whole model from the seed, keeps its stage (`partition_layers`), and for
 every `bptt` window of its replica's columns runs `run_grid_step` (the schedule, plus the
 data-parallel all-reduce of its stage), clips with the global norm over its pipeline, and steps
-SGD. The last stage of the first pipeline prints the tutorial's log line; validation uses the whole
-model, gathered from the stages of the first pipeline, and the right normalisation.
+SGD. The last stage of the first pipeline prints the tutorial's log line and, through a small
+file, feeds a progress bar in the caller's process; validation uses the whole model, gathered from
+the stages of the first pipeline, and the right normalisation. Before any process starts,
+`memory_plan` estimates each stage's memory and `train_lm` refuses a recipe that does not fit.
 """
 
 from __future__ import annotations
 
 import copy
 import math
+import os
 import time
+from contextlib import nullcontext
 from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
 
+from pipelab import hardware
 from pipelab.checks import positive_number, whole_number
 from pipelab.data import Corpus, batchify, data_columns, get_batch
 from pipelab.hybrid import check_grid, grid_place, run_grid_step
 from pipelab.launch import spawn
-from pipelab.lm import TransformerLM, clip_grad_norm_, lm_loss, stages_of
-from pipelab.measure import Steps, gather_steps, time_steps
+from pipelab.lm import TransformerLM, check_fits, clip_grad_norm_, lm_loss, stage_memory, stages_of
+from pipelab.measure import Measured, Steps, gather_steps, time_steps
 from pipelab.pipeline.p2p import message_specs
 from pipelab.pipeline.partition import partition_layers
 from pipelab.pipeline.schedules import make_schedule
+from pipelab.progress import progress_bar
 from pipelab.pipeline.topology import axis_groups
 
 LOG_LINE = ("| epoch {:3d} | {:5d}/{:5d} batches | lr {:02.2f} | ms/batch {:5.2f} | loss {:5.2f} | ppl {:8.2f}")
@@ -71,6 +77,13 @@ class LMConfig:
         if self.batch_size % (self.data * self.microbatches):
             raise ValueError(f"batch_size={self.batch_size} must split over data={self.data} x microbatches="
                              f"{self.microbatches}; use a multiple of {self.data * self.microbatches}")
+        if str(self.schedule).lower() not in ("gpipe", "1f1b"):  # one stage per process, whole backwards
+            raise ValueError(f"schedule={self.schedule!r}: the capstone runs 'gpipe' (the tutorial's) or '1f1b' (one "
+                             "stage per process, whose stash `lm.activation_bytes` counts)")
+
+    def microbatch_tokens(self) -> int:
+        """Tokens in one micro-batch of one replica: its columns x bptt."""
+        return self.batch_size // self.data // self.microbatches * self.bptt
 
 
 def windows(source: torch.Tensor, bptt: int, limit: int | None = None) -> list[int]:
@@ -117,7 +130,7 @@ def gather_model(model, stage, group):
 class GridTrainer:
     """One process of the grid: its stage, its replica's columns, its optimizer."""
 
-    def __init__(self, ctx, corpus: Corpus, cfg: LMConfig):
+    def __init__(self, ctx, corpus: Corpus, cfg: LMConfig, progress: str | None = None):
         self.ctx, self.cfg, self.corpus = ctx, cfg, corpus
         topology = check_grid(cfg.pipe, cfg.data, ctx.world_size)
         self.place = grid_place(ctx, topology)
@@ -134,12 +147,15 @@ class GridTrainer:
         self.schedule = make_schedule(cfg.schedule, cfg.pipe, cfg.microbatches)
         self.specs = message_specs(stages, get_batch(self.train, 0, cfg.bptt)[0], cfg.microbatches)
         self.logger = self.place.rank == cfg.pipe - 1 and self.replica == 0
+        self.progress = open(progress, "a") if progress and self.logger else None  # noqa: SIM115
+        self.stash_peak = (0, 0)  # the most micro-batches stashed at once, and their bytes, any step
 
     def step(self, i: int) -> float | None:
         """One SGD step on the window at row `i`: the pipeline, the clip over it, the update."""
         x, y = (t.to(self.ctx.device) for t in get_batch(self.train, i, self.cfg.bptt))
         self.opt.zero_grad(set_to_none=True)
         runner = run_grid_step(self.place, self.schedule, self.modules, lm_loss, x, y, self.specs)
+        self.stash_peak = max(self.stash_peak, (runner.meter.peak, runner.meter.peak_bytes))
         with self.ctx.rec.span("clip", lane="comm"):
             clip_grad_norm_(self.stage.parameters(), self.cfg.clip, self.pipe_group)
         with self.ctx.rec.span("optimizer"):
@@ -162,8 +178,13 @@ class GridTrainer:
             loss = self.step(i)
             log["losses"].append(loss)
             interval.append(loss)
+            if self.progress is not None:  # one line per batch: the caller's progress bar follows it
+                self.progress.write(f"{loss:.4f}\n")
+                self.progress.flush()
             if batch % self.cfg.log_interval == 0 or batch == len(starts):
-                ms = (time.perf_counter() - clock) * 1e3 / len(interval)
+                seconds = time.perf_counter() - clock
+                log["intervals"].append((len(interval), seconds))
+                ms = seconds * 1e3 / len(interval)
                 valid = self.validate()
                 if self.logger:
                     mean = sum(interval) / len(interval)
@@ -174,11 +195,11 @@ class GridTrainer:
         self.lr_steps.step()
 
 
-def lm_worker(ctx, corpus: Corpus, cfg: LMConfig, timeline_steps: int = 3) -> dict:
+def lm_worker(ctx, corpus: Corpus, cfg: LMConfig, progress: str | None = None, timeline_steps: int = 3) -> dict:
     """Worker: train for cfg.epochs; then time `timeline_steps` steps on a copy (the Gantt)."""
     torch.set_num_threads(1)
-    trainer = GridTrainer(ctx, corpus, cfg)
-    log = {"losses": [], "curve": []}
+    trainer = GridTrainer(ctx, corpus, cfg, progress)
+    log = {"losses": [], "curve": [], "intervals": []}
     start = time.perf_counter()
     for epoch in range(1, cfg.epochs + 1):
         trainer.epoch(epoch, log)
@@ -188,27 +209,36 @@ def lm_worker(ctx, corpus: Corpus, cfg: LMConfig, timeline_steps: int = 3) -> di
     trainer.modules = {trainer.place.rank: trainer.stage}
     steps = time_steps(ctx, lambda k: trainer.step(k * cfg.bptt), timeline_steps)
     return {"rank": ctx.rank, "stage": trainer.place.rank, "replica": trainer.replica, "parts": trainer.parts,
-            "weights": weights, "seconds": seconds, "steps": steps, **log}
+            "weights": weights, "seconds": seconds, "steps": steps, "stash": trainer.stash_peak, **log}
 
 
 @dataclass
 class LMRun:
     """What the grid brought back: losses per step (mean over replicas), the logged curve, the
-    stages' weights, tokens/s, and the timed steps' timelines."""
+    stages' weights, the log intervals' times, the measured peak stash per stage, and the timed
+    steps' timelines."""
 
     cfg: LMConfig
     losses: list[float]
     curve: list[tuple[int, float, float]]  # (step, train ppl of the interval, valid ppl)
     weights: list[dict[str, torch.Tensor]]  # one per stage (first replica)
     parts: list[int]
-    seconds: float
+    seconds: float  # the whole training, validations included
     steps: Steps
+    intervals: list[tuple[int, float]] = field(default_factory=list)  # (batches, seconds) per log line
+    stash: list[tuple[int, int]] = field(default_factory=list)  # per stage: peak micro-batches, bytes
     name: str = "pipe x data grid"
-    grads: dict = field(default_factory=dict)
 
     @property
     def tokens_per_second(self) -> float:
-        return len(self.losses) * self.cfg.batch_size * self.cfg.bptt / self.seconds
+        """Training tokens/s over the whole run (the validations left out)."""
+        batches, seconds = (sum(column) for column in zip(*self.intervals))
+        return batches * self.cfg.batch_size * self.cfg.bptt / seconds
+
+    def interval_tokens_per_second(self) -> Measured:
+        """Tokens/s of each log interval, the first one (warm-up) dropped when there are more."""
+        rates = [n * self.cfg.batch_size * self.cfg.bptt / sec for n, sec in self.intervals]
+        return Measured.of(rates[1:] if len(rates) > 1 else rates)
 
     def load_into(self, model):
         """Load the stages' weights into one unsplit model: the model the pipeline trained."""
@@ -216,16 +246,46 @@ class LMRun:
         return model
 
 
-def train_lm(corpus: Corpus, cfg: LMConfig, timeout: float = 600.0) -> LMRun:
-    """Train over cfg.pipe x cfg.data processes; refuses a bad recipe before starting any."""
+def available_memory(world_size: int) -> tuple[int, str]:
+    """Bytes one process may use, and where: with a GPU per process, the free memory of the
+    fullest GPU (`torch.cuda.mem_get_info`); on CPU, the RAM available now shared by the processes."""
+    if hardware.choose_backend(world_size) == "nccl":
+        return min(torch.cuda.mem_get_info(i)[0] for i in range(world_size)), "the fullest GPU"
+    try:
+        with open("/proc/meminfo") as f:
+            free = next(int(line.split()[1]) * 1024 for line in f if line.startswith("MemAvailable:"))
+    except (OSError, StopIteration):  # not Linux: the pages free now
+        free = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
+    return free // world_size, f"1/{world_size} of the available RAM"
+
+
+def memory_plan(cfg: LMConfig, ntoken: int) -> list[dict]:
+    """`lm.stage_memory` for this recipe: the model built on the "meta" device (sizes, no memory),
+    cut as the workers cut it, with the schedule's peak stash; SGD keeps no optimizer state."""
+    with torch.device("meta"):
+        model = cfg.model(ntoken)
+    parts = partition_layers(list(model), cfg.pipe, cfg.partition)
+    schedule = make_schedule(cfg.schedule, cfg.pipe, cfg.microbatches)
+    on_cpu = hardware.choose_backend(cfg.pipe * cfg.data) != "nccl"
+    return stage_memory(model, parts, schedule, cfg.microbatch_tokens(), optimizer_states=0, host_copy=on_cpu)
+
+
+def train_lm(corpus: Corpus, cfg: LMConfig, timeout: float = 600.0, progress: bool = True) -> LMRun:
+    """Train over cfg.pipe x cfg.data processes, with a progress bar here; refuses a bad recipe, or
+    one whose stages will not fit in memory, before starting any."""
     cfg.check()
-    per_rank = spawn(lm_worker, cfg.pipe * cfg.data, corpus, cfg, timeout=timeout)
+    world = cfg.pipe * cfg.data
+    check_fits(memory_plan(cfg, len(corpus.vocab)), *available_memory(world))
+    batches = cfg.epochs * len(windows(batchify(corpus.train, cfg.batch_size), cfg.bptt, cfg.max_batches))
+    with progress_bar(batches, f"{cfg.pipe} x {cfg.data} grid") if progress else nullcontext() as path:
+        per_rank = spawn(lm_worker, world, corpus, cfg, path, timeout=timeout)
     last = [r for r in per_rank if r["stage"] == cfg.pipe - 1]
     losses = [sum(step) / len(step) for step in zip(*(r["losses"] for r in last))]
     logger = next(r for r in last if r["replica"] == 0)
     stages = sorted((r for r in per_rank if r["replica"] == 0), key=lambda r: r["stage"])
     return LMRun(cfg, losses, logger["curve"], [r["weights"] for r in stages], per_rank[0]["parts"],
-                 max(r["seconds"] for r in per_rank), gather_steps([r["steps"] for r in per_rank]))
+                 max(r["seconds"] for r in per_rank), gather_steps([r["steps"] for r in per_rank]),
+                 logger["intervals"], [r["stash"] for r in stages])
 
 
 def single_process_losses(corpus: Corpus, cfg: LMConfig, steps: int) -> list[float]:
@@ -258,36 +318,6 @@ def train_one_process(corpus: Corpus, cfg: LMConfig, steps: int) -> float:
         torch.set_num_threads(threads)
 
 
-def activation_bytes(layer, tokens: int, cfg: LMConfig, ntoken: int) -> int:
-    """A rough count of the float32 bytes one layer keeps for its backward on `tokens` tokens."""
-    name = type(layer).__name__
-    if name == "CausalEncoderLayer":  # projections, norms, feed-forward, and the attention maps
-        per_seq = tokens // cfg.bptt
-        return 4 * (tokens * (10 * cfg.emsize + 2 * cfg.nhid) + 2 * per_seq * cfg.nhead * cfg.bptt ** 2)
-    if name == "Decoder":  # its input, the logits and their softmax
-        return 4 * tokens * (cfg.emsize + 2 * ntoken)
-    return 4 * tokens * cfg.emsize
-
-
-def expected_memory(model, parts: list[int], cfg: LMConfig, ntoken: int) -> list[dict]:
-    """Bytes each stage will need: parameters, gradients, optimizer state (plain SGD keeps none) and
-    one micro-batch's activations times the schedule's peak stash (lesson 07: GPipe m, 1F1B p - s)."""
-    tokens = cfg.batch_size // cfg.data // cfg.microbatches * cfg.bptt
-    rows = []
-    for s, stage in enumerate(stages_of(model, parts)):
-        params = 4 * sum(p.numel() for p in stage.parameters())
-        stash = cfg.microbatches if cfg.schedule == "gpipe" else min(cfg.pipe - s, cfg.microbatches)
-        acts = sum(activation_bytes(layer, tokens, cfg, ntoken) for layer in stage)
-        rows.append({"stage": s, "layers": f"{parts[s]}-{parts[s + 1] - 1}", "parameters": params, "gradients": params,
-                     "optimizer": 0, "activations": acts * stash, "peak stash": stash,
-                     "total": 2 * params + acts * stash})
-    return rows
-
-
-def check_fits(rows: list[dict], available: int) -> None:
-    """Refuse, before any process starts, a recipe whose largest stage exceeds the memory there is."""
-    worst = max(rows, key=lambda r: r["total"])
-    if worst["total"] > available:
-        raise ValueError(f"stage {worst['stage']} needs about {worst['total'] / 2**30:.1f} GiB and a device has "
-                         f"{available / 2**30:.1f} GiB: use more stages (pipe), fewer micro-batch tokens "
-                         "(batch_size, bptt) or a smaller model (emsize, nhid, nlayers)")
+def one_process_tokens_per_second(corpus: Corpus, cfg: LMConfig, steps: int, repeats: int) -> Measured:
+    """`train_one_process` repeated: tokens/s of each of `repeats` runs of `steps` steps."""
+    return Measured.of(train_one_process(corpus, cfg, steps) for _ in range(repeats))

@@ -12,6 +12,7 @@ import copy
 import statistics
 from contextlib import nullcontext
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Callable, Sequence
 
 import torch
@@ -21,7 +22,7 @@ from torch import nn
 from pipelab.checks import divisors, whole_number
 from pipelab.ddp import Bucket, BucketedDDP, DDPBase, NaiveDDP, check_bucket_cap, trainable_parameters
 from pipelab.launch import spawn
-from pipelab.measure import RankSteps, Steps, gather_steps, time_steps
+from pipelab.measure import Measured, RankSteps, Steps, alternate, gather_steps, ratios, time_steps
 from pipelab.timeline import Recorder, Timeline
 
 VARIANTS = ("naive", "bucketed", "torch")
@@ -174,6 +175,25 @@ class DDPRun:
         """Fraction of the all-reduce time hidden behind computation (median over timed steps)."""
         return _median_overlap(self.steps.timelines)
 
+    @property
+    def overlaps(self) -> Measured:
+        """The fraction of all-reduce time hidden behind computation, step by step (timed steps)."""
+        return Measured.of(tl.overlap("compute", "comm") for tl in self.steps.timelines)
+
+    @property
+    def step_times(self) -> Measured:
+        """Seconds of every timed step (the slowest rank's)."""
+        return Measured.of(self.steps.seconds)
+
+    def bucket_all_reduce_times(self) -> list[Measured]:
+        """Seconds from launch to arrival of each bucket's all-reduce (BucketedDDP), one figure
+        per timed step and rank. A span includes waiting for the peers to launch the same bucket
+        and for the buckets before it, not only the bytes on the wire."""
+        if self.buckets is None:
+            raise ValueError(f"variant {self.variant!r} has no buckets of its own; use the 'bucketed' run")
+        spans = [s for tl in self.steps.timelines for s in tl.filter(kind="allreduce") if "bucket" in s.meta]
+        return [Measured.of(s.duration for s in spans if s.meta["bucket"] == b.index) for b in self.buckets]
+
 
 def check_ddp_inputs(model: nn.Module, x: torch.Tensor, y: torch.Tensor, world_size: int,
                      bucket_cap_mb: float = 25.0, variants: Sequence[str] = VARIANTS, steps: int = 1,
@@ -238,14 +258,20 @@ class SweepPoint:
     overlap: float  # ours: median fraction of all-reduce time hidden behind compute
     torch_step_time: float | None  # torch's DDP with the same bucket_cap_mb
     timeline: Timeline = field(repr=False)  # ours, a typical step
+    times: Measured | None = None  # seconds, ours: every timed step of every round (slowest rank)
+    overlaps: Measured | None = None  # ours: every timed step's overlap
+    torch_times: Measured | None = None  # seconds, torch's: every timed step of every round
+    ratio: Measured | None = None  # ours / torch, round by round (each round runs both in turn)
 
 
 def bucket_sweep_worker(ctx, model: nn.Module, x: torch.Tensor, y: torch.Tensor, loss_fn: Callable,
                         caps_mb: Sequence[float], steps: int = 3, rounds: int = 2, with_torch: bool = True,
                         lr: float = 0.01) -> dict:
     """Worker: for each bucket size, our BucketedDDP and torch's DDP on the same replica weights,
-    interleaved in `rounds` so that a busy machine slows both alike. Each wrapper's first step
-    warms up (torch's DDP also rebuilds its buckets after it) and is not kept."""
+    `steps` timed steps each, in turn (`measure.alternate`) for `rounds` rounds, so that a busy
+    machine slows both alike. Each wrapper's first step warms up (torch's DDP also rebuilds its
+    buckets after it) and is not kept. Returns every timed step, and each wrapper's median step
+    per round on this rank."""
     xs = shard(x, ctx.rank, ctx.world_size).to(ctx.device)
     ys = shard(y, ctx.rank, ctx.world_size).to(ctx.device)
     kinds = ["bucketed", "torch"] if with_torch else ["bucketed"]
@@ -255,16 +281,24 @@ def bucket_sweep_worker(ctx, model: nn.Module, x: torch.Tensor, y: torch.Tensor,
             wrapped = wrap(kind, copy.deepcopy(model).to(ctx.device), cap, ctx.rec, device=ctx.device)
             wrappers[cap, kind] = (wrapped, torch.optim.SGD(wrapped.parameters(), lr=lr))
     measured = {key: RankSteps([], [], []) for key in wrappers}
-    for round_ in range(rounds):
-        warmup = 1 if round_ == 0 else 0
-        for key, (wrapped, optimizer) in wrappers.items():
-            got = time_steps(ctx, lambda i: train_step(ctx, wrapped, optimizer, xs, ys, loss_fn), steps + warmup,
-                             prepare=lambda i: optimizer.zero_grad(set_to_none=True), warmup=warmup)
-            measured[key].results.extend(got.results)
-            measured[key].seconds.extend(got.seconds)
-            measured[key].timelines.extend(got.timelines)
+
+    def run(key, count: int) -> RankSteps:
+        wrapped, optimizer = wrappers[key]
+        return time_steps(ctx, lambda i: train_step(ctx, wrapped, optimizer, xs, ys, loss_fn), count,
+                          prepare=lambda i: optimizer.zero_grad(set_to_none=True), warmup=0)
+
+    def one_round(key) -> float:
+        got = run(key, steps)
+        measured[key].results.extend(got.results)
+        measured[key].seconds.extend(got.seconds)
+        measured[key].timelines.extend(got.timelines)
+        return statistics.median(got.seconds)
+
+    for key in wrappers:  # the warm-up step of each wrapper, not kept
+        run(key, 1)
+    per_round = alternate({key: partial(one_round, key) for key in wrappers}, rounds, warmup=0)
     buckets = {cap: len(wrappers[cap, "bucketed"][0].buckets) for cap in caps_mb}
-    return {"steps": measured, "buckets": buckets}
+    return {"steps": measured, "rounds": per_round, "buckets": buckets}
 
 
 def bucket_sweep(model: nn.Module, x: torch.Tensor, y: torch.Tensor, caps_mb: Sequence[float],
@@ -285,6 +319,18 @@ def bucket_sweep(model: nn.Module, x: torch.Tensor, y: torch.Tensor, caps_mb: Se
     for cap in caps_mb:
         ours = gather_steps([r["steps"][cap, "bucketed"] for r in per_rank])
         theirs = gather_steps([r["steps"][cap, "torch"] for r in per_rank]) if with_torch else None
-        points.append(SweepPoint(cap, per_rank[0]["buckets"][cap], ours.step_time, _median_overlap(ours.timelines),
-                                 theirs.step_time if theirs is not None else None, ours.typical))
+        point = SweepPoint(cap, per_rank[0]["buckets"][cap], ours.step_time, _median_overlap(ours.timelines),
+                           theirs.step_time if theirs is not None else None, ours.typical,
+                           times=Measured.of(ours.seconds),
+                           overlaps=Measured.of(tl.overlap("compute", "comm") for tl in ours.timelines))
+        if with_torch:
+            point.torch_times = Measured.of(theirs.seconds)
+            point.ratio = ratios(_slowest_per_round(per_rank, (cap, "bucketed")),
+                                 _slowest_per_round(per_rank, (cap, "torch")))
+        points.append(point)
     return points
+
+
+def _slowest_per_round(per_rank: list[dict], key) -> list[float]:
+    """Per round, the slowest rank's median step of one wrapper."""
+    return [max(rounds) for rounds in zip(*(r["rounds"][key] for r in per_rank))]

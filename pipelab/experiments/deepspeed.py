@@ -16,7 +16,7 @@ import torch
 
 from pipelab.checks import positive_number, whole_number
 from pipelab.launch import spawn
-from pipelab.measure import Steps, gather_steps, time_steps
+from pipelab.measure import Measured, Steps, compare, gather_steps, time_steps
 from pipelab.pipeline.engine import PipelineEngine
 from pipelab.pipeline.module import LayerSpec, PipelineModule, TiedLayerSpec
 from pipelab.pipeline.partition import check_method
@@ -60,6 +60,40 @@ class TrainRun:
     def step_time(self) -> float:
         """Seconds per batch: median over the timed batches of the slowest rank."""
         return self.steps.step_time
+
+
+def peak_in_flight(timeline: Timeline) -> dict[int, int]:
+    """Per rank, the most micro-batches it held at once: forwards begun whose backward had not
+    yet ended (each one fills a pipe buffer until its backward frees it), read off the timeline."""
+    peaks = {}
+    for rank in timeline.ranks:
+        held = peak = 0
+        for span in sorted(timeline.filter(rank=rank, lane="compute"), key=lambda s: s.start):
+            held += {"F": 1, "B": -1}.get(span.kind, 0)
+            peak = max(peak, held)
+        peaks[rank] = peak
+    return peaks
+
+
+def speedup_verdict(speedup: Measured, new: str = "new cut", same_cut: bool = False,
+                    min_rounds: int = 3) -> tuple[str, str]:
+    """(verdict, phrase) for a round-by-round ratio "old cut's slowest stage / `new`'s": 'faster'
+    only when every round says so, 'slower' likewise, else 'within noise' (or 'same cut')."""
+    rounds = len(speedup.values)
+    direction = compare(speedup, Measured.of([1.0]))  # 'higher': every round above 1
+    if same_cut:
+        return "same cut", "both methods chose the same cut, so there is nothing to compare"
+    if rounds < min_rounds:
+        return "within noise", (f"{rounds} round(s) ({speedup:.2f}x) are too few to tell a direction; "
+                                f"measure at least {min_rounds}")
+    if direction == "higher":
+        return "faster", (f"in every one of the {rounds} rounds the {new}'s slowest stage was the faster, "
+                          f"by {speedup:.2f}x (median, min-max over the rounds)")
+    if direction == "lower":
+        return "slower", (f"in every one of the {rounds} rounds the {new}'s slowest stage was the slower "
+                          f"({speedup:.2f}x)")
+    return "within noise", (f"the {rounds} rounds do not all agree ({speedup:.2f}x, median and min-max): this "
+                            "machine's noise is as large as the effect, so read the prediction instead")
 
 
 def train(module: PipelineModule, inputs: torch.Tensor, targets: torch.Tensor, micro_batches: int,

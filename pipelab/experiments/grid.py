@@ -24,10 +24,11 @@ from pipelab.experiments.hybrid import hidden_share, is_compute
 from pipelab.hybrid import check_grid, grid_place, run_grid_step
 from pipelab.launch import spawn
 from pipelab.hardware import synchronize
-from pipelab.measure import RankSteps, Steps, best_of, gather_steps, median_spread, time_steps
+from pipelab.measure import Measured, RankSteps, Steps, alternate, best_of, gather_steps, time_steps
 from pipelab.pipeline.p2p import message_specs
 from pipelab.pipeline.partition import split_model
 from pipelab.pipeline.schedules import make_schedule
+from pipelab.pipeline.simulate import Costs, simulate
 from pipelab.timeline import Span, Timeline
 
 
@@ -101,13 +102,19 @@ def layouts_worker(ctx, model: nn.Module, x: torch.Tensor, y: torch.Tensor, loss
     of each layout is checked and warms up."""
     trainers = [LayoutTrainer(ctx, layout, model, x, y, loss_fn, schedule, lr) for layout in layouts]
     measured = [RankSteps([], [], []) for _ in layouts]
-    for round_ in range(rounds):
-        warmup = 1 if round_ == 0 else 0
-        for trainer, got in zip(trainers, measured):
+
+    def one_round(i: int) -> Callable[[], float]:
+        def run() -> float:
+            trainer, got = trainers[i], measured[i]
+            warmup = 0 if got.results else 1  # a layout's very first step is checked, not timed
             this = time_steps(ctx, trainer.step, steps + warmup, prepare=trainer.zero_grad, warmup=warmup)
             got.results.extend(this.results)
             got.seconds.extend(this.seconds)
             got.timelines.extend(this.timelines)
+            return statistics.median(this.seconds)
+        return run
+
+    alternate({i: one_round(i) for i in range(len(layouts))}, rounds, warmup=0)  # A B C A B C ...
     return [{"steps": got, "grads": t.first_grads, "weights": t.tensors(grad=False), "pipeline": t.place.ranks,
              "stages": sorted(t.modules)} for t, got in zip(trainers, measured)]
 
@@ -130,6 +137,7 @@ class GridRun:
     steps: Steps = field(repr=False)
     pipelines: list[list[int]] = field(default_factory=list)  # the processes of each pipeline
     stages: list[list[int]] = field(default_factory=list)  # per process, the stages it holds
+    rounds: int = 1  # the timed steps came in this many rounds, the layouts alternating
 
     @property
     def name(self) -> str:
@@ -145,14 +153,49 @@ class GridRun:
         return self.steps.spread
 
     @property
+    def step_times(self) -> Measured:
+        """Seconds of every timed step (the slowest process's): median and spread."""
+        return Measured.of(self.steps.seconds)
+
+    @property
+    def round_times(self) -> list[float]:
+        """Per round, the median of its timed steps (s): what `measure.ratios` pairs between layouts
+        that ran in the same rounds."""
+        per = len(self.steps.seconds) // self.rounds
+        return [statistics.median(self.steps.seconds[r * per:(r + 1) * per]) for r in range(self.rounds)]
+
+    @property
     def timeline(self) -> Timeline:
         """A typical timed step, every process."""
         return self.steps.typical
 
     @property
-    def hidden(self) -> tuple[float, float, float]:
-        """(median, min, max) over the timed steps of `hidden_behind_pipeline`."""
-        return median_spread([hidden_behind_pipeline(tl) for tl in self.steps.timelines])
+    def hidden(self) -> Measured:
+        """`hidden_behind_pipeline` of every timed step."""
+        return Measured.of(hidden_behind_pipeline(tl) for tl in self.steps.timelines)
+
+    def flights(self) -> dict[int, float]:
+        """Per stage, its all-reduce's flight (`in_flight`, s): median over the timed steps of the
+        mean over the stage's copies."""
+        per_stage: dict[int, list[float]] = {}
+        for tl in self.steps.timelines:
+            for stage in {s.meta.get("stage") for s in tl.filter(kind="allreduce")}:
+                mine = [s.duration for s in in_flight(tl) if s.meta.get("stage") == stage]
+                per_stage.setdefault(stage, []).append(statistics.mean(mine))
+        return {stage: statistics.median(d) for stage, d in sorted(per_stage.items())}
+
+    def simulated_hidden(self) -> float:
+        """The share `hidden` would be on independent devices: the schedule simulated with this
+        run's measured per-stage costs, each stage's all-reduce launched when its gradients are
+        final and taking its measured flight, hidden for as long as the pipeline still computes."""
+        sched = make_schedule(self.schedule if self.layout.pipe > 1 else "1f1b", self.layout.pipe,
+                              self.layout.microbatches)
+        sim = simulate(sched, Costs.from_timeline(self.timeline, per_stage=True)).timeline
+        end, hidden, total = max(s.end for s in sim), 0.0, 0.0
+        for stage, flight in self.flights().items():
+            final = max(s.end for s in sim if s.kind in ("B", "W") and s.meta["stage"] == stage)
+            hidden, total = hidden + min(flight, end - final), total + flight
+        return hidden / total if total > 0 else 0.0
 
     @property
     def typical_hidden(self) -> float:
@@ -201,13 +244,13 @@ def _spread(weights: list[dict[str, torch.Tensor]]) -> float:
     return worst
 
 
-def gather_layout(layout: Layout, schedule: str, per_rank: list[dict]) -> GridRun:
+def gather_layout(layout: Layout, schedule: str, per_rank: list[dict], rounds: int = 1) -> GridRun:
     per_step = zip(*(r["steps"].results for r in per_rank))
     losses = [statistics.mean(loss for loss in step if loss is not None) for step in per_step]
     pipelines = sorted({tuple(r["pipeline"]) for r in per_rank})
     return GridRun(layout, schedule, losses, [r["grads"] for r in per_rank], [r["weights"] for r in per_rank],
                    _spread([r["weights"] for r in per_rank]), gather_steps([r["steps"] for r in per_rank]),
-                   [list(p) for p in pipelines], [r["stages"] for r in per_rank])
+                   [list(p) for p in pipelines], [r["stages"] for r in per_rank], rounds)
 
 
 def check_layouts(model: nn.Module, x: torch.Tensor, y: torch.Tensor, layouts: Sequence[Layout], world_size: int,
@@ -254,7 +297,7 @@ def run_layouts(model: nn.Module, x: torch.Tensor, y: torch.Tensor, layouts: Seq
     check_layouts(model, x, y, layouts, world_size, loss_fn, schedule, lr, steps, rounds)
     per_rank = spawn(layouts_worker, world_size, model, x, y, loss_fn, list(layouts), schedule, lr, steps, rounds,
                      backend=backend, timeout=timeout)
-    return [gather_layout(layout, schedule, [r[i] for r in per_rank]) for i, layout in enumerate(layouts)]
+    return [gather_layout(layout, schedule, [r[i] for r in per_rank], rounds) for i, layout in enumerate(layouts)]
 
 
 def run_grid(model: nn.Module, x: torch.Tensor, y: torch.Tensor, pipe: int = 2, data: int = 2,

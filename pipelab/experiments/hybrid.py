@@ -25,7 +25,7 @@ from pipelab.ddp import Bucket, BucketedDDP, check_bucket_cap
 from pipelab.experiments.ddp import replica_spread, shard
 from pipelab.hybrid import HALVES, ModelParallelReplica, gpu_path, replica_devices
 from pipelab.launch import spawn
-from pipelab.measure import Steps, gather_steps, median_spread, time_steps
+from pipelab.measure import Measured, Steps, gather_steps, time_steps
 from pipelab.streams import Device
 from pipelab.timeline import Recorder, Span, Timeline
 
@@ -192,13 +192,18 @@ class ReplicaRun:
         return self.steps.step_time
 
     @property
+    def step_times(self) -> Measured:
+        """Seconds of every timed step (the slowest process's): median and spread."""
+        return Measured.of(self.steps.seconds)
+
+    @property
     def timeline(self) -> Timeline:
         """A typical timed step, every process, both devices and the all-reduces."""
         return self.steps.typical
 
-    def overlap(self, kind: str) -> tuple[float, float, float]:
-        """(median, min, max) over the timed steps of one of the `OVERLAPS`."""
-        return median_spread([overlaps(tl)[kind] for tl in self.steps.timelines])
+    def overlap(self, kind: str) -> Measured:
+        """One of the `OVERLAPS`, measured on every timed step."""
+        return Measured.of(overlaps(tl)[kind] for tl in self.steps.timelines)
 
 
 def check_replica_inputs(model: nn.Module, x: torch.Tensor, y: torch.Tensor, world_size: int,

@@ -1,37 +1,42 @@
 """Running lessons 02-04: time the model-parallel forwards, sweep the split size, check a training
 step against the one-device model, and stage the dual-stream race where it can be seen.
 
-The forwards themselves are in `pipelab.model_parallel`; timing goes through `measure.best_of`,
-the check through `reference.reference_run` and `assert_same`.
+The forwards themselves are in `pipelab.model_parallel`; timing goes through `measure.alternate`
+(every compared forward once per round, so a load that comes and goes hits all alike), the check
+through `reference.reference_run` and `assert_same`.
 """
 
 from __future__ import annotations
 
 import copy
-from dataclasses import dataclass
+import statistics
+from dataclasses import dataclass, field
 
 import torch
 from torch import nn
 
 from pipelab import model_parallel as mp
 from pipelab.checks import whole_number
-from pipelab.measure import best_of
+from pipelab.measure import Measured, alternate, ratios
 from pipelab.reference import assert_same, reference_run
 from pipelab.streams import Device, timeline
-from pipelab.timeline import Timeline
+from pipelab.timeline import Timeline, now
 
-VARIANTS = ("one_device", "naive", "pipelined", "dual_stream")
+VARIANTS = ("one_device", "split_by_split", "naive", "pipelined", "dual_stream")
+SPLIT_VARIANTS = ("split_by_split", "pipelined", "dual_stream")  # the ones a split sweep runs
 
 
 def forward(model: nn.Module, x: torch.Tensor, devs: list[Device], variant: str,
             split_size: int | None = None) -> torch.Tensor:
-    """The forward of `variant` (one_device, naive, pipelined, dual_stream); a split size of None
-    is the whole batch (0 is refused, not read as "none")."""
+    """The forward of `variant` (one_device, split_by_split, naive, pipelined, dual_stream); a
+    split size of None is the whole batch (0 is refused, not read as "none")."""
     if split_size is None:
         split_size = x.shape[0]
     mp.check_split_size(split_size, x.shape[0])
     if variant == "one_device":
         return mp.forward_one_device(model, x, devs[0])
+    if variant == "split_by_split":
+        return mp.forward_split_by_split(model, x, devs[0], split_size)
     if variant == "naive":
         return mp.forward_naive(model, x, devs)
     if variant == "pipelined":
@@ -49,66 +54,139 @@ def fresh_start(devs: list[Device]) -> None:
 
 
 def _runnable(model: nn.Module, devs: list[Device], variant: str) -> nn.Module:
-    """The model as `variant` runs it: on CUDA the one-device reference needs all of it on GPU 0."""
-    if variant == "one_device" and devs[0].is_cuda:
+    """The model as `variant` runs it: on CUDA the one-device runs need all of it on GPU 0."""
+    if variant in ("one_device", "split_by_split") and devs[0].is_cuda:
         return copy.deepcopy(model).to(devs[0].torch_device)
     return model
 
 
-def _forward_run(model: nn.Module, x: torch.Tensor, devs: list[Device], variant: str, split_size: int | None):
-    """One forward of `variant` that returns once every stream is done, with its timeline (on
-    CUDA the forward itself only queues kernels)."""
-    def run() -> Timeline:
-        forward(model, x, devs, variant, split_size)
-        return timeline(devs)
-    return run
+@dataclass
+class Timed:
+    """Repeats of one forward: each round's wall time (s) and timeline."""
+
+    seconds: list[float]
+    timelines: list[Timeline] = field(repr=False)
+
+    @property
+    def measured(self) -> Measured:
+        """The times as one measurement: median and min-max over the rounds."""
+        return Measured.of(self.seconds)
+
+    @property
+    def typical_index(self) -> int:
+        """The round of median time (the lower middle one for an even count)."""
+        order = sorted(range(len(self.seconds)), key=self.seconds.__getitem__)
+        return order[(len(order) - 1) // 2]
+
+    @property
+    def typical(self) -> Timeline:
+        """The timeline of the median-time round: the run the median describes."""
+        return self.timelines[self.typical_index]
 
 
-def time_forward(model: nn.Module, x: torch.Tensor, devs: list[Device], variant: str,
-                 split_size: int | None = None, repeats: int = 3) -> tuple[float, Timeline]:
-    """Best-of-`repeats` wall time (s) of one forward of `variant`, and that fastest run's
-    timeline (the one least disturbed by whatever else the machine was doing).
+def time_forwards(model: nn.Module, x: torch.Tensor, devs: list[Device], cases: dict,
+                  repeats: int = 3) -> dict:
+    """Time forwards in alternation: `cases` maps a key to (variant, split size); each of
+    `repeats` rounds runs every case once, in turn, after one warm-up round (`measure.alternate`).
+    Returns key -> `Timed`, whose i-th figures all come from round i, so the ratio of two cases
+    round by round (`measure.ratios`) sees the same machine load on both sides.
 
     Only the forward is timed: on virtual devices autograd runs the backward on the calling
     thread, so it would not show the devices working in parallel."""
     whole_number("repeats", repeats, example="repeats=3")
-    run = _forward_run(_runnable(model, devs, variant), x, devs, variant, split_size)
+    for variant, split_size in cases.values():
+        if variant not in VARIANTS:
+            raise ValueError(f"variant={variant!r}: use one of {', '.join(VARIANTS)}")
+        if split_size is not None:
+            mp.check_split_size(split_size, x.shape[0])
+    timelines: dict = {key: [] for key in cases}
+
+    def timed(key, variant: str, split_size: int | None):
+        runnable = _runnable(model, devs, variant)
+
+        def run() -> float:  # one forward, returning once every stream is done
+            fresh_start(devs)
+            start = now()
+            forward(runnable, x, devs, variant, split_size)
+            tl = timeline(devs)  # waits for the devices (on CUDA the forward only queues kernels)
+            seconds = now() - start
+            timelines[key].append(tl)
+            return seconds
+        return run
+
     with torch.no_grad():
-        return best_of({variant: run}, repeats, prepare=lambda: fresh_start(devs))[variant]
+        seconds = alternate({key: timed(key, *case) for key, case in cases.items()}, repeats)
+    return {key: Timed(seconds[key], timelines[key][-repeats:]) for key in cases}  # warm-up dropped
+
+
+def time_forward(model: nn.Module, x: torch.Tensor, devs: list[Device], variant: str,
+                 split_size: int | None = None, repeats: int = 3) -> Timed:
+    """`repeats` timed forwards of `variant` after a warm-up: times and timelines (`Timed`)."""
+    return time_forwards(model, x, devs, {variant: (variant, split_size)}, repeats)[variant]
 
 
 def split_sweeps(model: nn.Module, x: torch.Tensor, devs: list[Device], split_sizes: list[int],
                  variants: tuple[str, ...] = ("pipelined", "dual_stream"), repeats: int = 3) -> dict:
-    """`split_sweep` of several variants, keyed by variant, against one one-device baseline.
+    """Forward times of several split variants over split sizes, keyed by variant, against one
+    one-device baseline (the whole batch at once), all timed in the same alternating rounds.
 
-    Timed in rounds (`measure.best_of`): each round runs the one-device forward and every
-    (variant, split size) once; each figure is the best of `repeats` rounds. On a machine whose
-    load drifts during the sweep, all of them then see the same drift."""
+    Per variant: `timed` (split size -> `Timed`), `seconds` and `speedup` over one device
+    (split size -> `Measured`, the speedup's repeats being round-by-round ratios), and
+    `best_split`, the split size of highest median speedup."""
     for v in variants:
-        if v not in ("pipelined", "dual_stream"):
-            raise ValueError(f"variant={v!r}: a split sweep runs pipelined or dual_stream")
+        if v not in SPLIT_VARIANTS:
+            raise ValueError(f"variant={v!r}: a split sweep runs {', '.join(SPLIT_VARIANTS)}")
     for s in split_sizes:
         mp.check_split_size(s, x.shape[0])
-    whole_number("repeats", repeats, example="repeats=3")
-    runs = {("one_device", None): _forward_run(_runnable(model, devs, "one_device"), x, devs, "one_device", None)}
-    runs.update({(v, s): _forward_run(model, x, devs, v, s) for v in variants for s in split_sizes})
-    with torch.no_grad():
-        best = best_of(runs, repeats, prepare=lambda: fresh_start(devs))
-    base = best[("one_device", None)][0]
+    cases = {("one_device", None): ("one_device", None)}
+    cases.update({(v, s): (v, s) for s in split_sizes for v in variants})  # a split size's variants back to back
+    timed = time_forwards(model, x, devs, cases, repeats)
+    base = timed[("one_device", None)]
     sweeps = {}
     for v in variants:
-        seconds = {s: best[(v, s)][0] for s in split_sizes}
-        speedups = {s: base / t for s, t in seconds.items()}
-        sweeps[v] = {"variant": v, "one_device_s": base, "seconds": seconds, "speedup": speedups,
-                     "best_split": max(speedups, key=speedups.get)}
+        runs = {s: timed[(v, s)] for s in split_sizes}
+        speedups = {s: ratios(base.seconds, t.seconds) for s, t in runs.items()}
+        sweeps[v] = {"variant": v, "one_device": base, "one_device_s": base.measured, "timed": runs,
+                     "seconds": {s: t.measured for s, t in runs.items()}, "speedup": speedups,
+                     "best_split": max(speedups, key=lambda s: speedups[s].median)}
     return sweeps
 
 
 def split_sweep(model: nn.Module, x: torch.Tensor, devs: list[Device], split_sizes: list[int],
                 repeats: int = 3, variant: str = "pipelined") -> dict:
-    """Forward time of `variant` (pipelined or dual_stream) for each split size, its speedup
-    over the one-device forward measured in the same sweep, and the best split size."""
+    """Forward time of `variant` for each split size, its speedup over the one-device forward
+    measured in the same rounds, and the best split size (see `split_sweeps`)."""
     return split_sweeps(model, x, devs, split_sizes, (variant,), repeats)[variant]
+
+
+def speed_verdict(speedup: Measured) -> str:
+    """'faster', 'slower' or 'within noise': the direction of a speedup (old time / new time),
+    claimed only when every round agrees, i.e. its whole min-max range lies above or below 1."""
+    if speedup.low > 1.0:
+        return "faster"
+    if speedup.high < 1.0:
+        return "slower"
+    return "within noise"
+
+
+def split_costs(tl: Timeline, devs: list[Device]) -> dict[str, float]:
+    """Per-split costs (s) read off one pipelined or dual-stream run: the median duration of
+    device 0's forward boxes, of the copies to device 1, and of device 1's forward boxes."""
+    d0, d1 = devs[0].label, devs[1].label
+
+    def median_duration(spans) -> float:
+        return statistics.median(s.duration for s in spans) if len(spans) else 0.0
+    return {"device 0": median_duration(tl.filter(rank=d0, lane="compute", kind="F")),
+            "copy": median_duration(tl.filter(rank=d1, kind="copy")),
+            "device 1": median_duration(tl.filter(rank=d1, lane="compute", kind="F"))}
+
+
+def simulated_forwards(costs: dict[str, float], splits: int) -> dict[str, float]:
+    """The forward times (s) that `model_parallel.pipeline_time` predicts from per-split `costs`
+    when every stream has hardware of its own (a GPU's copy engine): pipelined, the copy is a
+    stage of device 1's compute; dual stream, it is a stage of its own."""
+    a, c, b = costs["device 0"], costs["copy"], costs["device 1"]
+    return {"pipelined": mp.pipeline_time([a, c + b], splits), "dual_stream": mp.pipeline_time([a, c, b], splits)}
 
 
 def train_step(model: nn.Module, x: torch.Tensor, y: torch.Tensor, devs: list[Device],

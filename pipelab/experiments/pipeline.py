@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 from pipelab.checks import divisors, whole_number
-from pipelab.measure import RankSteps, Steps, gather_steps, time_steps
+from pipelab.measure import Measured, RankSteps, Steps, gather_steps, time_steps
 from pipelab.pipeline.p2p import message_specs, trace
 from pipelab.pipeline.runtime import RankResult, pipeline_worker
 from pipelab.pipeline.schedules import Schedule, validate
@@ -40,6 +40,7 @@ class PipelineRun:
     stash_traces: dict[int, list[tuple[float, int, int]]] = field(repr=False, default_factory=dict)
     messages_sent: int = 0
     bytes_sent: int = 0
+    checkpoint: bool = False  # activation checkpointing: each backward recomputed its forward
 
     @property
     def name(self) -> str:
@@ -63,6 +64,16 @@ class PipelineRun:
     def bubble_fraction(self) -> float:
         """Idle fraction of the compute lane over the step, averaged over ranks."""
         return self.timeline.bubble_fraction("compute")
+
+    @property
+    def step_times(self) -> Measured:
+        """Seconds per timed step (the slowest rank's), as repeats: median and spread."""
+        return Measured.of(self.steps.seconds)
+
+    @property
+    def bubbles(self) -> Measured:
+        """The bubble of every timed step, as repeats: median and spread."""
+        return Measured.of(tl.bubble_fraction("compute") for tl in self.steps.timelines)
 
     def row(self) -> dict:
         """The figures as one table row."""
@@ -150,29 +161,41 @@ def prepare(stages: list[nn.Module], schedules: list[Schedule], x, y, loss_fn: C
 
 
 def run_pipelines(stages: list[nn.Module], schedules: list[Schedule], x, y, loss_fn: Callable,
-                  steps: int = 2, backend: str = "auto", timeout: float = 120.0) -> list[PipelineRun]:
+                  steps: int = 2, backend: str = "auto", timeout: float = 120.0,
+                  checkpoint: bool | list[bool] = False) -> list[PipelineRun]:
     """Run each schedule (all on the same number of ranks) for real, in one set of processes.
 
     `x` and `y` are one batch for every schedule, or lists with one batch per schedule. The loss of
     each micro-batch is divided by m if `loss_fn` averages over its samples (`reduction="mean"`, and
     any function without a `reduction`), not if it sums them (`reduction="sum"`): either way the run's
-    loss and gradients are those of the whole batch in one process."""
+    loss and gradients are those of the whole batch in one process. `checkpoint` (one flag, or one per
+    schedule) turns on activation checkpointing: each backward recomputes its stage's forward."""
     from pipelab.launch import spawn
 
     world, batches, specs = prepare(stages, schedules, x, y, loss_fn, steps)
-    per_rank = spawn(pipeline_worker, world, stages, schedules, batches, loss_fn, specs, steps,
+    flags = checkpoint_flags(checkpoint, len(schedules))
+    per_rank = spawn(pipeline_worker, world, stages, schedules, batches, loss_fn, specs, steps, flags,
                      backend=backend, timeout=timeout)
-    return [gather(schedule, [r[i] for r in per_rank]) for i, schedule in enumerate(schedules)]
+    return [gather(schedule, [r[i] for r in per_rank], flags[i]) for i, schedule in enumerate(schedules)]
+
+
+def checkpoint_flags(checkpoint, count: int) -> list[bool]:
+    """One activation-checkpointing flag per schedule, from one flag for all or a list of them."""
+    flags = [checkpoint] * count if isinstance(checkpoint, bool) else list(checkpoint)
+    if len(flags) != count or not all(isinstance(f, bool) for f in flags):
+        raise ValueError(f"checkpoint must be True, False or one of them per schedule ({count}), got "
+                         f"{checkpoint!r}; e.g. checkpoint=[False, True] for two schedules")
+    return flags
 
 
 def run_pipeline(stages: list[nn.Module], schedule: Schedule, x: torch.Tensor, y: torch.Tensor,
                  loss_fn: Callable, steps: int = 2, backend: str = "auto",
-                 timeout: float = 120.0) -> PipelineRun:
+                 timeout: float = 120.0, checkpoint: bool = False) -> PipelineRun:
     """Run `steps` steps of `schedule` on `schedule.num_ranks` real processes (the first warms up)."""
-    return run_pipelines(stages, [schedule], x, y, loss_fn, steps, backend, timeout)[0]
+    return run_pipelines(stages, [schedule], x, y, loss_fn, steps, backend, timeout, checkpoint)[0]
 
 
-def gather(schedule: Schedule, results: list[RankResult]) -> PipelineRun:
+def gather(schedule: Schedule, results: list[RankResult], checkpoint: bool = False) -> PipelineRun:
     """One schedule's results from every rank, as one run: gradients named as in the whole model,
     the slowest rank per step, and the stash traces of the typical step."""
     grads: list[dict] = [{} for _ in range(schedule.num_stages)]
@@ -186,8 +209,33 @@ def gather(schedule: Schedule, results: list[RankResult]) -> PipelineRun:
         schedule, loss, grads, steps,
         {r.rank: r.peak_stash for r in results}, {r.rank: r.peak_stash_bytes for r in results},
         {r.rank: r.stash_traces[typical] for r in results}, sum(r.messages_sent for r in results),
-        sum(r.bytes_sent for r in results))
+        sum(r.bytes_sent for r in results), checkpoint)
 
+
+def recv_waits(timeline: Timeline) -> tuple[float, float]:
+    """Split the time ranks spent in `recv` boxes (seconds, summed over ranks) in two: waiting for
+    the sender, whose matching send had not started yet (it was still computing: the pipeline's
+    ordinary fill and drain), and waiting for the message, sent but not yet arrived (what moving it
+    costs). The k-th send from one rank to another on micro-batch mb pairs with the k-th recv."""
+    sent: dict[tuple, list[float]] = {}
+    for s in sorted(timeline.filter(kind="send", lane="comm"), key=lambda s: s.start):
+        sent.setdefault((s.rank, s.meta["to"], s.mb), []).append(s.start)
+    for_sender = for_message = 0.0
+    for r in sorted(timeline.filter(kind="recv", lane="comm"), key=lambda s: s.start):
+        cut = min(max(sent[r.meta["frm"], r.rank, r.mb].pop(0), r.start), r.end)
+        for_sender += cut - r.start
+        for_message += r.end - cut
+    return for_sender, for_message
+
+
+def simulated_bubbles(run: PipelineRun) -> Measured:
+    """For every timed step of `run`, the bubble its schedule has on an ideal machine (free
+    messages, no waiting for a core) with that step's measured per-stage costs: what the schedule
+    itself costs at this run's sizes, as repeats like `run.bubbles`."""
+    from pipelab.pipeline.simulate import Costs, simulate
+
+    return Measured.of(simulate(run.schedule, Costs.from_timeline(tl, per_stage=True)).bubble_fraction
+                       for tl in run.steps.timelines)
 
 # ---------------------------------------------------------------------------------------------
 # The same schedules through torch.distributed.pipelining

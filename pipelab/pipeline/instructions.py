@@ -8,7 +8,7 @@ validated, simulated and compared with `Schedule1F1B`.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Iterator
 
 from pipelab.checks import whole_number
@@ -17,8 +17,14 @@ from pipelab.pipeline.schedules import B, F, Action, Schedule
 
 @dataclass(frozen=True)
 class Instruction:
-    """One step of work; ``buffer_id`` names the activation buffer it reads or writes."""
+    """One step of work; ``buffer_id`` names the activation buffer it reads or writes.
+
+    A stage has only ``num_pipe_buffers()`` buffers and micro-batch ``mb`` uses buffer
+    ``mb % num_pipe_buffers()``, so a buffer id is NOT a micro-batch: with two buffers, buffer 0
+    holds micro-batch 0, then 2, ... ``micro_batch`` records which one, for tables; DeepSpeed's
+    instructions carry only the buffer id, so it takes no part in comparisons or in ``repr``."""
     buffer_id: int | None = None
+    micro_batch: int | None = field(default=None, compare=False)
 
     @property
     def kwargs(self) -> dict:
@@ -31,6 +37,10 @@ class Instruction:
 
     def __str__(self) -> str:  # the short form for tables, e.g. ForwardPass(0)
         return f"{type(self).__name__}({'' if self.buffer_id is None else self.buffer_id})"
+
+    def with_micro_batch(self) -> str:
+        """The short form and the micro-batch its buffer holds, e.g. ``ForwardPass(0) mb2``."""
+        return str(self) if self.micro_batch is None else f"{self} mb{self.micro_batch}"
 
 
 class LoadMicroBatch(Instruction):
@@ -106,7 +116,9 @@ class TrainSchedule:
         self.micro_batches, self.stages, self.stage_id = micro_batches, stages, stage_id
 
     def num_pipe_buffers(self) -> int:
-        """A stage keeps at most as many micro-batches in flight as there are stages after it."""
+        """Buffers of this stage: one per micro-batch it holds at once (1F1B: S - s, or M if fewer),
+        and at least 2, since a forward step sends the gradient of one buffer while it receives
+        the next activation into another."""
         return max(2, min(self.stages - self.stage_id, self.micro_batches))
 
     def steps(self) -> Iterator[list[Instruction]]:
@@ -120,18 +132,18 @@ class TrainSchedule:
             has_prev, has_next = self.stage_id > 0, self.stage_id < self.stages - 1
             if forward:
                 if self._valid(prev_mb) and has_prev:
-                    cmds.append(SendGrad(self._buf(prev_mb)))
+                    cmds.append(self._on(SendGrad, prev_mb))
                 if self._valid(mb) and has_prev:
-                    cmds.append(RecvActivation(self._buf(mb)))
+                    cmds.append(self._on(RecvActivation, mb))
             else:
                 if self._valid(mb) and has_next:
-                    cmds.append(RecvGrad(self._buf(mb)))
+                    cmds.append(self._on(RecvGrad, mb))
                 if self._valid(prev_mb) and has_next:
-                    cmds.append(SendActivation(self._buf(prev_mb)))
+                    cmds.append(self._on(SendActivation, prev_mb))
             if (not has_prev or not has_next) and forward and self._valid(mb):
-                cmds.append(LoadMicroBatch(self._buf(mb)))
+                cmds.append(self._on(LoadMicroBatch, mb))
             if self._valid(mb):
-                cmds.append(ForwardPass(self._buf(mb)) if forward else BackwardPass(self._buf(mb)))
+                cmds.append(self._on(ForwardPass if forward else BackwardPass, mb))
             if step == total - 1:
                 cmds += [ReduceTiedGrads(), ReduceGrads(), OptimizerStep()]
             prev_mb = mb
@@ -151,7 +163,11 @@ class TrainSchedule:
         return 0 <= mb < self.micro_batches
 
     def _buf(self, mb: int) -> int:
-        return mb % self.num_pipe_buffers()
+        return mb % self.num_pipe_buffers()  # buffers are reused in turn
+
+    def _on(self, kind: type, mb: int) -> Instruction:
+        """Instruction ``kind`` on micro-batch ``mb``'s buffer (noting the micro-batch, for tables)."""
+        return kind(self._buf(mb), micro_batch=mb)
 
 
 class InferenceSchedule(TrainSchedule):
@@ -168,28 +184,33 @@ class InferenceSchedule(TrainSchedule):
             recv_buf, send_buf = (step % 2, (step + 1) % 2) if s % 2 == 0 else ((step + 1) % 2, step % 2)
             cmds: list[Instruction] = []
             if (not has_prev or not has_next) and self._valid(mb):
-                cmds.append(LoadMicroBatch(recv_buf))
-            send = [SendActivation(send_buf)] if has_next and self._valid(mb - 1) else []
-            recv = [RecvActivation(recv_buf)] if has_prev and self._valid(mb) else []
+                cmds.append(LoadMicroBatch(recv_buf, micro_batch=mb))
+            send = [SendActivation(send_buf, micro_batch=mb - 1)] if has_next and self._valid(mb - 1) else []
+            recv = [RecvActivation(recv_buf, micro_batch=mb)] if has_prev and self._valid(mb) else []
             # Even stages send first and odd stages receive first, so neighbours never both wait.
             cmds += send + recv if s % 2 == 0 else recv + send
             if self._valid(mb):
-                cmds.append(ForwardPass(recv_buf))
+                cmds.append(ForwardPass(recv_buf, micro_batch=mb))
             yield cmds
 
 
-def instruction_table(schedule_cls, micro_batches: int, stages: int) -> list[list[str]]:
-    """Rows of step -> instructions per stage, for printing the streams side by side."""
+def instruction_table(schedule_cls, micro_batches: int, stages: int,
+                      show_micro_batches: bool = False) -> list[list[str]]:
+    """Rows of step -> instructions per stage, for printing the streams side by side; with
+    ``show_micro_batches`` each instruction also names the micro-batch its buffer holds."""
     streams = [list(schedule_cls(micro_batches, stages, s).steps()) for s in range(stages)]
-    return [[", ".join(map(str, streams[s][step])) for s in range(stages)]
+    text = Instruction.with_micro_batch if show_micro_batches else str
+    return [[", ".join(map(text, streams[s][step])) for s in range(stages)]
             for step in range(len(streams[0]))]
 
 
-def format_instruction_table(schedule_cls, micro_batches: int, stages: int) -> str:
-    """The instruction streams of every stage as an aligned text table, one row per step."""
+def format_instruction_table(schedule_cls, micro_batches: int, stages: int,
+                             show_micro_batches: bool = False) -> str:
+    """The instruction streams of every stage as an aligned text table, one row per step. The
+    number in brackets is a buffer id; ``show_micro_batches`` adds ``mbN``, the micro-batch in it."""
     rows = [["step", *(f"stage {s}" for s in range(stages))]]
     rows += [[str(i), *(cells or "-" for cells in row)]
-             for i, row in enumerate(instruction_table(schedule_cls, micro_batches, stages))]
+             for i, row in enumerate(instruction_table(schedule_cls, micro_batches, stages, show_micro_batches))]
     widths = [max(len(r[c]) for r in rows) for c in range(len(rows[0]))]
     lines = ["  ".join(cell.ljust(w) for cell, w in zip(r, widths)).rstrip() for r in rows]
     lines.insert(1, "  ".join("-" * w for w in widths))

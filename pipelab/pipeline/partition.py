@@ -29,6 +29,7 @@ import torch.nn as nn
 
 from pipelab.checks import whole_number
 from pipelab.hardware import synchronize
+from pipelab.measure import Measured
 
 METHODS = ("uniform", "parameters", "type:REGEX", "profile")
 
@@ -157,12 +158,18 @@ def forward_backward_time(fn: Callable, x: torch.Tensor, repeats: int = 3,
     return statistics.median(times), out.detach()
 
 
-def profile_weights(layers: Sequence[Callable], sample: torch.Tensor, repeats: int = 3) -> list[float]:
-    """Measured forward+backward seconds of each layer, feeding each the previous one's output.
+def profile_weights(layers: Sequence[Callable], sample: torch.Tensor, repeats: int = 3,
+                    tries: int = 1) -> list[float]:
+    """Measured forward+backward seconds of each layer (the median of ``repeats`` rounds), feeding
+    each the previous one's output: the weights of ``partition_method="profile"``."""
+    return [t.median for t in profile_layers(layers, sample, repeats, tries)]
 
-    ``layers`` are built modules or functions; ``sample`` is one micro-batch of inputs. (It is the
-    stage time of the partition that gives every layer a stage of its own.)"""
-    return stage_times(layers, list(range(len(layers) + 1)), sample, repeats)
+
+def profile_layers(layers: Sequence[Callable], sample: torch.Tensor, repeats: int = 3,
+                   tries: int = 1) -> list[Measured]:
+    """Every repeat of each layer's forward+backward seconds (the stage times of the partition
+    that gives every layer a stage of its own)."""
+    return measure_partitions(layers, [list(range(len(layers) + 1))], sample, repeats, tries=tries)[0]
 
 
 def stage_times(layers: Sequence[Callable], parts: Sequence[int], sample: torch.Tensor,
@@ -172,25 +179,44 @@ def stage_times(layers: Sequence[Callable], parts: Sequence[int], sample: torch.
 
 
 def compare_partitions(layers: Sequence[Callable], partitions: Sequence[Sequence[int]], sample: torch.Tensor,
-                       repeats: int = 3, warmup: int = 1) -> list[list[float]]:
-    """Measured seconds per stage of each partition: the median of ``repeats`` rounds.
+                       repeats: int = 3, warmup: int = 1, tries: int = 1) -> list[list[float]]:
+    """Measured seconds per stage of each partition: the median of ``repeats`` rounds."""
+    return [[t.median for t in per_stage]
+            for per_stage in measure_partitions(layers, partitions, sample, repeats, warmup, tries)]
+
+
+def measure_partitions(layers: Sequence[Callable], partitions: Sequence[Sequence[int]], sample: torch.Tensor,
+                       repeats: int = 3, warmup: int = 1, tries: int = 1) -> list[list[Measured]]:
+    """Seconds per stage of each partition, every repeat kept, in round order. Within a round a
+    stage's time is the fastest of ``tries`` back-to-back runs: a load spike rarely covers them all.
 
     Each round runs every partition once, stage after stage, so a slow spell of the machine
-    (another program busy on its cores) slows all partitions alike instead of just one."""
+    (another program busy on its cores) slows all partitions alike instead of just one, and
+    repeat ``r`` of every stage comes from the same round (see ``slowest_stage``). Every other
+    round runs them in reverse order (A B C, C B A, ...), so a load that grows or fades over the
+    rounds favours none; partitions compared with each other are best passed side by side."""
     runs = [[[] for _ in range(len(parts) - 1)] for parts in partitions]
     # Dropout draws random numbers: they must not disturb the caller's seed.
     with torch.random.fork_rng(devices=[sample.device] if sample.is_cuda else []):
         for round_ in range(warmup + repeats):
-            for parts, per_stage in zip(partitions, runs):
+            order = list(zip(partitions, runs))
+            for parts, per_stage in (order[::-1] if round_ % 2 else order):
                 x = sample
                 for (lo, hi), seconds in zip(zip(parts[:-1], parts[1:]), per_stage):
-                    t, x = forward_backward_time(_chain(layers[lo:hi]), x, repeats=1, warmup=0)
+                    stage = _chain(layers[lo:hi])
+                    t, x = min((forward_backward_time(stage, x, repeats=1, warmup=0) for _ in range(tries)),
+                               key=lambda result: result[0])
                     if round_ >= warmup:
                         seconds.append(t)
     for fn in layers:  # profiling leaves no gradients behind
         if isinstance(fn, nn.Module):
             fn.zero_grad(set_to_none=True)
-    return [[statistics.median(t) for t in per_stage] for per_stage in runs]
+    return [[Measured.of(t) for t in per_stage] for per_stage in runs]
+
+
+def slowest_stage(per_stage: Sequence[Measured]) -> Measured:
+    """The slowest stage of a partition, round by round: the pipeline's pace in each repeat."""
+    return Measured.of(max(rounds) for rounds in zip(*(t.values for t in per_stage)))
 
 
 def stage_sums(weights: Sequence[float], parts: Sequence[int]) -> list[float]:

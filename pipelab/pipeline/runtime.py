@@ -3,14 +3,15 @@
 The whole pipeline, seen from one rank, is `run_step`: walk this rank's action list in order and
 run each action. The order is the schedule (GPipe, 1F1B, ...); the waiting is done by the receives
 (`p2p`); the work and the stash by the stage runner (`stage`). `pipeline_worker` is what every
-process runs: a few timed steps of each schedule it is given.
+process runs: a few timed steps of each schedule it is given, each with or without activation
+checkpointing.
 """
 
 from __future__ import annotations
 
 import copy
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, Sequence
 
 import torch
 from torch import nn
@@ -22,12 +23,14 @@ from pipelab.pipeline.stage import StageRunner
 
 
 def run_step(ctx, schedule: Schedule, modules: dict[int, nn.Module], loss_fn: Callable,
-             x: torch.Tensor, y: torch.Tensor, specs: list[list[TensorSpec]]) -> StageRunner:
+             x: torch.Tensor, y: torch.Tensor, specs: list[list[TensorSpec]],
+             checkpoint: bool = False) -> StageRunner:
     """One training step (no optimizer): run this rank's actions of `schedule` in order. `specs` are
-    the messages' shapes and dtypes (`p2p.message_specs`)."""
+    the messages' shapes and dtypes (`p2p.message_specs`); `checkpoint` recomputes each stage's
+    forward in its backward instead of stashing its activations."""
     m = schedule.num_microbatches
     p2p = P2P(ctx, schedule, specs)
-    runner = StageRunner(ctx, schedule, modules, loss_fn, p2p, list(x.chunk(m)), list(y.chunk(m)))
+    runner = StageRunner(ctx, schedule, modules, loss_fn, p2p, list(x.chunk(m)), list(y.chunk(m)), checkpoint)
     for action in schedule.actions[ctx.rank]:
         runner.run(action)
     p2p.finish()
@@ -52,12 +55,14 @@ class RankResult:
 
 def pipeline_worker(ctx, stages: list[nn.Module], schedules: list[Schedule],
                     batches: list[tuple[torch.Tensor, torch.Tensor]], loss_fn: Callable,
-                    specs: list[list[list[TensorSpec]]], steps: int = 2) -> list[RankResult]:
+                    specs: list[list[list[TensorSpec]]], steps: int = 2,
+                    checkpoint: bool | Sequence[bool] = False) -> list[RankResult]:
     """Worker: run each schedule on its (inputs, targets) batch for `steps` steps; report the
     timelines and times of all but the first (a warm-up), and the last step's gradients. `specs` holds
-    each schedule's message specs."""
+    each schedule's message specs; `checkpoint`, one flag for all schedules or one per schedule."""
     results = []
-    for schedule, (x, y), sched_specs in zip(schedules, batches, specs):
+    flags = [checkpoint] * len(schedules) if isinstance(checkpoint, bool) else list(checkpoint)
+    for schedule, (x, y), sched_specs, ckpt in zip(schedules, batches, specs, flags):
         x, y = x.to(ctx.device), y.to(ctx.device)
         modules = {s: copy.deepcopy(stages[s]).to(ctx.device) for s in schedule.stages_of(ctx.rank)}
 
@@ -65,7 +70,7 @@ def pipeline_worker(ctx, stages: list[nn.Module], schedules: list[Schedule],
             for module in modules.values():
                 module.zero_grad(set_to_none=True)
 
-        measured = time_steps(ctx, lambda _: run_step(ctx, schedule, modules, loss_fn, x, y, sched_specs),
+        measured = time_steps(ctx, lambda _: run_step(ctx, schedule, modules, loss_fn, x, y, sched_specs, ckpt),
                               steps, prepare=zero_grad)
         runner = measured.results[-1]
         traces = [r.meter.trace for r in measured.results[timed_slice(steps)]]

@@ -5,12 +5,13 @@ exist (an input made on another rank arrives `transfer` later). The order comes 
 `schedules.play`, the same sweep `validate` uses to rule out deadlocks. The result is the timeline
 a perfect machine would draw, its makespan, its bubble, and how many micro-batches' activations
 each rank keeps alive at once. With equal costs and free transfers GPipe's bubble is (p-1)/(m+p-1).
-Its pictures are in `pipelab.plots.schedules`.
+With activation checkpointing (`Costs.recompute`) every backward first runs its forward again: an
+`R` span before each B (or I). Its pictures are in `pipelab.plots.schedules`.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from pipelab.checks import whole_number
 from pipelab.pipeline.schedules import Action, Schedule, play, validate
@@ -19,22 +20,40 @@ from pipelab.timeline import Span, Timeline
 
 @dataclass(frozen=True)
 class Costs:
-    """Milliseconds per action of one stage on one micro-batch.
+    """Cost units per action of one stage on one micro-batch (milliseconds when fitted to a run).
 
     A full backward B costs `backward_input + backward_weight`; a split one costs `backward_input`
-    for its I and `backward_weight` for its W. `per_stage` may give some stages their own
-    (forward, backward_input, backward_weight), e.g. a last stage that also computes the loss."""
+    for its I and `backward_weight` for its W. With activation checkpointing, B (or I) first
+    recomputes the forward, `recompute` more. `per_stage` may give some stages their own
+    (forward, backward_input, backward_weight[, recompute]), e.g. a last stage that also computes
+    the loss."""
 
     forward: float = 1.0
     backward_input: float = 1.0
     backward_weight: float = 1.0
     transfer: float = 0.0  # from the end of an action to its result being usable on the next rank
-    per_stage: dict[int, tuple[float, float, float]] = field(default_factory=dict, compare=False)
+    per_stage: dict[int, tuple[float, ...]] = field(default_factory=dict, compare=False)
+    recompute: float = 0.0  # the forward a checkpointed backward runs again first (0: no checkpointing)
 
     def of(self, action: Action) -> float:
-        """The cost of one action, in milliseconds."""
-        fwd, b_in, b_w = self.per_stage.get(action.stage, (self.forward, self.backward_input, self.backward_weight))
-        return {"F": fwd, "B": b_in + b_w, "I": b_in, "W": b_w}[action.kind]
+        """The cost of one action (its recompute included)."""
+        return sum(cost for _, cost in self.parts(action))
+
+    def parts(self, action: Action) -> list[tuple[str, float]]:
+        """The (kind, cost) pieces an action runs, in order: a checkpointed B is R then B."""
+        default = (self.forward, self.backward_input, self.backward_weight)
+        fwd, b_in, b_w, *rest = self.per_stage.get(action.stage, default)
+        recompute = rest[0] if rest else self.recompute
+        cost = {"F": fwd, "B": b_in + b_w, "I": b_in, "W": b_w}[action.kind]
+        if action.kind in ("B", "I") and recompute > 0:
+            return [("R", recompute), (action.kind, cost)]
+        return [(action.kind, cost)]
+
+    def with_recompute(self) -> "Costs":
+        """These costs with activation checkpointing: each backward first runs its forward again,
+        costing what the forward costs."""
+        stages = {s: (c[0], c[1], c[2], c[0]) for s, c in self.per_stage.items()}
+        return replace(self, per_stage=stages, recompute=self.forward)
 
     @classmethod
     def from_timeline(cls, timeline: Timeline, per_stage: bool = False) -> "Costs":
@@ -42,21 +61,24 @@ class Costs:
         `per_stage`, each stage gets its own means, so unequal stages show up too.
 
         The backward's two parts come from the I and W spans where the run has them; from a run
-        with only full B's, B's cost is shared half and half, so that a B costs what it measured."""
-        def means(spans: Timeline) -> tuple[float, float, float]:
+        with only full B's, B's cost is shared half and half, so that a B costs what it measured.
+        A run with activation checkpointing has R spans: their mean is the recompute cost."""
+        def means(spans: Timeline) -> tuple[float, ...]:
             def mean_ms(kind: str) -> float:
                 d = [s.duration for s in spans.filter(kind=kind, lane="compute")]
                 return 1e3 * sum(d) / len(d) if d else 0.0
 
+            recompute = (mean_ms("R"),) if spans.filter(kind="R", lane="compute").spans else ()
             if spans.filter(kind="I", lane="compute").spans:
-                return mean_ms("F"), mean_ms("I"), mean_ms("W")
-            return mean_ms("F"), mean_ms("B") / 2, mean_ms("B") / 2
+                return mean_ms("F"), mean_ms("I"), mean_ms("W"), *recompute
+            return mean_ms("F"), mean_ms("B") / 2, mean_ms("B") / 2, *recompute
 
         stages = {}
         if per_stage:
             for stage in sorted({s.meta.get("stage") for s in timeline.filter(lane="compute")} - {None}):
                 stages[stage] = means(Timeline([s for s in timeline if s.meta.get("stage") == stage]))
-        return cls(*means(timeline), 0.0, stages)
+        forward, backward_input, backward_weight, *recompute = means(timeline)
+        return cls(forward, backward_input, backward_weight, 0.0, stages, *recompute)
 
 
 @dataclass
@@ -93,16 +115,17 @@ def simulate(schedule: Schedule, costs: Costs | None = None) -> SimResult:
     spans = []
     for rank, actions in enumerate(schedule.actions):
         for a in actions:
-            end = finish[a]
-            start = end - costs.of(a)
-            spans.append(Span(rank, "compute", a.kind, start / 1e3, end / 1e3, a.mb, {"stage": a.stage}))
+            start = finish[a] - costs.of(a)
+            for kind, cost in costs.parts(a):  # one span, or R then B for a checkpointed backward
+                spans.append(Span(rank, "compute", kind, start / 1e3, (start + cost) / 1e3, a.mb, {"stage": a.stage}))
+                start += cost
     timeline = Timeline(sorted(spans, key=lambda s: (s.start, s.rank)))
     return SimResult(schedule, costs, timeline, timeline.makespan * 1e3, timeline.bubble_fraction(),
                      peak_stash(schedule, timeline))
 
 
 def finish_times(schedule: Schedule, costs: Costs) -> dict[Action, float]:
-    """When each action ends (ms): `play` the schedule; an action starts when its rank is free and
+    """When each action ends (cost units): `play` the schedule; an action starts when its rank is free and
     its inputs have arrived (`transfer` later when they were made on another rank)."""
     finish: dict[Action, float] = {}
     free = [0.0] * schedule.num_ranks

@@ -11,6 +11,11 @@
 The kinds are torch.distributed.pipelining's (F, B "full backward", I "backward input", W
 "backward weight"). What the stash holds is measured: the bytes of every tensor autograd saves.
 
+With `checkpoint=True` (activation checkpointing, GPipe's "re-materialization") F runs under
+`torch.no_grad()` and stashes only the stage's input; the micro-batch's backward first runs the
+forward again with autograd recording (`R`, a recompute span on the compute lane), then
+backpropagates as usual. Memory for time: one micro-batch's activations at a time, one more forward.
+
 Gradients flow only where they can: a received activation wants its gradient only if it is floating
 point (token ids have none), and a stage whose output needs no gradient (a parameter-free first
 stage) has no backward to run.
@@ -18,6 +23,7 @@ stage) has no backward to run.
 
 from __future__ import annotations
 
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Callable
 
@@ -34,10 +40,12 @@ class Stash:
     """What the backward of one (stage, micro-batch) needs, kept from its F to its B (or W)."""
 
     inputs: torch.Tensor
-    outputs: torch.Tensor  # the stage output, or the micro-batch loss on the last stage
+    outputs: torch.Tensor | None  # the stage output, or the micro-batch loss on the last stage;
+    #                                None while checkpointed (the backward recomputes it)
     layers: list[tuple[torch.Tensor, list[nn.Parameter]]]  # (layer output, its parameters) for W
     nbytes: int
     output_grads: list[torch.Tensor] | None = None  # per layer, left by I for W
+    rng: tuple | None = None  # a checkpointed forward's random-number state, to recompute it alike
 
 
 class StashMeter:
@@ -81,6 +89,22 @@ class SavedBytes:
         return torch.autograd.graph.saved_tensors_hooks(self.add, lambda t: t)
 
 
+def rng_state(device: torch.device) -> tuple:
+    """The random-number state a forward starts from (the CPU's, and the GPU's when it runs on
+    one), so that its recomputation draws the same numbers (e.g. the same dropout masks)."""
+    return torch.get_rng_state(), torch.cuda.get_rng_state(device) if device.type == "cuda" else None
+
+
+@contextmanager
+def replayed_rng(state: tuple, device: torch.device):
+    """Run the block from random-number state `state`; the caller's state is restored afterwards."""
+    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+        torch.set_rng_state(state[0])
+        if state[1] is not None:
+            torch.cuda.set_rng_state(state[1], device)
+        yield
+
+
 def trainable(module: nn.Module) -> list[nn.Parameter]:
     """The parameters of `module` that get gradients (frozen ones get none)."""
     return [p for p in module.parameters() if p.requires_grad]
@@ -121,12 +145,13 @@ def gradients(outputs: torch.Tensor, inputs: list[torch.Tensor], grad_out: torch
 
 
 class StageRunner:
-    """Runs the F, B, I and W actions of the stages one rank holds (`modules`: stage -> module)."""
+    """Runs the F, B, I and W actions of the stages one rank holds (`modules`: stage -> module);
+    with `checkpoint`, F keeps only each stage's input and the backward recomputes the rest."""
 
     def __init__(self, ctx, schedule: Schedule, modules: dict[int, nn.Module], loss_fn: Callable,
-                 p2p: P2P, x_mbs: list[torch.Tensor], y_mbs: list[torch.Tensor]):
+                 p2p: P2P, x_mbs: list[torch.Tensor], y_mbs: list[torch.Tensor], checkpoint: bool = False):
         self.ctx, self.schedule, self.modules, self.loss_fn = ctx, schedule, modules, loss_fn
-        self.p2p, self.x_mbs, self.y_mbs = p2p, x_mbs, y_mbs
+        self.p2p, self.x_mbs, self.y_mbs, self.checkpoint = p2p, x_mbs, y_mbs, checkpoint
         self.last = schedule.num_stages - 1
         # A (stage, micro-batch) whose backward is split into I and W runs its forward layer by layer.
         self.split = schedule.split_backwards()
@@ -143,25 +168,60 @@ class StageRunner:
         {"F": self.F, "B": self.B, "I": self.I, "W": self.W}[action.kind](action.stage, action.mb)
 
     def F(self, stage: int, mb: int) -> None:
-        """Forward of `stage` on micro-batch `mb`: run it, stash for the backward, send the output on."""
+        """Forward of `stage` on micro-batch `mb`: run it, stash for the backward (everything autograd
+        saves, or with `checkpoint` the input alone), send the output on."""
         x = self.x_mbs[mb] if stage == 0 else self.p2p.recv(Message("act", stage - 1, mb))
         if stage > 0 and x.is_floating_point():  # the gradient of what we received goes back
             x.requires_grad_(True)
         saved = SavedBytes(self.not_stash)
-        with self.ctx.rec.span("F", mb=mb, stage=stage), saved.hooks():
-            if (stage, mb) in self.split:
-                out, layers = forward_by_layer(self.modules[stage], x)
+        with self.ctx.rec.span("F", mb=mb, stage=stage):
+            if self.checkpoint:  # no graph: keep the input and the random state to run it again
+                rng = rng_state(self.ctx.device)
+                with torch.no_grad():
+                    out, _ = self.forward(stage, mb, x)
+                saved.add(x)
+                stash = Stash(x, None, [], saved.total, rng=rng)
             else:
-                out, layers = self.modules[stage](x), []
-            if stage == self.last:  # the loss of a micro-batch, scaled so the m of them add up to the batch's
-                out = self.loss_fn(out, self.y_mbs[mb]) / self.divisor
-                self.losses.append(out.detach())
-        for layer_out, _ in layers:  # kept for W
-            saved.add(layer_out)
-        self.stash[stage, mb] = Stash(x, out, layers, saved.total)
-        self.meter.change(+1, saved.total)
+                with saved.hooks():
+                    out, layers = self.forward(stage, mb, x)
+                for layer_out, _ in layers:  # kept for W
+                    saved.add(layer_out)
+                stash = Stash(x, out, layers, saved.total)
+        if stage == self.last:
+            self.losses.append(out.detach())
+        self.stash[stage, mb] = stash
+        self.meter.change(+1, stash.nbytes)
         if stage < self.last:
             self.p2p.send(Message("act", stage, mb), out)
+
+    def forward(self, stage: int, mb: int, x: torch.Tensor):
+        """The stage's output on `x` (layer by layer where W will need each layer's output), and on
+        the last stage the micro-batch's loss, scaled so that the m of them add up to the batch's."""
+        if (stage, mb) in self.split:
+            out, layers = forward_by_layer(self.modules[stage], x)
+        else:
+            out, layers = self.modules[stage](x), []
+        if stage == self.last:
+            out = self.loss_fn(out, self.y_mbs[mb]) / self.divisor
+        return out, layers
+
+    def recompute(self, stage: int, mb: int) -> Stash:
+        """Re-materialize a checkpointed stash: run the forward again from the kept input, autograd
+        recording this time, with the random state of the first run. Its saved bytes join the stash."""
+        st = self.stash[stage, mb]
+        saved = SavedBytes(self.not_stash | {st.inputs.untyped_storage().data_ptr()})  # counted already
+        with self.ctx.rec.span("R", mb=mb, stage=stage), saved.hooks(), replayed_rng(st.rng, self.ctx.device):
+            st.outputs, st.layers = self.forward(stage, mb, st.inputs)
+        for layer_out, _ in st.layers:
+            saved.add(layer_out)
+        st.nbytes += saved.total
+        self.meter.change(0, saved.total)
+        return st
+
+    def stashed(self, stage: int, mb: int) -> Stash:
+        """The stash of (stage, mb), recomputed first if the forward kept only its input."""
+        st = self.stash[stage, mb]
+        return self.recompute(stage, mb) if st.outputs is None else st
 
     def output_grad(self, stage: int, mb: int) -> torch.Tensor | None:
         """The gradient of the stage's output: from the next stage (None on the last: its output is the loss)."""
@@ -171,7 +231,7 @@ class StageRunner:
         """Full backward: input and weight gradients (these add up over micro-batches); send the
         input gradient back and free the stash."""
         grad_out = self.output_grad(stage, mb)
-        st = self.stash[stage, mb]
+        st = self.stashed(stage, mb)
         with self.ctx.rec.span("B", mb=mb, stage=stage):
             if st.outputs.requires_grad:
                 torch.autograd.backward(st.outputs, grad_out)
@@ -181,7 +241,7 @@ class StageRunner:
     def I(self, stage: int, mb: int) -> None:  # noqa: E743 - torch's name for "backward input"
         """Input gradient only, sent back at once; keeps every layer's output gradient for W."""
         grad_out = self.output_grad(stage, mb)
-        st = self.stash[stage, mb]
+        st = self.stashed(stage, mb)
         takes_grad = st.inputs.requires_grad  # a received floating-point activation
         with self.ctx.rec.span("I", mb=mb, stage=stage):
             wanted = ([st.inputs] if takes_grad else []) + [out for out, _ in st.layers]

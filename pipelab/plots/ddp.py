@@ -1,13 +1,15 @@
 """Lesson 01's pictures: the idea of data parallelism and buckets, the timelines of a typical step
-of each wrapper, and the bucket-size sweep."""
+of each wrapper, each bucket's all-reduce against the cost model, and the bucket-size sweep."""
 
 from __future__ import annotations
 
 from typing import TYPE_CHECKING, Sequence
 
 import matplotlib.pyplot as plt
+import numpy as np
 from matplotlib.patches import FancyArrowPatch, Patch, Rectangle
 
+from pipelab.display import human_bytes
 from pipelab.plots import gantt, kind_color, sweep
 
 if TYPE_CHECKING:
@@ -75,29 +77,30 @@ def _draw_schedule_sketch(ax) -> None:
 def plot_timelines(runs: dict[str, DDPRun], variants: Sequence[str] = ("naive", "bucketed"), axes=None):
     """Gantt charts of a typical step of each variant, side by side, on one time scale."""
     if axes is None:
-        _, axes = plt.subplots(1, len(variants), figsize=(7 * len(variants), 3.2), squeeze=False)
+        _, axes = plt.subplots(1, len(variants), figsize=(7 * len(variants), 3.6), squeeze=False)
         axes = axes[0]
     longest = max(runs[v].timeline.makespan for v in variants) * 1e3
     for ax, v in zip(axes, variants):
         run = runs[v]
-        title = (f"{v}: step {run.step_time * 1e3:.1f} ms, {run.overlap:.0%} of all-reduce time "
-                 "hidden behind compute")
+        title = (f"{v}: a typical step, {run.timeline.makespan * 1e3:.1f} ms\n"
+                 f"median over steps: {run.overlap:.0%} of all-reduce time hidden behind compute")
         gantt(run.timeline, ax=ax, title=title, legend=ax is axes[-1])
         ax.set_xlim(0, longest * 1.02)
     return axes
 
 
 def plot_sweep(points: list[SweepPoint], axes=None):
-    """Step time (ours and torch's) and overlap against bucket size, the fastest size marked."""
+    """Step time (ours and torch's) and overlap against bucket size: medians over every timed step
+    with min-max error bars, the fastest median marked."""
     if axes is None:
         _, axes = plt.subplots(1, 2, figsize=(13, 3.8))
     caps = [p.bucket_cap_mb for p in points]
-    times = {"BucketedDDP (ours)": [p.step_time * 1e3 for p in points]}
-    if all(p.torch_step_time is not None for p in points):
-        times["torch DistributedDataParallel"] = [p.torch_step_time * 1e3 for p in points]
-    sweep(caps, times, "bucket_cap_mb (MiB, log scale)", "step time (ms)", "Step time against bucket size",
-          ax=axes[0], logx=True, mark_best="BucketedDDP (ours)")
-    sweep(caps, {"BucketedDDP (ours)": [100 * p.overlap for p in points]}, "bucket_cap_mb (MiB, log scale)",
+    times = {"BucketedDDP (ours)": [p.times.scaled(1e3) for p in points]}
+    if all(p.torch_times is not None for p in points):
+        times["torch DistributedDataParallel"] = [p.torch_times.scaled(1e3) for p in points]
+    sweep(caps, times, "bucket_cap_mb (MiB, log scale)", "step time (ms; median, min-max)",
+          "Step time against bucket size", ax=axes[0], logx=True, mark_best="BucketedDDP (ours)")
+    sweep(caps, {"BucketedDDP (ours)": [p.overlaps.scaled(100) for p in points]}, "bucket_cap_mb (MiB, log scale)",
           "all-reduce time hidden behind compute (%)", "Overlap against bucket size", ax=axes[1], logx=True)
     axes[1].set_ylim(0, 100)
     for ax in axes:
@@ -106,3 +109,26 @@ def plot_sweep(points: list[SweepPoint], axes=None):
         top.set_xticklabels([str(p.num_buckets) for p in points], fontsize=7)
         top.set_xlabel("number of buckets", fontsize=8)
     return axes
+
+
+def plot_bucket_times(buckets, predicted: Sequence[float], measured: Sequence, ax=None):
+    """Each bucket's all-reduce: the ring cost model's time beside the measured launch-to-arrival
+    spans (median, min-max over steps and ranks), log scale."""
+    if ax is None:
+        _, ax = plt.subplots(figsize=(max(6.0, 1.6 * len(buckets) + 2), 4.2))
+    x = np.arange(len(buckets))
+    ax.bar(x - 0.2, [p * 1e3 for p in predicted], width=0.4, color="white", edgecolor="black", hatch="..",
+           label="predicted: ring cost model (lesson 00) with this run's latency and bandwidth")
+    mid = np.array([m.median for m in measured]) * 1e3
+    low, high = np.array([m.low for m in measured]) * 1e3, np.array([m.high for m in measured]) * 1e3
+    ax.bar(x + 0.2, mid, width=0.4, color=kind_color("allreduce"), edgecolor="black",
+           yerr=[mid - low, high - mid], capsize=3, label="measured: launch to arrival (median, min-max)")
+    ax.set_xticks(x)
+    ax.set_xticklabels([f"bucket {b.index}\n{human_bytes(b.nbytes)}" for b in buckets])
+    ax.set_yscale("log")
+    ax.set_ylim(bottom=min(predicted) * 1e3 / 2, top=max(high.max(), max(predicted) * 1e3) * 4)
+    ax.set_ylabel("all-reduce time (ms, log scale)")
+    ax.set_title("Each bucket's all-reduce: predicted and measured")
+    ax.grid(axis="y", alpha=0.3, which="both")
+    ax.legend(fontsize="small", loc="upper center")
+    return ax

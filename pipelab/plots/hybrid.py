@@ -63,8 +63,8 @@ def plot_overlaps(runs: dict[str, ReplicaRun], kinds: Sequence[str], ax=None):
     for i, (label, run) in enumerate(runs.items()):
         figures = [run.overlap(k) for k in kinds]
         xs = [k + (i - (len(runs) - 1) / 2) * width for k in range(len(kinds))]
-        med = [100 * m for m, _, _ in figures]
-        err = [[100 * (m - lo) for m, lo, _ in figures], [100 * (hi - m) for m, _, hi in figures]]
+        med = [100 * f.median for f in figures]
+        err = [[100 * (f.median - f.low) for f in figures], [100 * (f.high - f.median) for f in figures]]
         ax.bar(xs, med, width=width, yerr=err, capsize=3, label=label)
     ax.set_xticks(range(len(kinds)), list(kinds))
     ax.set_ylim(0, 105)

@@ -1,5 +1,6 @@
-"""Lessons 02-04's pictures: the speedup of a split size against the sweep, and a dual-stream
-timeline with its read-after-write hazards outlined."""
+"""Lessons 02-04's pictures: measured curves against split size (medians with min-max error
+bars), the speedup against its bound, and a dual-stream timeline with its read-after-write
+hazards outlined."""
 
 from __future__ import annotations
 
@@ -8,23 +9,55 @@ from typing import Sequence
 import matplotlib.pyplot as plt
 from matplotlib.patches import Patch
 
+from pipelab.model_parallel import ideal_speedup
 from pipelab.plots import gantt
 from pipelab.timeline import Timeline
 
+MARKERS = ("o", "s", "^", "D")  # one per line, so lines that meet stay apart
 
-def speedup_curve(sweep: dict, ax=None, this_run: tuple[int, float] | None = None):
-    """Speedup over one device against split size, from a `split_sweep` result; `this_run`
-    (split size, speedup) marks one more measurement on the curve."""
+
+def _points(ax, xs: list, values: list, label: str, marker: str, **style):
+    """Plain numbers as a line; `Measured` ones as their medians with min-max error bars."""
+    if not all(hasattr(v, "median") for v in values):
+        return ax.plot(xs, values, marker=marker, label=label, **style)
+    med = [v.median for v in values]
+    err = [[m - v.low for v, m in zip(values, med)], [v.high - m for v, m in zip(values, med)]]
+    return ax.errorbar(xs, med, yerr=err, marker=marker, capsize=3, label=f"{label} (median, min-max)", **style)
+
+
+def measured_curves(curves: dict, ax=None, xlabel: str = "split size (samples)", ylabel: str = "",
+                    title: str = ""):
+    """One line per entry of `curves` (label -> {x: Measured or number}): medians with error bars
+    from the fastest to the slowest repeat. Markers differ and each further line is nudged
+    sideways a little, so no line hides another where they meet."""
     if ax is None:
-        _, ax = plt.subplots(figsize=(5, 3.2))
-    sizes = sorted(sweep["speedup"])
-    ax.plot(sizes, [sweep["speedup"][s] for s in sizes], "o-", label="sweep")
-    if this_run is not None:
-        ax.plot([this_run[0]], [this_run[1]], "r*", markersize=14, label="this run")
+        _, ax = plt.subplots(figsize=(6, 3.5))
+    for i, (label, points) in enumerate(curves.items()):
+        xs = sorted(points)
+        nudge = 1.0 + 0.04 * i  # log-x axes: a small factor
+        _points(ax, [x * nudge for x in xs], [points[x] for x in xs], label, MARKERS[i % len(MARKERS)])
     ax.set_xscale("log", base=2)
-    ax.set(xlabel="split size (samples)", ylabel="speedup over one device (x)",
-           title="speedup against split size")
-    ax.legend()
+    ax.set(xlabel=xlabel, ylabel=ylabel, title=title)
+    ax.grid(alpha=0.3)
+    return ax
+
+
+def speedup_curve(curves: dict, ax=None, this_run: tuple | None = None, batch: int | None = None):
+    """Speedup over one device against split size: one line per entry of `curves` (label ->
+    {split size: Measured}), or the curve of one `split_sweep` result. `this_run` (split size,
+    speedup) marks one more measurement. With `batch`, the bound 2k/(k+1) of k = batch / split
+    size splits on 2 devices is drawn dashed, and one device's 1x as a grey line."""
+    if "speedup" in curves:  # a split_sweep result
+        curves = {"sweep": curves["speedup"]}
+    ax = measured_curves(curves, ax, ylabel="speedup over one device (x)", title="speedup against split size")
+    if batch is not None:
+        sizes = sorted({s for points in curves.values() for s in points})
+        ax.plot(sizes, [ideal_speedup(-(-batch // s)) for s in sizes], "k--", linewidth=1,
+                label="bound 2k/(k+1), k splits")
+        ax.axhline(1.0, color="grey", linewidth=0.8)
+    if this_run is not None:
+        _points(ax, [this_run[0]], [this_run[1]], "this run", "*", color="red", markersize=14, linestyle="none")
+    ax.legend(fontsize="small")
     return ax
 
 

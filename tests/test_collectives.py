@@ -1,0 +1,144 @@
+"""pipelab.collectives: the ring all-reduce against torch's all_reduce on real processes, its
+schedule and cost model on known numbers, and the latency-bandwidth fit of a ping-pong sweep."""
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from pipelab.collectives import (all_reduce_sweep, fit_latency_bandwidth, ping_pong, ring_all_reduce,
+                                 ring_all_reduce_time, ring_schedule, small_message_latency)
+from pipelab.launch import spawn
+from pipelab.measure import Measured
+
+NUMELS = [1, 2, 3, 5, 8, 1000, 1001]  # fewer elements than ranks, N dividing the length, and not
+
+
+def ring_against_torch(ctx, numels, shape=None):
+    """Worker: for each length, whole numbers (exact sums) and random floats on every rank, summed
+    by our ring and by dist.all_reduce. Returns (exact, largest float difference) per length."""
+    out = []
+    for numel in numels:
+        gen = torch.Generator().manual_seed(100 * ctx.rank + numel)
+        whole = torch.randint(-50, 50, (numel,), generator=gen).float()
+        floats = torch.randn(numel, generator=gen)
+        if shape is not None:
+            whole, floats = whole.reshape(shape), floats.reshape(shape)
+        ours_whole, ours_floats = ring_all_reduce(whole.clone()), ring_all_reduce(floats.clone())
+        dist.all_reduce(whole)
+        dist.all_reduce(floats)
+        out.append((torch.equal(ours_whole, whole), (ours_floats - floats).abs().max().item()))
+    return out
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_ring_all_reduce_equals_torch_all_reduce(world_size):
+    for per_rank in spawn(ring_against_torch, world_size, NUMELS):
+        for numel, (exact, difference) in zip(NUMELS, per_rank):
+            assert exact, f"whole-number sums differ at {numel} elements on {world_size} ranks"
+            assert difference < 1e-5, (numel, difference)
+
+
+def test_ring_all_reduce_keeps_the_shape_and_works_in_place():
+    for per_rank in spawn(ring_against_torch, 3, [24], shape=(2, 3, 4)):
+        assert per_rank == [(True, pytest.approx(0.0, abs=1e-5))]
+
+
+def ring_in_subgroup(ctx):
+    """Worker on 3 ranks: ranks 0 and 2 form a group and ring-reduce within it; rank 1 stays out."""
+    group = dist.new_group([0, 2])
+    t = torch.full((5,), float(ctx.rank + 1))
+    if ctx.rank != 1:
+        ring_all_reduce(t, group=group)
+    return t.tolist()
+
+
+def test_ring_all_reduce_within_a_group_uses_the_group_ranks():
+    assert spawn(ring_in_subgroup, 3) == [[4.0] * 5, [2.0] * 5, [4.0] * 5]
+
+
+def test_ring_all_reduce_refuses_a_non_contiguous_tensor():
+    def worker(ctx):
+        with pytest.raises(ValueError, match="contiguous"):
+            ring_all_reduce(torch.zeros(4, 4).t())
+        return True
+    assert spawn(worker, 2) == [True, True]
+
+
+def test_ring_schedule_reduces_every_chunk_on_one_rank_then_spreads_it():
+    """Simulate the schedule: every rank ends holding every rank's contribution to every chunk."""
+    for n in (1, 2, 3, 4, 5):
+        held = [[{r} for _ in range(n)] for r in range(n)]  # held[rank][chunk]: contributions in it
+        steps = ring_schedule(n)
+        assert len(steps) == 2 * (n - 1)
+        for s, plan in enumerate(steps):
+            sent = [set(held[r][plan[r][0]]) for r in range(n)]
+            for r, (_, recv) in enumerate(plan):
+                left = (r - 1) % n
+                assert plan[left][0] == recv, "a rank receives the chunk its left neighbour sends"
+                held[r][recv] = held[r][recv] | sent[left] if s < n - 1 else sent[left]
+            if s == n - 2:  # after the reduce-scatter, rank r holds chunk r+1 complete
+                assert all(held[r][(r + 1) % n] == set(range(n)) for r in range(n))
+        assert all(chunk == set(range(n)) for rank in held for chunk in rank)
+
+
+def test_ring_all_reduce_time_on_known_numbers():
+    # 2 ranks: 2 latencies and the bytes once; 4 ranks: 6 latencies and 1.5 times the bytes.
+    assert ring_all_reduce_time(1e6, 2, bandwidth=1e9, latency=1e-5) == pytest.approx(2e-5 + 1e-3)
+    assert ring_all_reduce_time(4e6, 4, bandwidth=2e9, latency=5e-6) == pytest.approx(3e-5 + 3e-3)
+    assert ring_all_reduce_time(123, 1, bandwidth=1e9, latency=1e-5) == 0.0
+    many = ring_all_reduce_time(1e9, 1024, bandwidth=1e9, latency=0.0)
+    assert 1.99 < many < 2.0  # the bandwidth term stays below twice the bytes, however many ranks
+    with pytest.raises(ValueError):
+        ring_all_reduce_time(1e6, 2, bandwidth=0.0, latency=1e-5)
+
+
+def fake_sweep(latency, bandwidth, sizes, hiccup=None):
+    """Ping-pong rows that follow the model exactly, over 3 rounds; `hiccup` spoils one size."""
+    rows = []
+    for size in sizes:
+        t = latency + size / bandwidth
+        values = [t * 100, t * 100, t * 100] if size == hiccup else [t * 0.9, t, t * 1.1]
+        rows.append({"bytes": size, "one_way": Measured.of(values)})
+    return rows
+
+
+def test_fit_recovers_latency_and_bandwidth_and_ignores_one_bad_small_size():
+    sizes = [8, 32, 128, 512, 2048, 2**20, 2**22]
+    latency, bandwidth = fit_latency_bandwidth(fake_sweep(40e-6, 3e9, sizes, hiccup=8))
+    assert latency == pytest.approx(40e-6, rel=0.01)
+    assert bandwidth == pytest.approx(3e9, rel=0.02)
+    small = small_message_latency(fake_sweep(40e-6, 3e9, sizes, hiccup=8))
+    assert len(small.values) == 3 and small.median < 41e-6
+
+
+def test_ping_pong_and_all_reduce_sweep_return_one_measured_row_per_size():
+    rows = spawn(ping_pong, 2, [8, 4096], 2, 2)[0]
+    assert [r["bytes"] for r in rows] == [8, 4096]
+    assert all(len(r["one_way"].values) == 2 and r["one_way"].low > 0 for r in rows)
+    sweep = spawn(all_reduce_sweep, 2, [8, 40000], 2, 2)[0]
+    assert [r["bytes"] for r in sweep] == [8, 40000]
+    assert all(len(r["torch"].values) == len(r["ring"].values) == 2 for r in sweep)
+    assert all(r["max_difference"] < 1e-5 for r in sweep)
+
+
+def test_pictures_draw_medians_and_the_ring_ends_with_every_chunk_summed():
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from pipelab.plots.collectives import draw_ring, plot_all_reduce, plot_ping_pong
+
+    rows = fake_sweep(40e-6, 3e9, [8, 2048, 2**20])
+    for r in rows:
+        r["bandwidth"] = Measured.of(r["bytes"] / t for t in r["one_way"].values)
+    left, _ = plot_ping_pong(rows, 40e-6, 3e9)
+    medians = left.containers[0].lines[0].get_ydata()  # the error bars' line goes through the medians
+    assert list(medians) == pytest.approx([r["one_way"].median * 1e6 for r in rows])
+    sweep = [{"bytes": r["bytes"], "torch": r["one_way"], "ring": r["one_way"].scaled(2)} for r in rows]
+    ax = plot_all_reduce(sweep, 2, 40e-6, 3e9)
+    assert list(ax.containers[1].lines[0].get_ydata()) == pytest.approx([2e6 * r["one_way"].median for r in rows])
+    ax = draw_ring(3)
+    labels = [t.get_text() for t in ax.texts if t.get_text() == "Σ" or t.get_text().replace("+", "").isdigit()]
+    assert labels[-9:] == ["Σ"] * 9  # after the last all-gather step: 3 ranks x 3 chunks, all summed
+    assert labels[:9] == ["0", "0", "0", "1", "1", "1", "2", "2", "2"]  # at the start: each rank its own
+    plt.close("all")
