@@ -179,6 +179,25 @@ def compare(a: Measured, b: Measured) -> str:
     return "within noise"
 
 
+# How far the median of a figure moved between whole runs of the course on a shared 2-core machine
+# (`benchmarks/conclusions.py`: up to about 25 %). A difference of medians smaller than this is
+# not one the next run would repeat.
+RUN_TO_RUN_NOISE = 0.3
+
+
+def compare_medians(a: Measured, b: Measured, margin: float = RUN_TO_RUN_NOISE) -> str:
+    """'lower', 'higher' or 'within noise': how `a`'s median stands against `b`'s.
+
+    A direction is claimed only when the medians differ by more than `margin` (a fraction of b's
+    median). Use it where single repeats are too noisy for `compare` (a disturbed step widens a
+    range) but the typical step shows an effect larger than the run-to-run noise."""
+    if a.median < b.median * (1 - margin):
+        return "lower"
+    if a.median > b.median * (1 + margin):
+        return "higher"
+    return "within noise"
+
+
 def ratios(a: Sequence[float], b: Sequence[float]) -> Measured:
     """Round-by-round ratios a[i] / b[i] of two measurements taken in alternation."""
     if len(a) != len(b):

@@ -10,7 +10,7 @@ import pytest
 
 from pipelab import cli
 from pipelab.batch import conclusion_changes, headline_spread
-from pipelab.measure import Measured, alternate, compare, ratios
+from pipelab.measure import Measured, alternate, compare, compare_medians, ratios
 from test_cli import write_notebook
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -35,6 +35,16 @@ def test_compare_claims_a_direction_only_when_ranges_do_not_overlap():
     assert compare(fast, slow) == "lower" and compare(slow, fast) == "higher"
     overlapping = Measured.of([1.15, 1.6])
     assert compare(fast, overlapping) == "within noise" == compare(overlapping, slow)
+
+
+def test_compare_medians_needs_a_difference_beyond_the_margin():
+    typical_low = Measured.of([0.12, 0.16, 0.28])  # one disturbed step overlaps the other's range
+    other = Measured.of([0.25, 0.26, 0.30])
+    assert compare(typical_low, other) == "within noise"
+    assert compare_medians(typical_low, other) == "lower" and compare_medians(other, typical_low) == "higher"
+    near = Measured.of([0.22])
+    assert compare_medians(near, other) == "within noise"  # 15 % apart: less than run-to-run noise
+    assert compare_medians(near, other, margin=0.1) == "lower"
 
 
 def test_ratios_are_taken_round_by_round():
