@@ -81,6 +81,33 @@ class Steps:
         return self.timelines[self.typical_index]
 
 
+class TimedSteps:
+    """What every run made of timed steps (a `steps: Steps` field) shows: the typical step's time
+    and timeline, and the step times as repeats. Lesson run classes inherit it."""
+
+    steps: Steps
+
+    @property
+    def step_time(self) -> float:
+        """Seconds: median over the timed steps of the slowest rank's step."""
+        return self.steps.step_time
+
+    @property
+    def step_times(self) -> "Measured":
+        """Seconds of every timed step (the slowest rank's), as repeats: median and spread."""
+        return Measured.of(self.steps.seconds)
+
+    @property
+    def spread(self) -> tuple[float, float]:
+        """(fastest, slowest) timed step, seconds."""
+        return self.steps.spread
+
+    @property
+    def timeline(self) -> Timeline:
+        """The typical timed step (median makespan), all ranks."""
+        return self.steps.typical
+
+
 def gather_steps(per_rank: Sequence[RankSteps]) -> Steps:
     """Line up the ranks' timed steps: slowest rank per step, merged timeline per step."""
     seconds = [max(step) for step in zip(*(r.seconds for r in per_rank))]

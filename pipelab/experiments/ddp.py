@@ -22,7 +22,7 @@ from torch import nn
 from pipelab.checks import divisors, whole_number
 from pipelab.ddp import Bucket, BucketedDDP, DDPBase, NaiveDDP, check_bucket_cap, trainable_parameters
 from pipelab.launch import spawn
-from pipelab.measure import Measured, RankSteps, Steps, alternate, gather_steps, ratios, time_steps
+from pipelab.measure import Measured, TimedSteps, RankSteps, Steps, alternate, gather_steps, ratios, time_steps
 from pipelab.timeline import Recorder, Timeline
 
 VARIANTS = ("naive", "bucketed", "torch")
@@ -141,7 +141,7 @@ def _median_overlap(timelines: Sequence[Timeline]) -> float:
 
 
 @dataclass
-class DDPRun:
+class DDPRun(TimedSteps):
     """What one variant did on all ranks; `pipelab.reference.assert_same(run, reference)` checks it."""
 
     variant: str
@@ -161,16 +161,6 @@ class DDPRun:
         return self.losses[0]
 
     @property
-    def step_time(self) -> float:
-        """Seconds: median over the timed steps of the slowest rank's step."""
-        return self.steps.step_time
-
-    @property
-    def timeline(self) -> Timeline:
-        """A typical timed step, all ranks."""
-        return self.steps.typical
-
-    @property
     def overlap(self) -> float:
         """Fraction of the all-reduce time hidden behind computation (median over timed steps)."""
         return _median_overlap(self.steps.timelines)
@@ -179,11 +169,6 @@ class DDPRun:
     def overlaps(self) -> Measured:
         """The fraction of all-reduce time hidden behind computation, step by step (timed steps)."""
         return Measured.of(tl.overlap("compute", "comm") for tl in self.steps.timelines)
-
-    @property
-    def step_times(self) -> Measured:
-        """Seconds of every timed step (the slowest rank's)."""
-        return Measured.of(self.steps.seconds)
 
     def bucket_all_reduce_times(self) -> list[Measured]:
         """Seconds from launch to arrival of each bucket's all-reduce (BucketedDDP), one figure

@@ -24,7 +24,7 @@ from pipelab.experiments.hybrid import hidden_share, is_compute
 from pipelab.hybrid import check_grid, grid_place, run_grid_step
 from pipelab.launch import spawn
 from pipelab.hardware import synchronize
-from pipelab.measure import Measured, RankSteps, Steps, alternate, best_of, gather_steps, time_steps
+from pipelab.measure import Measured, TimedSteps, RankSteps, Steps, alternate, best_of, gather_steps, time_steps
 from pipelab.pipeline.p2p import message_specs
 from pipelab.pipeline.partition import split_model
 from pipelab.pipeline.schedules import make_schedule
@@ -125,7 +125,7 @@ def layouts_worker(ctx, model: nn.Module, x: torch.Tensor, y: torch.Tensor, loss
 
 
 @dataclass
-class GridRun:
+class GridRun(TimedSteps):
     """One layout, gathered from every process; `assert_same(run, reference)` checks it."""
 
     layout: Layout
@@ -144,30 +144,11 @@ class GridRun:
         return self.layout.name
 
     @property
-    def step_time(self) -> float:
-        """Seconds: median over the timed steps of the slowest process's step."""
-        return self.steps.step_time
-
-    @property
-    def spread(self) -> tuple[float, float]:
-        return self.steps.spread
-
-    @property
-    def step_times(self) -> Measured:
-        """Seconds of every timed step (the slowest process's): median and spread."""
-        return Measured.of(self.steps.seconds)
-
-    @property
     def round_times(self) -> list[float]:
         """Per round, the median of its timed steps (s): what `measure.ratios` pairs between layouts
         that ran in the same rounds."""
         per = len(self.steps.seconds) // self.rounds
         return [statistics.median(self.steps.seconds[r * per:(r + 1) * per]) for r in range(self.rounds)]
-
-    @property
-    def timeline(self) -> Timeline:
-        """A typical timed step, every process."""
-        return self.steps.typical
 
     @property
     def hidden(self) -> Measured:

@@ -25,7 +25,7 @@ from pipelab.ddp import Bucket, BucketedDDP, check_bucket_cap
 from pipelab.experiments.ddp import replica_spread, shard
 from pipelab.hybrid import HALVES, ModelParallelReplica, gpu_path, replica_devices
 from pipelab.launch import spawn
-from pipelab.measure import Measured, Steps, gather_steps, time_steps
+from pipelab.measure import Measured, TimedSteps, Steps, gather_steps, time_steps
 from pipelab.streams import Device
 from pipelab.timeline import Recorder, Span, Timeline
 
@@ -168,7 +168,7 @@ def replica_worker(ctx, model: nn.Module, x: torch.Tensor, y: torch.Tensor, loss
 
 
 @dataclass
-class ReplicaRun:
+class ReplicaRun(TimedSteps):
     """One variant on all processes; `pipelab.reference.assert_same(run, reference)` checks it."""
 
     variant: str
@@ -185,21 +185,6 @@ class ReplicaRun:
     def name(self) -> str:
         how = "naive forward" if self.split_size is None else f"split_size={self.split_size}"
         return f"{self.variant} ({how})"
-
-    @property
-    def step_time(self) -> float:
-        """Seconds: median over the timed steps of the slowest process's step."""
-        return self.steps.step_time
-
-    @property
-    def step_times(self) -> Measured:
-        """Seconds of every timed step (the slowest process's): median and spread."""
-        return Measured.of(self.steps.seconds)
-
-    @property
-    def timeline(self) -> Timeline:
-        """A typical timed step, every process, both devices and the all-reduces."""
-        return self.steps.typical
 
     def overlap(self, kind: str) -> Measured:
         """One of the `OVERLAPS`, measured on every timed step."""

@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 from pipelab.checks import divisors, whole_number
-from pipelab.measure import Measured, RankSteps, Steps, gather_steps, time_steps
+from pipelab.measure import Measured, TimedSteps, RankSteps, Steps, gather_steps, time_steps
 from pipelab.pipeline.p2p import message_specs, trace
 from pipelab.pipeline.runtime import RankResult, pipeline_worker
 from pipelab.pipeline.schedules import Schedule, validate
@@ -27,7 +27,7 @@ from pipelab.timeline import Timeline
 
 
 @dataclass
-class PipelineRun:
+class PipelineRun(TimedSteps):
     """One schedule's run, gathered from every rank: its loss and gradients, its timed steps and
     a typical step's timeline (the timed step of median length)."""
 
@@ -52,23 +52,9 @@ class PipelineRun:
         return [self.loss]
 
     @property
-    def timeline(self) -> Timeline:
-        return self.steps.typical
-
-    @property
-    def step_time(self) -> float:
-        """Seconds: median over the timed steps of the slowest rank."""
-        return self.steps.step_time
-
-    @property
     def bubble_fraction(self) -> float:
         """Idle fraction of the compute lane over the step, averaged over ranks."""
         return self.timeline.bubble_fraction("compute")
-
-    @property
-    def step_times(self) -> Measured:
-        """Seconds per timed step (the slowest rank's), as repeats: median and spread."""
-        return Measured.of(self.steps.seconds)
 
     @property
     def bubbles(self) -> Measured:
