@@ -32,6 +32,22 @@ def cpu_cores() -> int:
         return os.cpu_count() or 1
 
 
+def available_memory() -> int | None:
+    """Bytes of memory this process can still take: the kernel's MemAvailable (Linux), or free
+    pages from sysconf; None where neither is known."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
+    except (AttributeError, ValueError, OSError):
+        return None
+
+
 def detect() -> Hardware:
     """Look at the machine: CPU cores, CUDA devices and their names, torch version."""
     import torch

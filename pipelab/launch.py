@@ -30,7 +30,7 @@ from typing import Callable
 
 from pipelab import hardware
 from pipelab.checks import positive_number, whole_number
-from pipelab.worker import WorkerContext, hello, init_worker  # noqa: F401 - importable from here
+from pipelab.worker import RankContext, hello, init_worker  # noqa: F401 - importable from here
 from pipelab.worker import load_pickle, rank_path, run_spawned, run_under_torchrun
 
 _POLL_SECONDS = 0.01
@@ -332,7 +332,7 @@ def _end_all(procs: list[subprocess.Popen], pumps: list[threading.Thread]) -> No
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m pipelab.launch",
                                      description="Run a pipelab worker function under torchrun.")
-    parser.add_argument("target", nargs="?", help="MODULE:FUNCTION taking a WorkerContext")
+    parser.add_argument("target", nargs="?", help="MODULE:FUNCTION taking a RankContext")
     parser.add_argument("--spawned-worker", metavar="DIR", help=argparse.SUPPRESS)
     ns = parser.parse_args(argv)
     if ns.spawned_worker:

@@ -31,8 +31,13 @@ _WATCH_SECONDS = 0.2  # how often a rank checks that its caller still waits for 
 
 
 @dataclass
-class WorkerContext:
-    """What a worker function gets as its first argument."""
+class RankContext:
+    """What a worker function gets as its first argument, `ctx`: who this rank is and what it has.
+
+    `rank` of `world_size` processes (`local_rank` on its node), the process group's `backend`
+    ("gloo" or "nccl"), the `device` its tensors live on, `rec` the recorder its spans go to, and
+    `groups`: the process groups a lesson made for it by name (e.g. a grid's "pipe" and "data"
+    groups; the default group, all ranks, is `None` in `torch.distributed` calls)."""
 
     rank: int
     world_size: int
@@ -40,22 +45,23 @@ class WorkerContext:
     backend: str
     device: Any  # torch.device
     rec: Recorder = field(repr=False)
+    groups: dict[str, Any] = field(default_factory=dict, repr=False)
 
-    def barrier(self) -> None:
-        """Wait until every rank reaches this point."""
+    def barrier(self, group: Any = None) -> None:
+        """Wait until every rank of `group` (default: all ranks) reaches this point."""
         import torch.distributed as dist
 
         if self.backend == "nccl":
-            dist.barrier(device_ids=[self.device.index])
+            dist.barrier(group=group, device_ids=[self.device.index])
         else:
-            dist.barrier()
+            dist.barrier(group=group)
 
     def timeline(self) -> Timeline:
         """The spans this rank recorded so far."""
         return self.rec.timeline()
 
 
-def init_worker(backend: str | None = None, timeout: float = 1800.0) -> WorkerContext:
+def init_worker(backend: str | None = None, timeout: float = 1800.0) -> RankContext:
     """Join the process group described by the environment (RANK, WORLD_SIZE, MASTER_ADDR/PORT,
     as set by spawn() or torchrun) and return this rank's context."""
     import torch
@@ -75,7 +81,7 @@ def init_worker(backend: str | None = None, timeout: float = 1800.0) -> WorkerCo
     kwargs = {"device_id": device} if backend == "nccl" else {}
     dist.init_process_group(backend, rank=rank, world_size=world_size,
                             timeout=datetime.timedelta(seconds=timeout), **kwargs)
-    return WorkerContext(rank, world_size, local_rank, backend, device, Recorder(rank, device))
+    return RankContext(rank, world_size, local_rank, backend, device, Recorder(rank, device))
 
 
 def rank_path(workdir: str, kind: str, rank: int) -> str:
@@ -109,7 +115,7 @@ def run_spawned(workdir: str) -> None:
     os._exit(0)
 
 
-def leave_together(ctx: WorkerContext) -> None:
+def leave_together(ctx: RankContext) -> None:
     """Rank 0 hosts the rendezvous store: it stays until every other rank has finished, so that a
     rank still connecting (its function may be quicker than a peer's start-up) never finds the
     store gone. A rank that fails instead never counts itself done; spawn() then stops them all."""
@@ -160,7 +166,7 @@ def run_under_torchrun(target: str) -> None:
     os._exit(0)
 
 
-def hello(ctx: WorkerContext) -> str:
+def hello(ctx: RankContext) -> str:
     """The smallest worker: all-reduce the ranks' numbers, so every rank knows the sum."""
     import torch
     import torch.distributed as dist

@@ -1,6 +1,53 @@
-"""Running a lesson from a notebook: start the workers, gather what they measured, compare with
-the single-process reference and with torch's (or DeepSpeed's) own implementation.
+"""Running a lesson from a notebook, in one shape for every lesson family:
+
+    cfg = experiments.pipeline.Config(schedule="1f1b", world_size=2, ...)  # refuses bad input here
+    run = experiments.run(experiments.pipeline.worker, cfg, experiments.pipeline.gather)
+
+A `Config` is a frozen dataclass that checks itself when built, so a typo fails before any process
+starts; `worker(ctx: RankContext, cfg) -> Result` runs on each rank and returns a typed `Result`;
+`gather(cfg, results)` builds the `Run` the notebook reads (every figure a `Measured`); the lesson's
+verdict functions turn a `Run` into the sentences the notebook concludes.
 
 One file per lesson family. The algorithms these run live below (`pipelab.ddp`,
 `pipelab.pipeline`, `pipelab.model_parallel`, ...) and never import from here.
 """
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable, Sequence, TypeVar
+
+from pipelab.checks import positive_number, ranks_fit
+
+R = TypeVar("R")
+
+BACKENDS = ("auto", "gloo", "nccl")
+
+
+@dataclass(frozen=True, kw_only=True)
+class Config:
+    """What every lesson that runs workers needs: how many ranks, which backend, how long to wait.
+    A lesson's own `Config` adds its fields and extends `check()`; building one runs the checks."""
+
+    world_size: int = 2
+    backend: str = "auto"
+    timeout: float = 120.0
+
+    def __post_init__(self) -> None:
+        self.check()
+
+    def check(self) -> None:
+        """Raise a ValueError naming the bad value and the fix; subclasses call super().check()."""
+        ranks_fit(self.world_size)
+        if self.backend not in BACKENDS:
+            raise ValueError(f"backend must be one of {BACKENDS}, got {self.backend!r}")
+        positive_number("timeout", self.timeout, example="timeout=120", unit="seconds")
+
+
+def run(worker: Callable[..., Any], cfg: Config, gather: Callable[[Any, Sequence[Any]], R] | None = None) -> R:
+    """Start `cfg.world_size` ranks running `worker(ctx, cfg)` and hand their results (by rank)
+    to `gather(cfg, results)`; without a gather, return the results as they are."""
+    from pipelab.launch import spawn
+
+    results = spawn(worker, cfg.world_size, cfg, backend=cfg.backend, timeout=cfg.timeout)
+    return gather(cfg, results) if gather is not None else results
