@@ -11,10 +11,13 @@ from __future__ import annotations
 
 import statistics
 from dataclasses import dataclass, field
-from typing import Any, Callable, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Mapping, Sequence
 
 from pipelab.hardware import synchronize
 from pipelab.timeline import Timeline, now
+
+if TYPE_CHECKING:
+    from pipelab.worker import RankContext
 
 
 @dataclass
@@ -31,7 +34,7 @@ def timed_slice(steps: int, warmup: int = 1) -> slice:
     return slice(warmup, None) if steps > warmup else slice(None)
 
 
-def time_steps(ctx, step: Callable[[int], Any], steps: int, prepare: Callable[[int], None] | None = None,
+def time_steps(ctx: "RankContext", step: Callable[[int], Any], steps: int, prepare: Callable[[int], None] | None = None,
                warmup: int = 1) -> RankSteps:
     """Run `step(i)` for i in range(steps) on this rank and time each one.
 
@@ -82,25 +85,15 @@ class Steps:
 
 
 class TimedSteps:
-    """What every run made of timed steps (a `steps: Steps` field) shows: the typical step's time
-    and timeline, and the step times as repeats. Lesson run classes inherit it."""
+    """What every run made of timed steps (a `steps: Steps` field) shows: its step time as repeats
+    (median and spread) and the typical step's timeline. Lesson run classes inherit it."""
 
     steps: Steps
 
     @property
-    def step_time(self) -> float:
-        """Seconds: median over the timed steps of the slowest rank's step."""
-        return self.steps.step_time
-
-    @property
-    def step_times(self) -> "Measured":
+    def step_time(self) -> "Measured":
         """Seconds of every timed step (the slowest rank's), as repeats: median and spread."""
         return Measured.of(self.steps.seconds)
-
-    @property
-    def spread(self) -> tuple[float, float]:
-        """(fastest, slowest) timed step, seconds."""
-        return self.steps.spread
 
     @property
     def timeline(self) -> Timeline:
