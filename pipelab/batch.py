@@ -10,6 +10,7 @@ import math
 import os
 import re
 import time
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from typing import Callable
 
@@ -178,18 +179,52 @@ def render_html(notebook_path: str) -> str:
 
 def write_summary(runs: list[NotebookRun], path: str, **about) -> None:
     """build/summary.json: `about` (e.g. the profile) and one entry per notebook run, its files
-    named relative to the summary, so the folder can be copied elsewhere whole."""
+    named relative to the summary, so the folder can be copied elsewhere whole.
+
+    Two `pipelab run` into the same folder both keep their rows: under a lock, the file's rows of
+    other notebooks are kept and only this run's notebooks are replaced; each row says its profile."""
     from pipelab import __version__
 
-    rows = [r.summary() for r in runs]
+    rows = [{**r.summary(), **_json_safe(about)} for r in runs]
     for row in rows:
         for key in ("output", "html"):
             if row[key]:
                 row[key] = os.path.relpath(row[key], os.path.dirname(os.path.abspath(path)))
-    data = {"pipelab": __version__, **_json_safe(about), "notebooks": rows}
-    with open(path, "w") as f:
-        json.dump(data, f, indent=2, allow_nan=False)
-        f.write("\n")
+    with _locked(path + ".lock"):
+        ours = {row["notebook"] for row in rows}
+        kept = [row for row in _summary_rows(path) if row.get("notebook") not in ours]
+        data = {"pipelab": __version__, **_json_safe(about), "notebooks": kept + rows}
+        tmp = f"{path}.{os.getpid()}.tmp"
+        with open(tmp, "w") as f:
+            json.dump(data, f, indent=2, allow_nan=False)
+            f.write("\n")
+        os.replace(tmp, path)  # a reader never sees half a file
+
+
+def _summary_rows(path: str) -> list[dict]:
+    """The notebook rows already in a summary.json, or none (no file, or not one of ours)."""
+    try:
+        with open(path) as f:
+            rows = json.load(f).get("notebooks", [])
+    except (OSError, ValueError, AttributeError):
+        return []
+    return [r for r in rows if isinstance(r, dict)] if isinstance(rows, list) else []
+
+
+@contextmanager
+def _locked(lock_path: str):
+    """Hold an exclusive lock on `lock_path` (POSIX flock; where there is none, no lock)."""
+    try:
+        import fcntl
+    except ImportError:
+        yield
+        return
+    with open(lock_path, "a") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
 
 
 def _json_safe(value):

@@ -35,6 +35,7 @@ import glob
 import os
 import re
 import sys
+import tempfile
 from dataclasses import dataclass
 
 from pipelab.batch import NotebookRun, render_html, run_notebook, write_summary
@@ -121,6 +122,53 @@ class Planned:
     path: str
     parameters: dict
     note: str = ""  # said when it starts, e.g. that it has no such profile
+    skip: str = ""  # why it does not run at all, e.g. its profile needs GPUs this machine lacks
+
+
+@dataclass(frozen=True)
+class Needs:
+    """What a profile needs from the machine (metadata["pipelab"]["needs"][profile]), and what it
+    costs there: `estimate` says how long on which node, from the FLOP count in `flops`."""
+
+    gpus: int = 0
+    gpu_memory_gib: float = 0.0
+    flops: float = 0.0  # the profile's whole run, counted (see the notebook's comment on it)
+    estimate: str = ""
+
+    def __str__(self) -> str:
+        parts = [f"{self.gpus} GPU(s)" + (f" with {self.gpu_memory_gib:g} GiB each" if self.gpu_memory_gib else "")]
+        if self.flops:
+            parts.append(f"{self.flops / 1e12:,.1f} TFLOP")
+        if self.estimate:
+            parts.append(self.estimate)
+        return "needs " + "; ".join(parts)
+
+
+def profile_needs(path: str) -> dict[str, Needs]:
+    """Each profile's needs, from the notebook's metadata["pipelab"]["needs"]."""
+    import nbformat
+
+    nb = nbformat.read(path, as_version=4)
+    needs = nb.metadata.get("pipelab", {}).get("needs", {})
+    return {name: Needs(**dict(n)) for name, n in needs.items()}
+
+
+def unmet(needs: Needs, gpus: tuple[str, ...], gpu_memory_gib: list[float]) -> str:
+    """Why this machine cannot run a profile with `needs` ('' if it can)."""
+    if len(gpus) < needs.gpus:
+        return f"profile {needs} but this machine has {len(gpus)} GPU(s): skipped (GPU sizes never run on CPU)"
+    if needs.gpu_memory_gib and gpus and min(gpu_memory_gib) < needs.gpu_memory_gib:
+        return (f"profile {needs} but this machine's smallest GPU has {min(gpu_memory_gib):.0f} GiB: "
+                "skipped")
+    return ""
+
+
+def _gpu_memory_gib() -> list[float]:
+    import torch
+
+    if not torch.cuda.is_available():
+        return []
+    return [torch.cuda.get_device_properties(i).total_memory / 2**30 for i in range(torch.cuda.device_count())]
 
 
 def plan_runs(notebooks: list[str], given: dict, profile: str | None) -> list[Planned]:
@@ -149,7 +197,14 @@ def plan_runs(notebooks: list[str], given: dict, profile: str | None) -> list[Pl
             if name in declared:
                 params[name] = value
                 used.add(name)
-        plans.append(Planned(path, params, note))
+        skip = ""
+        if profile is not None and profile in profiles:
+            needs = _read_needs(path).get(profile)
+            if needs is not None:
+                from pipelab import hardware
+
+                skip = unmet(needs, hardware.detect().gpus, _gpu_memory_gib())
+        plans.append(Planned(path, params, note, skip))
     unused = [name for name in given if name not in used]
     if unused:
         raise UsageError(f"no chosen notebook declares parameter {', '.join(unused)} in its parameters cell "
@@ -157,6 +212,13 @@ def plan_runs(notebooks: list[str], given: dict, profile: str | None) -> list[Pl
     if profile is not None and not profiled:
         raise UsageError(f"no chosen notebook has a profile {profile!r} (see `pipelab profiles`)")
     return plans
+
+
+def _read_needs(path: str) -> dict[str, Needs]:
+    try:
+        return profile_needs(path)
+    except (TypeError, ValueError) as e:
+        raise UsageError(f"{path}: its metadata's pipelab.needs is not understood: {e}") from e
 
 
 def _read_parameters(path: str) -> tuple[dict, dict]:
@@ -209,15 +271,34 @@ def _printer(name: str):
     return progress
 
 
+def check_out_folder(out: str) -> None:
+    """Refuse an --out folder we cannot write into (a file, /proc, a path under a file, no
+    permission), before any notebook runs."""
+    try:
+        os.makedirs(out, exist_ok=True)
+        with tempfile.NamedTemporaryFile(dir=out, prefix=".pipelab-write-test-"):
+            pass
+    except OSError as e:
+        reason = e.strerror or str(e)
+        raise UsageError(f"--out {out!r} is not a folder we can write into ({reason}); "
+                         "pass a writable folder, e.g. --out build") from None
+
+
 def cmd_run(ns: argparse.Namespace) -> int:
     given = {name: parse_value(value) for name, value in ns.parameters or []}
     plans = plan_runs(select_notebooks(ns.notebooks, ns.folder), given, ns.profile)
+    check_out_folder(ns.out)
     # Mirror the folders below the notebooks' common folder, so equal file names never collide.
     base = os.path.commonpath([os.path.dirname(os.path.abspath(p.path)) for p in plans])
     runs = []
     for plan in plans:
         rel = os.path.relpath(os.path.abspath(plan.path), base)
         with_params = f" with {format_parameters(plan.parameters)}" if plan.parameters else ""
+        if plan.skip:
+            print(f"skipping {plan.path}: {plan.skip}", flush=True)
+            runs.append(NotebookRun(rel, "skipped", 0.0, None, error=plan.skip, parameters=plan.parameters))
+            write_summary(runs, os.path.join(ns.out, "summary.json"), profile=ns.profile)
+            continue
         print(f"running {plan.path}{with_params} ...", flush=True)
         if plan.note:
             print(f"  {rel}: {plan.note}", flush=True)
@@ -232,22 +313,28 @@ def cmd_run(ns: argparse.Namespace) -> int:
     print()
     print(summary_table(runs))
     print(f"\nexecuted notebooks and summary.json are in {os.path.abspath(ns.out)}/")
-    return 0 if all(r.status == "ok" for r in runs) else 1
+    return 0 if all(r.status in ("ok", "skipped") for r in runs) else 1
 
 
 def cmd_profiles(ns: argparse.Namespace) -> int:
     for path in select_notebooks(ns.notebooks, ns.folder):
-        profiles = _read_parameters(path)[1]
+        profiles, needs = _read_parameters(path)[1], _read_needs(path)
         print(path + ("" if profiles else ": no profiles"))
         width = max(map(len, profiles), default=0)
         for name, params in profiles.items():
             print(f"  {name.ljust(width)}  {format_parameters(params) or '(defaults)'}")
+            if name in needs:
+                print(f"  {' ' * width}  {needs[name]}")
     return 0
 
 
 def cmd_doctor(ns: argparse.Namespace) -> int:
     from pipelab import hardware
 
+    problem = hardware.platform_problem()
+    if problem:
+        print(f"pipelab doctor: {problem}", file=sys.stderr)
+        return 2
     hw = hardware.detect()
     print(hardware.describe(ns.world_size))
     print(f"CPU cores: {hw.cpu_cores}")

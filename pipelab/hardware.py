@@ -7,8 +7,12 @@ processes with gloo, or from one process driving devices through streams.
 
 from __future__ import annotations
 
+import math
 import os
 import platform
+import socket
+import subprocess
+import sys
 from dataclasses import dataclass
 
 
@@ -24,17 +28,78 @@ class Hardware:
         return len(self.gpus)
 
 
-def cpu_cores() -> int:
-    """Cores this process may run on (respects taskset / container limits)."""
+CGROUP_ROOT = "/sys/fs/cgroup"  # where cgroup v2 is mounted (containers, JupyterHub, Slurm jobs)
+
+
+def _cgroup_value(name: str) -> str | None:
+    """This process's cgroup v2 file `name` (e.g. "cpu.max"), read from its own cgroup's folder
+    (as /proc/self/cgroup names it) or the mount's root, as a container sees it; None without one."""
+    folders = [CGROUP_ROOT]
     try:
-        return len(os.sched_getaffinity(0))
-    except AttributeError:  # not Linux
-        return os.cpu_count() or 1
+        with open("/proc/self/cgroup") as f:
+            for line in f:
+                if line.startswith("0::"):  # the cgroup v2 line: "0::/path"
+                    folders.insert(0, CGROUP_ROOT + line[3:].strip().rstrip("/"))
+    except OSError:
+        pass
+    for folder in folders:
+        try:
+            with open(os.path.join(folder, name)) as f:
+                return f.read().strip()
+        except OSError:
+            continue
+    return None
+
+
+def cgroup_cpu_limit() -> float | None:
+    """CPUs the cgroup's quota allows (`cpu.max` "200000 100000" is 2.0), or None for no quota.
+    A container limited with `docker run --cpus 2` sees every host core but gets two cores' time."""
+    text = _cgroup_value("cpu.max")
+    if not text or text.split()[0] == "max":
+        return None
+    quota, period = text.split()[:2]
+    return int(quota) / int(period)
+
+
+def cgroup_memory_available() -> int | None:
+    """Bytes the cgroup still allows (`memory.max` minus `memory.current`), or None for no limit.
+    The host's free memory says nothing about a container's limit: its OOM killer strikes first."""
+    limit = _cgroup_value("memory.max")
+    if not limit or limit == "max":
+        return None
+    used = _cgroup_value("memory.current")
+    return max(0, int(limit) - int(used or 0))
+
+
+def cpu_cores() -> int:
+    """Cores this process may use: its CPU affinity (taskset, cpusets), further limited by a cgroup
+    CPU quota (containers, JupyterHub), at least 1."""
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except AttributeError:  # macOS and Windows have no affinity call
+        cores = os.cpu_count() or 1
+    quota = cgroup_cpu_limit()
+    if quota is not None:
+        cores = min(cores, max(1, math.floor(quota)))
+    return cores
 
 
 def available_memory() -> int | None:
-    """Bytes of memory this process can still take: the kernel's MemAvailable (Linux), or free
-    pages from sysconf; None where neither is known."""
+    """Bytes of memory this process can still take: the kernel's MemAvailable on Linux (the smaller
+    of it and the cgroup's allowance in a container), the machine's memory on macOS (`sysctl
+    hw.memsize`; macOS does not say how much is free), free pages elsewhere; None where none is known."""
+    known = [m for m in (_meminfo_available(), cgroup_memory_available()) if m is not None]
+    if known:
+        return min(known)
+    if sys.platform == "darwin":
+        return _macos_memsize()
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
+    except (AttributeError, ValueError, OSError):  # macOS has no SC_AVPHYS_PAGES; Windows no sysconf
+        return None
+
+
+def _meminfo_available() -> int | None:
     try:
         with open("/proc/meminfo") as f:
             for line in f:
@@ -42,10 +107,36 @@ def available_memory() -> int | None:
                     return int(line.split()[1]) * 1024
     except OSError:
         pass
+    return None
+
+
+def _macos_memsize() -> int | None:
     try:
-        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
-    except (AttributeError, ValueError, OSError):
+        out = subprocess.run(["sysctl", "-n", "hw.memsize"], capture_output=True, text=True, timeout=5)
+        return int(out.stdout.strip())
+    except (OSError, ValueError, subprocess.SubprocessError):
         return None
+
+
+def platform_problem() -> str | None:
+    """Why this platform cannot run the course's workers, or None. Workers are POSIX processes:
+    each rank leads its own process group so that spawn can end it and whatever it started."""
+    if sys.platform == "win32" or not hasattr(os, "killpg"):
+        return ("pipelab's workers need Linux or macOS (each rank runs in its own POSIX process group, "
+                "which Windows lacks); on Windows, run the course in WSL2 "
+                "(https://learn.microsoft.com/windows/wsl/install) or a Linux container")
+    return None
+
+
+def loopback_interface() -> str | None:
+    """The name of the loopback network interface ("lo" on Linux, "lo0" on macOS), for the process
+    groups of one machine: gloo otherwise binds to the address of the host name, which a laptop on
+    a `.local` name may not resolve."""
+    try:
+        names = [name for _, name in socket.if_nameindex()]
+    except (AttributeError, OSError):
+        return None
+    return next((n for n in names if n in ("lo", "lo0")), None)
 
 
 def detect() -> Hardware:

@@ -31,7 +31,7 @@ from typing import Callable
 from pipelab import hardware
 from pipelab.checks import positive_number, whole_number
 from pipelab.worker import RankContext, hello, init_worker  # noqa: F401 - importable from here
-from pipelab.worker import load_pickle, rank_path, run_spawned, run_under_torchrun
+from pipelab.worker import EXIT_DISK_FULL, load_pickle, rank_path, run_spawned, run_under_torchrun
 
 _POLL_SECONDS = 0.01
 _GRACE_SECONDS = 2.0  # after a rank fails, the most we wait for its peers to exit with their errors
@@ -87,7 +87,7 @@ def _run_once(payload: bytes, world_size: int, backend: str, timeout: float, ctr
     every rank's process group ends and the temp dir goes before this returns or raises."""
     workdir = tempfile.mkdtemp(prefix="pipelab-spawn-")
     procs: list[subprocess.Popen] = []
-    pumps: list[threading.Thread] = []
+    pumps: list[_Pump] = []
     try:
         _write_payload(payload, workdir, world_size)
         port = _free_port()
@@ -133,6 +133,9 @@ def _ctrl_c_held():
 
 def _check_arguments(world_size, backend: str, timeout) -> str:
     """Refuse bad input before any process starts; return the backend to use."""
+    problem = hardware.platform_problem()
+    if problem:
+        raise RuntimeError(problem)
     whole_number("world_size", world_size, example="world_size=2")
     if isinstance(timeout, float) and math.isinf(timeout):
         raise ValueError("timeout must be a finite number of seconds, got inf: spawn has no "
@@ -190,6 +193,9 @@ def _start_worker(rank: int, world_size: int, backend: str, port: int, timeout: 
     })
     if backend == "gloo":
         env["OMP_NUM_THREADS"] = "1"  # one intra-op thread per rank, so ranks don't fight over cores
+        loopback = hardware.loopback_interface()
+        if loopback and "GLOO_SOCKET_IFNAME" not in env:
+            env["GLOO_SOCKET_IFNAME"] = loopback  # every rank is on this machine: talk over loopback
     return subprocess.Popen(
         [sys.executable, "-m", "pipelab.launch", "--spawned-worker", workdir],
         env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
@@ -197,20 +203,53 @@ def _start_worker(rank: int, world_size: int, backend: str, port: int, timeout: 
     )
 
 
-def _pump_output(proc: subprocess.Popen, rank: int) -> threading.Thread:
-    """Copy a worker's prints to ours, line by line, tagged with its rank. The thread alone reads
-    and closes the pipe: it ends when every process holding the pipe (the rank and any helper
-    process that inherited it) has ended."""
+_PRINT_LOCK = threading.Lock()  # one rank's line is printed whole, never inside another's
 
-    def pump():
-        with proc.stdout:
-            for raw in proc.stdout:
-                sys.stdout.write(f"[rank {rank}] {raw.decode(errors='replace')}")
+
+class _Pump:
+    """Copies a worker's prints to ours, line by line, tagged with its rank. It stops when told to,
+    not when the pipe closes: a helper process that left the rank's process group (setsid) may hold
+    the pipe open for ever, and must neither delay spawn's return nor print into the caller later."""
+
+    def __init__(self, proc: subprocess.Popen, rank: int):
+        self.proc, self.rank = proc, rank
+        self.stop = threading.Event()
+        self.partial = b""
+        self.thread = threading.Thread(target=self._run, daemon=True)
+        self.thread.start()
+
+    def _run(self) -> None:
+        import select
+
+        fd = self.proc.stdout.fileno()
+        try:
+            while True:
+                readable, _, _ = select.select([fd], [], [], 0.05)
+                if readable:
+                    chunk = os.read(fd, 65536)
+                    if not chunk:
+                        break  # every writer closed the pipe
+                    self._write(chunk)
+                elif self.stop.is_set():
+                    break  # the rank is gone and nothing is left to read
+        finally:
+            self._write(b"", end=True)
+            self.proc.stdout.close()
+
+    def _write(self, chunk: bytes, end: bool = False) -> None:
+        """Print the complete lines; keep an unfinished one until its end comes (or the pump ends)."""
+        *lines, self.partial = (self.partial + chunk).split(b"\n")
+        if end and self.partial:
+            lines, self.partial = [*lines, self.partial], b""
+        if lines:
+            text = "".join(f"[rank {self.rank}] {line.decode(errors='replace')}\n" for line in lines)
+            with _PRINT_LOCK:
+                sys.stdout.write(text)
                 sys.stdout.flush()
 
-    t = threading.Thread(target=pump, daemon=True)
-    t.start()
-    return t
+
+def _pump_output(proc: subprocess.Popen, rank: int) -> _Pump:
+    return _Pump(proc, rank)
 
 
 def _wait_for_workers(procs: list[subprocess.Popen], workdir: str, timeout: float, ctrl_c) -> None:
@@ -288,7 +327,17 @@ def _rank_failure(rank: int, proc: subprocess.Popen, workdir: str) -> tuple[tupl
     code = _exit_code(proc)
     if not _failure(rank, code, workdir):
         return None
+    if code == EXIT_DISK_FULL:
+        return (0, 0, rank), WorkerError(rank, _disk_full(workdir))
     return (0, 0, rank), WorkerError(rank, _how_it_died(code), _crash_report(workdir, rank))
+
+
+def _disk_full(workdir: str) -> str:
+    folder = os.path.dirname(workdir)
+    free = shutil.disk_usage(folder).free if os.path.isdir(folder) else 0
+    return (f"could not write its result: the disk holding {folder} is full ({free / 2**20:.0f} MiB free). "
+            "Results travel through files there: free space, or point TMPDIR at a larger disk "
+            "(e.g. TMPDIR=$HOME/tmp) before starting Python")
 
 
 def _crash_report(workdir: str, rank: int) -> str:
@@ -311,7 +360,7 @@ def _how_it_died(code: int) -> str:
     return f"exited with code {code} without a Python error (os._exit? exit() in native code?)"
 
 
-def _end_all(procs: list[subprocess.Popen], pumps: list[threading.Thread]) -> None:
+def _end_all(procs: list[subprocess.Popen], pumps: list[_Pump]) -> None:
     """End every rank's whole process group (the rank and any helper process it started), reap the
     ranks, then let the output threads finish: their pipes close once those processes are gone."""
     for p in procs:
@@ -324,9 +373,11 @@ def _end_all(procs: list[subprocess.Popen], pumps: list[threading.Thread]) -> No
             p.wait(timeout=10)
         except subprocess.TimeoutExpired:
             p.kill()
+    for pump in pumps:  # the ranks are gone: print what they left in the pipes, then stop
+        pump.stop.set()
     deadline = time.monotonic() + 5
-    for t in pumps:
-        t.join(timeout=max(0.0, deadline - time.monotonic()))
+    for pump in pumps:
+        pump.thread.join(timeout=max(0.0, deadline - time.monotonic()))
 
 
 def main(argv: list[str] | None = None) -> None:

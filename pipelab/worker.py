@@ -12,6 +12,7 @@ stack if R crashes in native code, written by `faulthandler`).
 from __future__ import annotations
 
 import datetime
+import errno
 import faulthandler
 import os
 import pickle
@@ -27,6 +28,7 @@ from typing import Any
 from pipelab import hardware
 from pipelab.timeline import Recorder, Timeline
 
+EXIT_DISK_FULL = 28  # a rank's exit code when its result cannot be written: no space left (ENOSPC)
 _WATCH_SECONDS = 0.2  # how often a rank checks that its caller still waits for it
 
 
@@ -106,8 +108,14 @@ def run_spawned(workdir: str) -> None:
         phase = "leave"
         leave_together(ctx)
     except BaseException as e:  # noqa: BLE001 - every failure goes back to the parent
-        dump_pickle({"type": type(e).__name__, "message": str(e), "traceback": traceback.format_exc(),
-                     "phase": phase}, rank_path(workdir, "error", rank))
+        error = {"type": type(e).__name__, "message": str(e), "traceback": traceback.format_exc(), "phase": phase}
+        try:
+            dump_pickle(error, rank_path(workdir, "error", rank))
+        except OSError as full:
+            # No room even for the error: say so by the exit code, which needs no disk.
+            if full.errno == errno.ENOSPC or isinstance(e, OSError) and e.errno == errno.ENOSPC:
+                os._exit(EXIT_DISK_FULL)
+            raise
         sys.stdout.flush()
         os._exit(1)
     sys.stdout.flush()

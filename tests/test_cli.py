@@ -178,8 +178,10 @@ def test_profiles_apply_per_notebook_and_p_wins(tmp_path, capsys):
     assert "running with its defaults" in rows["02_plain.ipynb"]["note"] and not rows["01_p.ipynb"]["note"]
 
     assert cli.main(["run", with_profiles, "--profile", "gpu", "-p", "x", "9", "--out", str(out)]) == 0
-    (row,) = strict_json(out / "summary.json")["notebooks"]
-    assert row["parameters"] == {"x": 9, "steps": 50} and row["headline"]["value"] == 9
+    rows = {r["notebook"]: r for r in strict_json(out / "summary.json")["notebooks"]}
+    row = rows["01_p.ipynb"]  # run again into the same folder: its row is replaced, 02's kept
+    assert row["parameters"] == {"x": 9, "steps": 50} and row["headline"]["value"] == 9 and row["profile"] == "gpu"
+    assert rows["02_plain.ipynb"]["profile"] == "quick"
 
 
 def test_profile_mistakes_are_refused(tmp_path, capsys):
