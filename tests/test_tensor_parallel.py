@@ -1,0 +1,95 @@
+"""Tensor and sequence parallelism (lesson 12): our column/row-parallel layers, MLP, attention and
+block give the unsplit layer's outputs and gradients on 2 and 4 ranks, send the bytes the ring
+formulas say, and refuse sizes that do not divide."""
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+from pipelab.launch import spawn
+from pipelab.tensor_parallel import ParallelBlock, TensorParallelGroup
+from pipelab.tensor_parallel.comm import ring_bytes
+from pipelab.transformer import Block
+
+
+def make_block(dim=16, heads=4, seed=0):
+    torch.manual_seed(seed)
+    return Block(dim, heads)
+
+
+def as_block_of_grads(block: Block) -> Block:
+    """A copy of `block` whose parameters hold its gradients: cut like the parallel block, it
+    gives each rank's expected gradient shards."""
+    grads = copy.deepcopy(block)
+    with torch.no_grad():
+        for p, g in zip(grads.parameters(), block.parameters()):
+            p.copy_(g.grad)
+    return grads
+
+
+def reference(block, x, g):
+    block = copy.deepcopy(block)
+    x = x.clone().requires_grad_()
+    y = block(x)
+    (y * g).sum().backward()
+    return y.detach(), x.grad, block
+
+
+def block_worker(ctx, block, x, g, sequence_parallel):
+    tp = TensorParallelGroup.world()
+    pblock = ParallelBlock(block, tp, sequence_parallel)
+    if sequence_parallel:  # this rank's slice of the sequence in, its slice out
+        x, g = tp.slice(x, 1), tp.slice(g, 1)
+    x = x.clone().requires_grad_()
+    y = pblock(x)
+    (y * g).sum().backward()
+    pblock.sync_replicated_grads()
+    grads = {n: p.grad.clone() for n, p in pblock.named_parameters()}
+    return y.detach(), x.grad, grads, dict(tp.meter.bytes), dict(tp.meter.calls)
+
+
+@pytest.mark.parametrize("ranks", [2, 4])
+@pytest.mark.parametrize("sequence_parallel", [False, True], ids=["tp", "tp+sp"])
+def test_parallel_block_equals_the_unsplit_block(ranks, sequence_parallel):
+    block = make_block()
+    x, g = torch.randn(2, 8, 16), torch.randn(2, 8, 16)
+    y_ref, dx_ref, ref_block = reference(block, x, g)
+    results = spawn(block_worker, ranks, block, x, g, sequence_parallel)
+    grads_block = as_block_of_grads(ref_block)
+    for rank, (y, dx, grads, _, _) in enumerate(results):
+        tp = TensorParallelGroup(None, rank, ranks)
+        want_y, want_dx = (tp.slice(y_ref, 1), tp.slice(dx_ref, 1)) if sequence_parallel else (y_ref, dx_ref)
+        torch.testing.assert_close(y, want_y, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(dx, want_dx, atol=1e-5, rtol=1e-5)
+        expected = dict(ParallelBlock(grads_block, tp, sequence_parallel).named_parameters())
+        assert grads.keys() == expected.keys()
+        for name, grad in grads.items():
+            torch.testing.assert_close(grad, expected[name].detach(), atol=1e-5, rtol=1e-5, msg=name)
+
+
+def test_sequence_parallelism_sends_what_tensor_parallelism_sends():
+    """Per block: TP all-reduces the (b, s, h) activation twice forward and twice backward; SP
+    replaces each all-reduce by an all-gather plus a reduce-scatter, which a ring sends in the same
+    bytes. (SP adds the small all-reduce of the replicated parameters' gradients.)"""
+    block = make_block()
+    x, g = torch.randn(2, 8, 16), torch.randn(2, 8, 16)
+    activation = x.numel() * x.element_size()
+    per_rank = {}
+    for sp in (False, True):
+        _, _, _, sent, calls = spawn(block_worker, 2, block, x, g, sp)[0]
+        per_rank[sp] = sum(b for (kind, d), b in sent.items() if d in ("forward", "backward"))
+        if sp:
+            assert calls[("all_gather", "forward")] == 2 and calls[("reduce_scatter", "forward")] == 2
+            assert calls[("reduce_scatter", "backward")] == 2 and calls[("all_gather", "backward")] == 2
+        else:
+            assert calls == {("all_reduce", "forward"): 2, ("all_reduce", "backward"): 2}
+    assert per_rank[False] == per_rank[True] == 4 * ring_bytes("all_reduce", activation, 2)
+
+
+@pytest.mark.parametrize("dim,heads,ranks,bad", [(16, 4, 3, "n_heads=4"), (24, 3, 2, "n_heads=3")])
+def test_sizes_that_do_not_divide_are_refused(dim, heads, ranks, bad):
+    block = make_block(dim, heads)
+    with pytest.raises(ValueError, match=bad):
+        ParallelBlock(block, TensorParallelGroup(None, 0, ranks))
