@@ -1,0 +1,219 @@
+"""How long an operation lasts on an accelerator: count its work, then divide by the device's rates.
+
+- `count(fn, *args)` runs `fn` on META tensors (shapes and dtypes, no data, no memory), so a model
+  far larger than this machine can be counted: FLOPs from PyTorch's own counter
+  (`torch.utils.flop_counter.FlopCounterMode`, matrix products and convolutions), bytes as what
+  every operator reads and writes (the sizes of its input and output tensors; views move nothing).
+- `forward_backward_counts(module, x)` counts a forward, and its backward split as zero-bubble
+  schedules split it: I, the gradient with respect to the input (what the previous stage waits for),
+  and W, the gradients with respect to the weights (which can wait). B = I + W.
+- `compute_seconds` is the roofline: an operation takes the longer of its FLOPs over the device's
+  FLOP/s and its bytes over the memory bandwidth, at a stated efficiency, plus a launch overhead
+  per operator.
+- `message_seconds` and `collective_seconds` are the latency-bandwidth model of lesson 00: one
+  message of m bytes takes latency + m / bandwidth; a ring collective is a sequence of such steps.
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten, tree_map
+from torch.utils.flop_counter import FlopCounterMode
+
+from pipelab.collectives import ring_all_reduce_time
+from pipelab.emulate.specs import Device, Link
+
+# Model FLOPs utilisation of well-tuned large-model training is about half the peak: Megatron-LM
+# reports 52% of the A100's peak per GPU (Narayanan et al., "Efficient Large-Scale Language Model
+# Training on GPU Clusters Using Megatron-LM", SC 2021, https://arxiv.org/abs/2104.04473) and PaLM
+# 46.2% MFU (Chowdhery et al., https://arxiv.org/abs/2204.02311).
+EFFICIENCY = 0.5
+# Per operator: launching a CUDA kernel from PyTorch's eager mode costs a few microseconds of host
+# time, so a stream of tiny operators is bound by launches, not by the GPU. An estimate, not a
+# data-sheet figure.
+LAUNCH_OVERHEAD_S = 5e-6
+
+
+@dataclass(frozen=True)
+class Counts:
+    """Work of an operation: floating-point operations, bytes read and written in device memory,
+    and how many operators (kernels) it launches."""
+    flops: float
+    bytes: float
+    kernels: int = 1
+
+    def __add__(self, other: "Counts") -> "Counts":
+        return Counts(self.flops + other.flops, self.bytes + other.bytes, self.kernels + other.kernels)
+
+    def __sub__(self, other: "Counts") -> "Counts":
+        return Counts(max(0.0, self.flops - other.flops), max(0.0, self.bytes - other.bytes),
+                      max(0, self.kernels - other.kernels))
+
+    def scaled(self, factor: float) -> "Counts":
+        """The work of `factor` times as much (e.g. a micro-batch `factor` times larger)."""
+        return Counts(self.flops * factor, self.bytes * factor, self.kernels)
+
+
+ZERO = Counts(0.0, 0.0, 0)
+
+# Operators that move no data: they only describe memory (views) or allocate it.
+_NO_TRAFFIC = {"empty", "empty_like", "empty_strided", "new_empty", "new_empty_strided", "lift_fresh",
+               "detach", "alias", "sym_size", "sym_stride", "sym_numel", "sym_storage_offset", "_local_scalar_dense"}
+
+
+def _tensor_bytes(tree) -> int:
+    leaves, _ = tree_flatten(tree)
+    return sum(t.numel() * t.element_size() for t in leaves if isinstance(t, torch.Tensor))
+
+
+class ByteCounter(TorchDispatchMode):
+    """Adds up, for every operator run under it, the bytes of its input and output tensors: what
+    the operator reads from memory and writes back. Views (`t()`, `view`, `transpose`...) are free."""
+
+    def __init__(self):
+        super().__init__()
+        self.bytes = 0
+        self.kernels = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        name = func.overloadpacket.__name__
+        if not func.is_view and name not in _NO_TRAFFIC:
+            self.bytes += _tensor_bytes((args, kwargs)) + _tensor_bytes(out)
+            self.kernels += 1
+        return out
+
+
+def to_meta(tree):
+    """`tree` with every tensor replaced by a META tensor of the same shape, dtype and
+    requires_grad (other values unchanged)."""
+    def meta(t):
+        if not isinstance(t, torch.Tensor) or t.device.type == "meta":
+            return t
+        return torch.empty_like(t, device="meta").requires_grad_(t.requires_grad)
+    return tree_map(meta, tree)
+
+
+def count(fn, *args, **kwargs) -> Counts:
+    """FLOPs, bytes and operators of `fn(*args, **kwargs)`, run on META tensors (the tensors in
+    args and kwargs are replaced by meta ones; a module `fn` uses must already be on meta, see
+    `meta_module`)."""
+    args, kwargs = to_meta((args, kwargs))
+    flops, moved = FlopCounterMode(display=False), ByteCounter()
+    with flops, moved:
+        fn(*args, **kwargs)
+    return Counts(float(flops.get_total_flops()), float(moved.bytes), moved.kernels)
+
+
+def meta_module(module: torch.nn.Module) -> torch.nn.Module:
+    """`module` itself if all its parameters and buffers are on meta, else a copy on meta (the
+    original keeps its weights). Build a large model straight on meta with
+    `with torch.device("meta"): model = Model(...)`."""
+    tensors = list(module.parameters()) + list(module.buffers())
+    if all(t.device.type == "meta" for t in tensors):
+        return module
+    return copy.deepcopy(module).to("meta")
+
+
+def _outputs(out) -> list[torch.Tensor]:
+    leaves, _ = tree_flatten(out)
+    return [t for t in leaves if isinstance(t, torch.Tensor) and t.requires_grad]
+
+
+def forward_backward_counts(module: torch.nn.Module, example_input) -> tuple[Counts, Counts, Counts]:
+    """(forward, backward_input, backward_weight) counts of `module` on `example_input` (a tensor
+    or a tuple of them), on the meta device: the forward; I, the backward for the input (every
+    activation's gradient back to the input); W, the weights' gradients on top of I. B = I + W.
+
+    The backward is counted with a gradient of ones for every output, as a loss's gradient would be.
+    W is the whole backward (input and weights) less I, so it holds exactly the weight-gradient
+    products (a layer's input gradient is part of I, whether or not the weights need it)."""
+    module = meta_module(module)
+    inputs = example_input if isinstance(example_input, tuple) else (example_input,)
+    inputs = tuple(to_meta(x).detach().requires_grad_(x.is_floating_point()) if isinstance(x, torch.Tensor)
+                   else x for x in inputs)
+    grad_inputs = [x for x in inputs if isinstance(x, torch.Tensor) and x.requires_grad]
+    params = [p for p in module.parameters() if p.requires_grad]
+    forward = count(module, *inputs)
+
+    def backward(wrt: list[torch.Tensor]) -> Counts:
+        if not wrt:
+            return ZERO
+        outs = _outputs(module(*inputs))  # a fresh graph, not counted
+        if not outs:
+            raise ValueError(f"{type(module).__name__}'s output does not require grad: no backward to count")
+        grads = [torch.ones_like(o) for o in outs]
+        return count(lambda: torch.autograd.grad(outs, wrt, grads, allow_unused=True))
+
+    backward_input = backward(grad_inputs)
+    backward_all = backward(grad_inputs + params)
+    return forward, backward_input, backward_all - backward_input
+
+
+def compute_seconds(counts: Counts, device: Device, dtype="float32", efficiency: float = EFFICIENCY,
+                    launch_overhead_s: float = LAUNCH_OVERHEAD_S) -> float:
+    """Seconds `counts` take on `device` in `dtype`: the roofline, the longer of the FLOPs over the
+    device's dense FLOP/s and the bytes over its memory bandwidth, divided by `efficiency` (the
+    fraction of the peak real kernels reach), plus `launch_overhead_s` per operator."""
+    if not 0 < efficiency <= 1:
+        raise ValueError(f"efficiency is the fraction of the peak a kernel reaches, in (0, 1]; got "
+                         f"{efficiency!r}; e.g. 0.5")
+    if launch_overhead_s < 0:
+        raise ValueError(f"launch_overhead_s must be >= 0 seconds, got {launch_overhead_s!r}; e.g. 5e-6")
+    busy = max(counts.flops / device.rate(dtype), counts.bytes / device.memory_bandwidth)
+    return busy / efficiency + launch_overhead_s * counts.kernels
+
+
+def bound(counts: Counts, device: Device, dtype="float32") -> str:
+    """"compute" if the FLOPs take longer than the bytes on `device`, else "memory": which side of
+    the roofline's ridge the operation sits on."""
+    return "compute" if counts.flops / device.rate(dtype) >= counts.bytes / device.memory_bandwidth else "memory"
+
+
+def arithmetic_intensity(counts: Counts) -> float:
+    """FLOPs per byte moved; an operation is compute-bound on a device when this exceeds the
+    device's ridge point, FLOP/s over bytes/s."""
+    return counts.flops / counts.bytes if counts.bytes else float("inf")
+
+
+def message_seconds(nbytes: float, link: Link) -> float:
+    """Seconds one message of `nbytes` takes over `link`: latency + bytes / bandwidth."""
+    if nbytes < 0:
+        raise ValueError(f"nbytes must be >= 0, got {nbytes!r}")
+    return link.latency_s + nbytes / link.bandwidth_Bps
+
+
+COLLECTIVES = ("all_reduce", "reduce_scatter", "all_gather", "broadcast", "barrier")
+
+
+def collective_seconds(kind: str, nbytes: float, ranks: int, link: Link) -> float:
+    """Seconds of a ring collective over `ranks` devices joined by `link`, each step one message
+    (latency + bytes / bandwidth) with every rank sending and receiving at once. `nbytes` is the
+    whole tensor: the input of all_reduce and reduce_scatter, the output of all_gather.
+
+    - all_reduce: 2(n-1) steps of nbytes/n (lesson 00's `ring_all_reduce_time`);
+    - reduce_scatter, all_gather: its two halves, (n-1) steps of nbytes/n each;
+    - broadcast: the tensor pipelined down the ring in chunks, (n-1) latencies and nbytes/bandwidth
+      once (every link carries the whole tensor, all links at once);
+    - barrier: an all_reduce of nothing, 2(n-1) latencies."""
+    if kind not in COLLECTIVES:
+        raise ValueError(f"unknown collective {kind!r}; use one of {COLLECTIVES}")
+    if isinstance(ranks, bool) or not isinstance(ranks, int) or ranks < 1:
+        raise ValueError(f"ranks must be a whole number >= 1, got {ranks!r}")
+    if nbytes < 0:
+        raise ValueError(f"nbytes must be >= 0, got {nbytes!r}")
+    n, latency, bandwidth = ranks, link.latency_s, link.bandwidth_Bps
+    if n == 1:
+        return 0.0
+    if kind == "all_reduce":
+        return ring_all_reduce_time(nbytes, n, bandwidth, latency)
+    if kind == "barrier":
+        return ring_all_reduce_time(0, n, bandwidth, latency)
+    if kind == "broadcast":
+        return (n - 1) * latency + nbytes / bandwidth
+    return (n - 1) * latency + (n - 1) / n * nbytes / bandwidth  # reduce_scatter, all_gather

@@ -1,0 +1,304 @@
+"""What an emulated node is made of: accelerators (how fast they compute, how fast they read their
+memory, how much memory they have) and the links between them (latency and bandwidth).
+
+Every figure is a public one with its source beside it: the vendor's data sheet for what a data
+sheet states, and, where no data sheet states a figure (a link's latency), where the estimate comes
+from. Two conventions, the vendors' own:
+
+- FLOP/s are *dense*: NVIDIA's data sheets print tensor-core rates "with sparsity" (2:4 structured
+  sparsity doubles them), so the dense rate is half the printed one; training uses dense math.
+- A link's bandwidth here is *one direction*: data sheets print NVLink and PCIe as the sum of both
+  directions ("900 GB/s" for NVLink 4 is 450 GB/s each way), network ports per direction.
+
+GB is 10^9 bytes, as on the data sheets.
+
+A user adds their own device or link with `add_device` and `add_link`; `parse_node("4xH100-nvlink")`
+turns a name into a `Node` (how many devices, which device, which link joins them).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import asdict, dataclass
+
+GB = 1e9
+TERA = 1e12
+
+# The dtype names a device's `flops` table uses, and the spellings accepted for each.
+DTYPE_NAMES = {
+    "float32": ("float32", "fp32", "float", "torch.float32"),
+    "tf32": ("tf32", "tensorfloat32"),
+    "bfloat16": ("bfloat16", "bf16", "torch.bfloat16"),
+    "float16": ("float16", "fp16", "half", "torch.float16"),
+    "float8": ("float8", "fp8", "float8_e4m3fn", "float8_e5m2", "torch.float8_e4m3fn", "torch.float8_e5m2"),
+}
+
+
+def dtype_name(dtype) -> str:
+    """The table's name for `dtype` (a torch.dtype or a string such as "bf16"): one of DTYPE_NAMES."""
+    text = str(dtype).lower()
+    for name, spellings in DTYPE_NAMES.items():
+        if text in spellings:
+            return name
+    raise ValueError(f"unknown dtype {dtype!r}; use one of {sorted(DTYPE_NAMES)} (or a torch dtype, "
+                     "e.g. torch.bfloat16)")
+
+
+@dataclass(frozen=True)
+class Device:
+    """One accelerator: dense FLOP/s per dtype name, memory bandwidth (bytes/s), memory (bytes).
+    `source` names the data sheet every figure comes from; `nvlink` and `pcie` name the links
+    (keys of LINKS) the card itself has, so "4xH100-nvlink" can mean the H100's own NVLink."""
+    name: str
+    flops: dict[str, float]
+    memory_bandwidth: float
+    memory_bytes: float
+    source: str
+    nvlink: str | None = None
+    pcie: str = "pcie4"
+    notes: str = ""
+
+    def rate(self, dtype="float32") -> float:
+        """Dense FLOP/s in `dtype`; a ValueError if the card has no such math (a T4 has no bf16)."""
+        name = dtype_name(dtype)
+        if name not in self.flops:
+            raise ValueError(f"{self.name} has no {name} math in its data sheet; use one of "
+                             f"{sorted(self.flops)}")
+        return self.flops[name]
+
+
+@dataclass(frozen=True)
+class Link:
+    """What joins two devices: one message of m bytes takes `latency_s + m / bandwidth_Bps`.
+    `bandwidth_Bps` is bytes/s in one direction. `source` is the bandwidth's data sheet,
+    `latency_source` where the latency comes from (an estimate: data sheets do not state it)."""
+    name: str
+    latency_s: float
+    bandwidth_Bps: float
+    source: str
+    latency_source: str = ""
+
+
+# ---------------------------------------------------------------------------------------------
+# Links
+# ---------------------------------------------------------------------------------------------
+
+# Per-step latency of NCCL's own cost model for a ring (Simple protocol), in microseconds: the
+# closest thing to a published per-message latency of a GPU link. NVLink 3.4, PCIe 5.7, network 14.
+NCCL_TUNING = ("NCCL's cost model, src/graph/tuning.cc, table hwLat (Ring, Simple protocol), "
+               "https://github.com/NVIDIA/nccl/blob/master/src/graph/tuning.cc")
+
+H100_SHEET = ("NVIDIA H100 Tensor Core GPU data sheet (H100 SXM column), "
+              "https://resources.nvidia.com/en-us-tensor-core/nvidia-tensor-core-gpu-datasheet")
+A100_SHEET = ("NVIDIA A100 Tensor Core GPU data sheet (A100 80GB SXM column), "
+              "https://www.nvidia.com/content/dam/en-zz/Solutions/Data-Center/a100/pdf/"
+              "nvidia-a100-datasheet-us-nvidia-1758950-r4-web.pdf")
+L4_SHEET = ("NVIDIA L4 Tensor Core GPU data sheet, "
+            "https://resources.nvidia.com/en-us-data-center-overview/l4-gpu-datasheet")
+T4_SHEET = ("NVIDIA T4 Tensor Core GPU data sheet, "
+            "https://www.nvidia.com/content/dam/en-zz/Solutions/Data-Center/tesla-t4/t4-tensor-core-datasheet-951643.pdf")
+NDR_SHEET = ("NVIDIA ConnectX-7 adapter data sheet (InfiniBand NDR, 400 Gb/s per port), "
+             "https://www.nvidia.com/content/dam/en-zz/Solutions/networking/ethernet-adapters/"
+             "connectx-7-datasheet-Final.pdf")
+ETHERNET_STD = "IEEE 802.3ba/802.3bj 100 Gb/s Ethernet (100 Gb/s per direction), https://standards.ieee.org/ieee/802.3/"
+
+LINKS: dict[str, Link] = {
+    "nvlink4": Link("NVLink 4", 3.4e-6, 900 * GB / 2,
+                    H100_SHEET + ": NVLink 900 GB/s (both directions, so 450 GB/s each way)",
+                    "estimate, " + NCCL_TUNING + ": NVLink 3.4 us"),
+    "nvlink3": Link("NVLink 3", 3.4e-6, 600 * GB / 2,
+                    A100_SHEET + ": NVLink 600 GB/s (both directions, so 300 GB/s each way)",
+                    "estimate, " + NCCL_TUNING + ": NVLink 3.4 us"),
+    "pcie3": Link("PCIe 3 x16", 5.7e-6, 32 * GB / 2,
+                  T4_SHEET + ": x16 PCIe Gen3, 32 GB/s (both directions, so 16 GB/s each way)",
+                  "estimate, " + NCCL_TUNING + ": PCI 5.7 us"),
+    "pcie4": Link("PCIe 4 x16", 5.7e-6, 64 * GB / 2,
+                  A100_SHEET + ": PCIe Gen4 64 GB/s (both directions, so 32 GB/s each way)",
+                  "estimate, " + NCCL_TUNING + ": PCI 5.7 us"),
+    "pcie5": Link("PCIe 5 x16", 5.7e-6, 128 * GB / 2,
+                  H100_SHEET + ": PCIe Gen5 128 GB/s (both directions, so 64 GB/s each way)",
+                  "estimate, " + NCCL_TUNING + ": PCI 5.7 us"),
+    "ib-ndr": Link("InfiniBand NDR 400G", 14e-6, 400e9 / 8, NDR_SHEET + ": 400 Gb/s = 50 GB/s each way",
+                   "estimate, " + NCCL_TUNING + ": network 14 us"),
+    "100gbe": Link("100 GbE", 14e-6, 100e9 / 8, ETHERNET_STD + ": 100 Gb/s = 12.5 GB/s each way",
+                   "estimate, " + NCCL_TUNING + ": network 14 us, which assumes RDMA (RoCE); over "
+                   "plain TCP sockets a message takes longer"),
+}
+
+# Short names a node string may use for a link; "nvlink" and "pcie" mean the device's own.
+LINK_ALIASES = {"ib": "ib-ndr", "ndr": "ib-ndr", "infiniband": "ib-ndr", "ethernet": "100gbe", "eth": "100gbe"}
+
+# ---------------------------------------------------------------------------------------------
+# Devices
+# ---------------------------------------------------------------------------------------------
+
+DEVICES: dict[str, Device] = {
+    "h100": Device(
+        "NVIDIA H100 SXM",
+        # Data sheet: FP32 67 TFLOPS; TF32 989, BF16 1,979, FP16 1,979, FP8 3,958 TFLOPS "with sparsity".
+        {"float32": 67 * TERA, "tf32": 989 / 2 * TERA, "bfloat16": 1979 / 2 * TERA,
+         "float16": 1979 / 2 * TERA, "float8": 3958 / 2 * TERA},
+        memory_bandwidth=3.35e12, memory_bytes=80 * GB,  # 3.35 TB/s, 80 GB HBM3
+        source=H100_SHEET, nvlink="nvlink4", pcie="pcie5",
+        notes="tensor-core rates are half the data sheet's 'with sparsity' figures"),
+    "a100": Device(
+        "NVIDIA A100 80GB SXM",
+        # Data sheet: FP32 19.5 TFLOPS; TF32 156, BF16 312, FP16 312 TFLOPS dense (312/624/624 sparse).
+        {"float32": 19.5 * TERA, "tf32": 156 * TERA, "bfloat16": 312 * TERA, "float16": 312 * TERA},
+        memory_bandwidth=2039 * GB, memory_bytes=80 * GB,  # 2,039 GB/s, 80 GB HBM2e
+        source=A100_SHEET, nvlink="nvlink3", pcie="pcie4",
+        notes="no FP8 math on A100"),
+    "l4": Device(
+        "NVIDIA L4",
+        # Data sheet: FP32 30.3 TFLOPS; TF32 120, BF16 242, FP16 242, FP8 485 TFLOPS "with sparsity".
+        {"float32": 30.3 * TERA, "tf32": 120 / 2 * TERA, "bfloat16": 242 / 2 * TERA,
+         "float16": 242 / 2 * TERA, "float8": 485 / 2 * TERA},
+        memory_bandwidth=300 * GB, memory_bytes=24 * GB,  # 300 GB/s, 24 GB GDDR6
+        source=L4_SHEET, nvlink=None, pcie="pcie4",
+        notes="tensor-core rates are half the data sheet's 'with sparsity' figures; no NVLink"),
+    "t4": Device(
+        "NVIDIA T4",
+        # Data sheet: single precision 8.1 TFLOPS, mixed precision (FP16/FP32) 65 TFLOPS.
+        {"float32": 8.1 * TERA, "float16": 65 * TERA},
+        memory_bandwidth=300 * GB, memory_bytes=16 * GB,  # 300 GB/s, 16 GB GDDR6
+        source=T4_SHEET, nvlink=None, pcie="pcie3",
+        notes="Turing: no TF32, BF16 or FP8 math; no NVLink"),
+}
+
+DEVICE_ALIASES = {"h100-sxm": "h100", "a100-80gb": "a100", "a100-sxm": "a100"}
+
+KEY = re.compile(r"^[a-z0-9][a-z0-9_.-]*$")
+
+
+def _checked_key(kind: str, key: str, table: dict, replace: bool) -> str:
+    key = str(key).lower()
+    if not KEY.match(key):
+        raise ValueError(f"{kind} name {key!r} must be lowercase letters, digits, '.', '_' or '-', e.g. 'mygpu'")
+    if key in table and not replace:
+        raise ValueError(f"{kind} {key!r} is already known ({table[key].name}); pass replace=True to redefine it")
+    return key
+
+
+def _positive(what: str, value: float) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+        raise ValueError(f"{what} must be a number > 0, got {value!r}")
+
+
+def add_device(key: str, device: Device, *, replace: bool = False) -> Device:
+    """Make `device` known as `key` (so "2xKEY-pcie4" names a node of it). Every figure must be
+    positive and have a source. Returns the device."""
+    key = _checked_key("device", key, DEVICES, replace)
+    if not device.flops:
+        raise ValueError(f"device {device.name!r} needs at least one rate, e.g. flops={{'float32': 20e12}}")
+    for dtype, rate in device.flops.items():
+        dtype_name(dtype)
+        _positive(f"{device.name}'s {dtype} FLOP/s", rate)
+    _positive(f"{device.name}'s memory_bandwidth (bytes/s)", device.memory_bandwidth)
+    _positive(f"{device.name}'s memory_bytes", device.memory_bytes)
+    if not device.source.strip():
+        raise ValueError(f"device {device.name!r} needs a source: where its figures come from (a data sheet's title and URL)")
+    for link in (device.nvlink, device.pcie):
+        if link is not None and link not in LINKS:
+            raise ValueError(f"device {device.name!r} names link {link!r}; known links: {sorted(LINKS)}")
+    DEVICES[key] = Device(device.name, {dtype_name(k): float(v) for k, v in device.flops.items()},
+                          device.memory_bandwidth, device.memory_bytes, device.source, device.nvlink,
+                          device.pcie, device.notes)
+    return DEVICES[key]
+
+
+def add_link(key: str, link: Link, *, replace: bool = False) -> Link:
+    """Make `link` known as `key` (so "4xH100-KEY" names a node joined by it). Returns the link."""
+    key = _checked_key("link", key, LINKS, replace)
+    _positive(f"{link.name}'s bandwidth_Bps", link.bandwidth_Bps)
+    if isinstance(link.latency_s, bool) or not isinstance(link.latency_s, (int, float)) or link.latency_s < 0:
+        raise ValueError(f"{link.name}'s latency_s must be a number >= 0, got {link.latency_s!r}")
+    if not link.source.strip():
+        raise ValueError(f"link {link.name!r} needs a source: where its figures come from")
+    LINKS[key] = link
+    return link
+
+
+# ---------------------------------------------------------------------------------------------
+# Nodes
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Node:
+    """`count` devices of one kind, every pair joined by `link` (as an NVSwitch or a network
+    switch joins them: each device reaches each other at the link's full rate)."""
+    count: int
+    device: Device
+    link: Link
+
+    def __str__(self) -> str:
+        return f"{self.count} x {self.device.name} over {self.link.name}"
+
+    def to_json(self) -> str:
+        """The node as JSON, so a process that never saw an `add_device` can rebuild it."""
+        return json.dumps(asdict(self))
+
+    @staticmethod
+    def from_json(text: str) -> "Node":
+        data = json.loads(text)
+        return Node(data["count"], Device(**data["device"]), Link(**data["link"]))
+
+
+def _known_names() -> str:
+    devices = sorted(set(DEVICES) | set(DEVICE_ALIASES))
+    links = sorted(set(LINKS) | set(LINK_ALIASES) | {"nvlink", "pcie"})
+    return (f"known devices: {', '.join(devices)}; known links: {', '.join(links)} ('nvlink' and "
+            f"'pcie' mean the device's own); e.g. '4xH100-nvlink', '2xA100-ib-ndr', '2xL4'")
+
+
+def _device(name: str) -> Device | None:
+    name = name.lower()
+    return DEVICES.get(DEVICE_ALIASES.get(name, name))
+
+
+def _link(name: str, device: Device) -> Link | None:
+    name = name.lower()
+    if name == "nvlink":
+        return LINKS[device.nvlink] if device.nvlink else None
+    if name == "pcie":
+        return LINKS[device.pcie]
+    return LINKS.get(LINK_ALIASES.get(name, name))
+
+
+def parse_node(text: "str | Node") -> Node:
+    """"4xH100-nvlink" -> Node(4, the H100, NVLink 4). The link may be left out ("2xL4": the
+    device's NVLink if it has one, else its PCIe). A Node is returned as it is."""
+    if isinstance(text, Node):
+        return text
+    match = re.fullmatch(r"\s*(\d+)\s*[x*]\s*(\S+?)\s*", str(text), flags=re.IGNORECASE)
+    if not match or int(match.group(1)) < 1:
+        raise ValueError(f"cannot read node {text!r}: write COUNTxDEVICE-LINK; {_known_names()}")
+    count, rest = int(match.group(1)), match.group(2)
+    device = _device(rest)
+    if device is not None:  # no link named: the card's own
+        return Node(count, device, LINKS[device.nvlink or device.pcie])
+    # Device and link names may hold '-' themselves ("ib-ndr"): try every split.
+    for at in [i for i, ch in enumerate(rest) if ch == "-"]:
+        device = _device(rest[:at])
+        if device is None:
+            continue
+        link = _link(rest[at + 1:], device)
+        if link is None and rest[at + 1:].lower() == "nvlink":
+            raise ValueError(f"{device.name} has no NVLink; use '{count}x{rest[:at]}-pcie' or a network link; "
+                             f"{_known_names()}")
+        if link is not None:
+            return Node(count, device, link)
+    raise ValueError(f"unknown device or link in node {text!r}; {_known_names()}")
+
+
+def table_rows() -> list[dict]:
+    """Every device and link with its figures and source, for a lesson to print."""
+    rows = [{"name": d.name, "key": k, "kind": "device",
+             "figures": ", ".join(f"{t} {r / TERA:g} TFLOP/s" for t, r in d.flops.items())
+             + f", memory {d.memory_bytes / GB:g} GB at {d.memory_bandwidth / GB:g} GB/s",
+             "source": d.source} for k, d in DEVICES.items()]
+    rows += [{"name": l.name, "key": k, "kind": "link",
+              "figures": f"{l.bandwidth_Bps / GB:g} GB/s each way, latency {l.latency_s * 1e6:g} us",
+              "source": f"{l.source}; latency: {l.latency_source}"} for k, l in LINKS.items()]
+    return rows
