@@ -61,8 +61,9 @@ class Counts:
 ZERO = Counts(0.0, 0.0, 0)
 
 # Operators that move no data: they only describe memory (views) or allocate it.
-_NO_TRAFFIC = {"empty", "empty_like", "empty_strided", "new_empty", "new_empty_strided", "lift_fresh",
-               "detach", "alias", "sym_size", "sym_stride", "sym_numel", "sym_storage_offset", "_local_scalar_dense"}
+_NO_TRAFFIC = {"_unsafe_view", "_reshape_alias", "alias", "detach", "lift_fresh", "empty", "empty_like",
+               "empty_strided", "new_empty", "new_empty_strided", "sym_size", "sym_stride", "sym_numel",
+               "sym_storage_offset", "_local_scalar_dense"}
 
 
 def _tensor_bytes(tree) -> int:
@@ -103,6 +104,8 @@ def count(fn, *args, **kwargs) -> Counts:
     """FLOPs, bytes and operators of `fn(*args, **kwargs)`, run on META tensors (the tensors in
     args and kwargs are replaced by meta ones; a module `fn` uses must already be on meta, see
     `meta_module`)."""
+    if isinstance(fn, torch.nn.Module):
+        fn = meta_module(fn)
     args, kwargs = to_meta((args, kwargs))
     flops, moved = FlopCounterMode(display=False), ByteCounter()
     with flops, moved:
@@ -132,7 +135,9 @@ def forward_backward_counts(module: torch.nn.Module, example_input) -> tuple[Cou
 
     The backward is counted with a gradient of ones for every output, as a loss's gradient would be.
     W is the whole backward (input and weights) less I, so it holds exactly the weight-gradient
-    products (a layer's input gradient is part of I, whether or not the weights need it)."""
+    products (a layer's input gradient is part of I, whether or not the weights need it). Where one
+    operator computes both gradients in one call (a convolution's backward), W gets the FLOPs of
+    the weight gradient and the bytes it writes, and I the rest."""
     module = meta_module(module)
     inputs = example_input if isinstance(example_input, tuple) else (example_input,)
     inputs = tuple(to_meta(x).detach().requires_grad_(x.is_floating_point()) if isinstance(x, torch.Tensor)
@@ -151,8 +156,10 @@ def forward_backward_counts(module: torch.nn.Module, example_input) -> tuple[Cou
         return count(lambda: torch.autograd.grad(outs, wrt, grads, allow_unused=True))
 
     backward_input = backward(grad_inputs)
-    backward_all = backward(grad_inputs + params)
-    return forward, backward_input, backward_all - backward_input
+    backward_weight = backward(grad_inputs + params) - backward_input
+    if backward_weight.flops or backward_weight.bytes:  # W runs as its own pass: at least one launch
+        backward_weight = Counts(backward_weight.flops, backward_weight.bytes, max(1, backward_weight.kernels))
+    return forward, backward_input, backward_weight
 
 
 def compute_seconds(counts: Counts, device: Device, dtype="float32", efficiency: float = EFFICIENCY,

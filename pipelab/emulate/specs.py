@@ -96,8 +96,8 @@ A100_SHEET = ("NVIDIA A100 Tensor Core GPU data sheet (A100 80GB SXM column), "
               "nvidia-a100-datasheet-us-nvidia-1758950-r4-web.pdf")
 L4_SHEET = ("NVIDIA L4 Tensor Core GPU data sheet, "
             "https://resources.nvidia.com/en-us-data-center-overview/l4-gpu-datasheet")
-T4_SHEET = ("NVIDIA T4 Tensor Core GPU data sheet, "
-            "https://www.nvidia.com/content/dam/en-zz/Solutions/Data-Center/tesla-t4/t4-tensor-core-datasheet-951643.pdf")
+T4_SHEET = ("NVIDIA T4 Tensor Core GPU data sheet, https://www.nvidia.com/content/dam/en-zz/Solutions/"
+            "Data-Center/tesla-t4/t4-tensor-core-datasheet-951643.pdf")
 NDR_SHEET = ("NVIDIA ConnectX-7 adapter data sheet (InfiniBand NDR, 400 Gb/s per port), "
              "https://www.nvidia.com/content/dam/en-zz/Solutions/networking/ethernet-adapters/"
              "connectx-7-datasheet-Final.pdf")
@@ -163,7 +163,8 @@ DEVICES: dict[str, Device] = {
         {"float32": 8.1 * TERA, "float16": 65 * TERA},
         memory_bandwidth=300 * GB, memory_bytes=16 * GB,  # 300 GB/s, 16 GB GDDR6
         source=T4_SHEET, nvlink=None, pcie="pcie3",
-        notes="Turing: no TF32, BF16 or FP8 math; no NVLink"),
+        notes="Turing: no TF32, BF16 or FP8 math; no NVLink. Memory bandwidth as the data sheet prints it "
+              "(256-bit GDDR6 at 10 Gb/s would give 320 GB/s)"),
 }
 
 DEVICE_ALIASES = {"h100-sxm": "h100", "a100-80gb": "a100", "a100-sxm": "a100"}
@@ -197,7 +198,8 @@ def add_device(key: str, device: Device, *, replace: bool = False) -> Device:
     _positive(f"{device.name}'s memory_bandwidth (bytes/s)", device.memory_bandwidth)
     _positive(f"{device.name}'s memory_bytes", device.memory_bytes)
     if not device.source.strip():
-        raise ValueError(f"device {device.name!r} needs a source: where its figures come from (a data sheet's title and URL)")
+        raise ValueError(f"device {device.name!r} needs a source: where its figures come from "
+                         "(a data sheet's title and URL)")
     for link in (device.nvlink, device.pcie):
         if link is not None and link not in LINKS:
             raise ValueError(f"device {device.name!r} names link {link!r}; known links: {sorted(LINKS)}")
