@@ -37,9 +37,9 @@ def reference(block, x, g):
     return y.detach(), x.grad, block
 
 
-def block_worker(ctx, block, x, g, sequence_parallel):
+def block_worker(ctx, block, x, g, sequence_parallel, regather=False):
     tp = TensorParallelGroup.world()
-    pblock = ParallelBlock(block, tp, sequence_parallel)
+    pblock = ParallelBlock(block, tp, sequence_parallel, regather)
     if sequence_parallel:  # this rank's slice of the sequence in, its slice out
         x, g = tp.slice(x, 1), tp.slice(g, 1)
     x = x.clone().requires_grad_()
@@ -51,12 +51,13 @@ def block_worker(ctx, block, x, g, sequence_parallel):
 
 
 @pytest.mark.parametrize("ranks", [2, 4])
-@pytest.mark.parametrize("sequence_parallel", [False, True], ids=["tp", "tp+sp"])
-def test_parallel_block_equals_the_unsplit_block(ranks, sequence_parallel):
+@pytest.mark.parametrize("sequence_parallel,regather", [(False, False), (True, False), (True, True)],
+                         ids=["tp", "tp+sp", "tp+sp-regather"])
+def test_parallel_block_equals_the_unsplit_block(ranks, sequence_parallel, regather):
     block = make_block()
     x, g = torch.randn(2, 8, 16), torch.randn(2, 8, 16)
     y_ref, dx_ref, ref_block = reference(block, x, g)
-    results = spawn(block_worker, ranks, block, x, g, sequence_parallel)
+    results = spawn(block_worker, ranks, block, x, g, sequence_parallel, regather)
     grads_block = as_block_of_grads(ref_block)
     for rank, (y, dx, grads, _, _) in enumerate(results):
         tp = TensorParallelGroup(None, rank, ranks)

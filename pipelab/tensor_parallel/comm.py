@@ -81,7 +81,7 @@ class TensorParallelGroup:
         moved = t.movedim(dim, 0).contiguous()
         out = torch.empty((self.size * moved.shape[0], *moved.shape[1:]), dtype=t.dtype, device=t.device)
         self.meter.add("all_gather", direction, ring_bytes("all_gather", _nbytes(out), self.size))
-        dist.all_gather_into_tensor(out, moved, group=self.group)
+        dist.all_gather_single(out, moved, group=self.group)
         return out.movedim(0, dim)
 
     def reduce_scatter(self, t: torch.Tensor, dim: int, direction: str) -> torch.Tensor:
@@ -92,7 +92,7 @@ class TensorParallelGroup:
                              f"divisible by the tensor-parallel size {self.size}")
         out = torch.empty((moved.shape[0] // self.size, *moved.shape[1:]), dtype=t.dtype, device=t.device)
         self.meter.add("reduce_scatter", direction, ring_bytes("reduce_scatter", _nbytes(moved), self.size))
-        dist.reduce_scatter_tensor(out, moved, group=self.group)
+        dist.reduce_scatter_single(out, moved, group=self.group)
         return out.movedim(0, dim)
 
     def slice(self, t: torch.Tensor, dim: int) -> torch.Tensor:

@@ -32,21 +32,47 @@ class ColumnParallelLinear(nn.Module):
     """This rank's columns of one or more linear layers that read the same input (attention's
     queries, keys and values are stacked into one, so their input crosses `f` once). The input is
     the whole X: after `f` (tensor parallel) or gathered from the ranks' sequence slices
-    (sequence parallel). The output is this rank's columns of Y."""
+    (sequence parallel). The output is this rank's columns of Y.
+
+    Under sequence parallelism the weight's gradient needs the whole X. Keeping the gathered X for
+    backward costs a full activation per layer on every rank; `regather=True` keeps only this
+    rank's slice and gathers X again in backward, as Megatron-LM does: less memory, one more
+    all-gather."""
 
     def __init__(self, linears: nn.Linear | Sequence[nn.Linear], tp: TensorParallelGroup,
-                 sequence_parallel: bool = False):
+                 sequence_parallel: bool = False, regather: bool = False):
         super().__init__()
         linears = [linears] if isinstance(linears, nn.Linear) else list(linears)
         for linear in linears:
             _check_divides("out_features", linear.out_features, tp)
-        self.tp, self.sequence_parallel = tp, sequence_parallel
+        self.tp, self.sequence_parallel, self.regather = tp, sequence_parallel, regather
         self.weight = nn.Parameter(torch.cat([tp.slice(l.weight.detach(), 0) for l in linears]))
         self.bias = nn.Parameter(torch.cat([tp.slice(l.bias.detach(), 0) for l in linears]))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.sequence_parallel and self.regather:
+            return _GatherThenLinear.apply(x, self.weight, self.bias, self.tp)
         x = gather_from_sequence(x, self.tp) if self.sequence_parallel else copy_to_parallel(x, self.tp)
         return F.linear(x, self.weight, self.bias)
+
+
+class _GatherThenLinear(torch.autograd.Function):
+    """All-gather the sequence slices, then the linear layer; for backward keep only the slice
+    and gather it again (Korthikanti et al., 2022, section 4.2.2)."""
+
+    @staticmethod
+    def forward(ctx, x_slice, weight, bias, tp: TensorParallelGroup):
+        ctx.save_for_backward(x_slice, weight)
+        ctx.tp = tp
+        return F.linear(tp.all_gather(x_slice, 1, "forward"), weight, bias)
+
+    @staticmethod
+    def backward(ctx, grad):
+        x_slice, weight = ctx.saved_tensors
+        x = ctx.tp.all_gather(x_slice, 1, "backward")  # the whole X again, for the weight's gradient
+        grad_x = ctx.tp.reduce_scatter(grad @ weight, 1, "backward")
+        grad_weight = grad.flatten(0, -2).T @ x.flatten(0, -2)
+        return grad_x, grad_weight, grad.flatten(0, -2).sum(0), None
 
 
 class RowParallelLinear(nn.Module):
@@ -72,9 +98,10 @@ class ParallelMLP(nn.Module):
     """The MLP cut across ranks: widen (column parallel), GELU on the rank's own columns, narrow
     (row parallel). One all-reduce forward, one backward."""
 
-    def __init__(self, mlp: MLP, tp: TensorParallelGroup, sequence_parallel: bool = False):
+    def __init__(self, mlp: MLP, tp: TensorParallelGroup, sequence_parallel: bool = False,
+                 regather: bool = False):
         super().__init__()
-        self.fc1 = ColumnParallelLinear(mlp.fc1, tp, sequence_parallel)
+        self.fc1 = ColumnParallelLinear(mlp.fc1, tp, sequence_parallel, regather)
         self.fc2 = RowParallelLinear(mlp.fc2, tp, sequence_parallel)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -86,11 +113,12 @@ class ParallelAttention(nn.Module):
     its columns of the queries, keys and values (one stacked column-parallel layer), and the
     output projection is row parallel. One all-reduce forward, one backward."""
 
-    def __init__(self, attn: Attention, tp: TensorParallelGroup, sequence_parallel: bool = False):
+    def __init__(self, attn: Attention, tp: TensorParallelGroup, sequence_parallel: bool = False,
+                 regather: bool = False):
         super().__init__()
         _check_divides("n_heads", attn.n_heads, tp)
         self.local_heads = attn.n_heads // tp.size
-        self.qkv = ColumnParallelLinear([attn.q, attn.k, attn.v], tp, sequence_parallel)
+        self.qkv = ColumnParallelLinear([attn.q, attn.k, attn.v], tp, sequence_parallel, regather)
         self.out = RowParallelLinear(attn.out, tp, sequence_parallel)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -102,15 +130,17 @@ class ParallelBlock(nn.Module):
     """A GPT block over a tensor-parallel group. Its LayerNorms are whole on every rank. With
     `sequence_parallel`, the block takes and returns this rank's slice of the sequence, and its
     LayerNorms, dropout and residual work on that slice only; their parameters then see only the
-    slice, so their gradients are summed over the group after backward (`sync_replicated_grads`)."""
+    slice, so their gradients are summed over the group after backward (`sync_replicated_grads`).
+    `regather`: see `ColumnParallelLinear`."""
 
-    def __init__(self, block: Block, tp: TensorParallelGroup, sequence_parallel: bool = False):
+    def __init__(self, block: Block, tp: TensorParallelGroup, sequence_parallel: bool = False,
+                 regather: bool = False):
         super().__init__()
         self.tp, self.sequence_parallel = tp, sequence_parallel
         self.ln1 = _copy_layer_norm(block.ln1)
-        self.attn = ParallelAttention(block.attn, tp, sequence_parallel)
+        self.attn = ParallelAttention(block.attn, tp, sequence_parallel, regather)
         self.ln2 = _copy_layer_norm(block.ln2)
-        self.mlp = ParallelMLP(block.mlp, tp, sequence_parallel)
+        self.mlp = ParallelMLP(block.mlp, tp, sequence_parallel, regather)
         self.dropout = nn.Dropout(block.dropout.p)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

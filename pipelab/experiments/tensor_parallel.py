@@ -1,0 +1,523 @@
+"""Lesson 12 from a notebook: one GPT block cut across a tensor-parallel group, ours and torch's.
+
+Each rank runs every variant of the block (tensor parallel, sequence parallel with and without
+re-gathering, and torch's `parallelize_module` with and without `SequenceParallel`) on the same
+weights and data, then returns its outputs and gradients, the bytes its collectives sent and the
+bytes its forward kept for backward. `gather` checks every variant against the unsplit block run in
+this process and builds the `TensorParallelRun` the lesson reads.
+"""
+
+from __future__ import annotations
+
+import copy
+import statistics
+from contextlib import nullcontext
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from pipelab import experiments
+from pipelab.checks import whole_number
+from pipelab.measure import Measured, alternate, time_steps
+from pipelab.tensor_parallel import ParallelBlock, TensorParallelGroup
+from pipelab.tensor_parallel.comm import CommMeter, ring_bytes
+from pipelab.transformer import Block
+from pipelab.worker import RankContext
+
+OURS = ("tp", "tp+sp", "tp+sp regather")
+TORCH = ("torch tp", "torch tp+sp")
+VARIANTS = OURS + TORCH
+
+
+@dataclass(frozen=True, kw_only=True)
+class Config(experiments.Config):
+    """One block of width `dim` with `n_heads` heads, on a batch of `batch` sequences of `seq_len`
+    tokens, cut over `world_size` ranks; `steps` forward+backward passes timed per variant."""
+
+    dim: int = 64
+    n_heads: int = 4
+    batch: int = 2
+    seq_len: int = 64
+    seed: int = 0
+    steps: int = 5
+    variants: tuple[str, ...] = VARIANTS
+
+    def check(self) -> None:
+        super().check()
+        for name in ("dim", "n_heads", "batch", "seq_len", "steps"):
+            whole_number(name, getattr(self, name))
+        t = self.world_size
+        if self.dim % self.n_heads:
+            raise ValueError(f"dim={self.dim} does not divide into n_heads={self.n_heads} heads; use a dim "
+                             f"that is a multiple of {self.n_heads}")
+        if self.n_heads % t:
+            raise ValueError(f"n_heads={self.n_heads} does not divide by the tensor-parallel size "
+                             f"world_size={t}: each rank computes whole heads; use world_size in "
+                             f"{[k for k in range(1, self.n_heads + 1) if self.n_heads % k == 0]}")
+        if self.seq_len % t:
+            raise ValueError(f"seq_len={self.seq_len} does not divide by world_size={t}: sequence "
+                             f"parallelism gives each rank seq_len / world_size tokens; use a seq_len "
+                             f"that is a multiple of {t}")
+        bad = [v for v in self.variants if v not in VARIANTS]
+        if bad or not self.variants:
+            raise ValueError(f"variants must be some of {VARIANTS}, got {list(self.variants)!r}")
+
+    def block(self) -> Block:
+        torch.manual_seed(self.seed)
+        return Block(self.dim, self.n_heads)
+
+    def data(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The block's input and the gradient its output receives (the loss is sum(output * g))."""
+        g = torch.Generator().manual_seed(self.seed + 1)
+        shape = (self.batch, self.seq_len, self.dim)
+        return torch.randn(shape, generator=g), torch.randn(shape, generator=g)
+
+
+def saved_activation_bytes(fn, exclude: set[int]):
+    """Run `fn()` and count the bytes autograd keeps for backward (each storage once), leaving out
+    the storages in `exclude` (the parameters, which are kept anyway)."""
+    seen: dict[int, int] = {}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        storage = _storage(t)
+        if storage.data_ptr() not in exclude:
+            seen[storage.data_ptr()] = storage.nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = fn()
+    return out, sum(seen.values())
+
+
+def _storage(t: torch.Tensor):
+    """The memory behind `t`; for torch's DTensor, behind this rank's local shard."""
+    from torch.distributed.tensor import DTensor
+
+    return (t.to_local() if isinstance(t, DTensor) else t).untyped_storage()
+
+
+class TorchCollectives(TorchDispatchMode):
+    """Counts the collectives torch's DTensor issues (its functional collectives) into a `CommMeter`,
+    in the same ring bytes as ours: what each rank's link carries for that collective."""
+
+    KINDS = {"all_reduce": "all_reduce", "all_gather_into_tensor": "all_gather",
+             "reduce_scatter_tensor": "reduce_scatter"}
+
+    def __init__(self, meter: CommMeter, direction: str, ranks: int):
+        super().__init__()
+        self.meter, self.direction, self.ranks = meter, direction, ranks
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        namespace, _, rest = str(func).partition(".")
+        kind = self.KINDS.get(rest.split(".")[0]) if namespace == "_c10d_functional" else None
+        if kind is not None:
+            t = args[0]
+            full = t.numel() * t.element_size() * (self.ranks if kind == "all_gather" else 1)
+            self.meter.add(kind, self.direction, ring_bytes(kind, full, self.ranks))
+        return func(*args, **(kwargs or {}))
+
+
+def parameter_storages(module: nn.Module) -> set[int]:
+    return {_storage(p).data_ptr() for p in module.parameters()}
+
+
+# ---------------------------------------------------------------------------------------------
+# On each rank
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclass
+class VariantResult:
+    """What one rank's run of one variant gave."""
+
+    output: torch.Tensor  # this rank's output (its slice of the sequence under sequence parallelism)
+    input_grad: torch.Tensor
+    grads: dict[str, torch.Tensor]  # named as in `ParallelBlock` (torch's q, k, v stacked like ours)
+    sent: dict[tuple[str, str], int]  # (collective, direction) -> bytes this rank sent
+    calls: dict[tuple[str, str], int]
+    activation_bytes: int  # kept by the forward for backward
+    seconds: list[float]  # timed forward+backward passes
+
+
+@dataclass
+class Result:
+    rank: int
+    variants: dict[str, VariantResult]
+
+
+def sequence_parallel(variant: str) -> bool:
+    return "sp" in variant
+
+
+def worker(ctx: RankContext, cfg: Config) -> Result:
+    """Run each variant of the block on this rank: check pass, then `cfg.steps` timed passes."""
+    tp = TensorParallelGroup.world()
+    x, g = cfg.data()
+    results = {}
+    for variant in cfg.variants:
+        tp.meter.clear()
+        block = _build(variant, cfg, tp)
+        x_in, g_in = (tp.slice(x, 1), tp.slice(g, 1)) if sequence_parallel(variant) else (x, g)
+        x_in = x_in.clone().requires_grad_()
+        with _counted(variant, tp, "forward"):
+            y, kept = saved_activation_bytes(lambda: block(x_in), parameter_storages(block))
+        with _counted(variant, tp, "backward"):
+            (y * g_in).sum().backward()
+        with _counted(variant, tp, "parameters"):
+            _sync(block)
+            grads = _grads_as_ours(variant, block)
+        sent, calls = dict(tp.meter.bytes), dict(tp.meter.calls)
+        steps = time_steps(ctx, lambda i: _pass(block, x_in, g_in), cfg.steps,
+                           prepare=lambda i: block.zero_grad(set_to_none=True))
+        results[variant] = VariantResult(y.detach(), x_in.grad, grads, sent, calls, kept, steps.seconds)
+    return Result(ctx.rank, results)
+
+
+def _counted(variant: str, tp: TensorParallelGroup, direction: str):
+    """Our operators count their own bytes; torch's collectives are counted as they dispatch."""
+    return nullcontext() if variant in OURS else TorchCollectives(tp.meter, direction, tp.size)
+
+
+def _pass(block: nn.Module, x: torch.Tensor, g: torch.Tensor) -> None:
+    with torch.no_grad():
+        x.grad = None
+    (block(x) * g).sum().backward()
+    _sync(block)
+
+
+def _sync(block: nn.Module) -> None:
+    if isinstance(block, ParallelBlock):
+        block.sync_replicated_grads()
+
+
+def _build(variant: str, cfg: Config, tp: TensorParallelGroup) -> nn.Module:
+    if variant in OURS:
+        return ParallelBlock(cfg.block(), tp, sequence_parallel(variant), regather="regather" in variant)
+    return torch_parallel_block(cfg.block(), cfg.world_size, sequence_parallel(variant))
+
+
+def torch_plan(sequence_parallel: bool) -> dict:
+    """torch's plan for `transformer.Block`: queries, keys, values and the MLP's first layer
+    column-wise, the output projections row-wise; with sequence parallelism the LayerNorms work on
+    sequence shards (`SequenceParallel`), each half of the block gathers its input
+    (`PrepareModuleInput`: Shard(1) -> Replicate()) and the row-wise layers reduce-scatter their
+    output back to sequence shards (`output_layouts=Shard(1)`)."""
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput, RowwiseParallel,
+                                                   SequenceParallel)
+
+    shard_out = {"output_layouts": Shard(1)} if sequence_parallel else {}
+    plan = {"attn.q": ColwiseParallel(), "attn.k": ColwiseParallel(), "attn.v": ColwiseParallel(),
+            "attn.out": RowwiseParallel(**shard_out), "mlp.fc1": ColwiseParallel(),
+            "mlp.fc2": RowwiseParallel(**shard_out)}
+    if sequence_parallel:
+        gather = PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),))
+        plan.update({"ln1": SequenceParallel(), "ln2": SequenceParallel(), "attn": gather, "mlp": gather})
+    return plan
+
+
+def torch_parallel_block(block: Block, size: int, sequence_parallel: bool) -> Block:
+    """`block` parallelised in place by torch's `parallelize_module` on a 1-D device mesh."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.parallel import parallelize_module
+
+    mesh = init_device_mesh("cpu", (size,))
+    parallelize_module(block, mesh, torch_plan(sequence_parallel))
+    block.attn.n_heads //= size  # each rank now computes its own heads only
+    return block
+
+
+def _grads_as_ours(variant: str, block: nn.Module) -> dict[str, torch.Tensor]:
+    """This rank's gradients named as `ParallelBlock` names them: torch's q, k and v shards are
+    stacked into `attn.qkv`, and its DTensor gradients become this rank's local shards."""
+    grads = {n: _local(p.grad) for n, p in block.named_parameters()}
+    if variant in OURS:
+        return grads
+    for kind in ("weight", "bias"):
+        grads[f"attn.qkv.{kind}"] = torch.cat([grads.pop(f"attn.{m}.{kind}") for m in "qkv"])
+    return grads
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """This rank's part of a gradient. torch leaves the gradient of a replicated parameter that saw
+    only a sequence shard as a `Partial` DTensor (each rank holds a summand): redistributing it to
+    `Replicate` is the all-reduce our `sync_replicated_grads` does by hand."""
+    from torch.distributed.tensor import DTensor, Replicate
+
+    if isinstance(t, DTensor):
+        if any(p.is_partial() for p in t.placements):
+            t = t.redistribute(placements=[Replicate()] * len(t.placements))
+        t = t.to_local()
+    return t.detach().clone()
+
+
+# ---------------------------------------------------------------------------------------------
+# The parent side
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclass
+class VariantRun:
+    """One variant on all ranks, checked against the unsplit block."""
+
+    name: str
+    difference: float  # largest difference from one process: outputs, input and weight gradients
+    sent: dict[str, int]  # bytes rank 0 sent per step: "forward", "backward", "parameters"
+    calls: dict[tuple[str, str], int]
+    activation_bytes: int  # rank 0's
+    step_time: Measured  # seconds per forward+backward, slowest rank
+
+
+@dataclass
+class TensorParallelRun:
+    cfg: Config
+    variants: dict[str, VariantRun]
+    one_process_activation_bytes: int  # the unsplit block's, in this process
+    reference: dict = field(repr=False, default_factory=dict)
+
+    def __getitem__(self, name: str) -> VariantRun:
+        return self.variants[name]
+
+
+def run(cfg: Config) -> TensorParallelRun:
+    return experiments.run(worker, cfg, gather)
+
+
+def gather(cfg: Config, results: list[Result]) -> TensorParallelRun:
+    y_ref, dx_ref, ref_block, ref_bytes = one_process(cfg)
+    grads_block = copy.deepcopy(ref_block)
+    with torch.no_grad():
+        for p, r in zip(grads_block.parameters(), ref_block.parameters()):
+            p.copy_(r.grad)
+    variants = {}
+    for name in cfg.variants:
+        per_rank = [r.variants[name] for r in results]
+        diff = max(_difference(name, cfg, rank, got, y_ref, dx_ref, grads_block) for rank, got in enumerate(per_rank))
+        sent = {d: sum(b for (_, dd), b in per_rank[0].sent.items() if dd == d)
+                for d in ("forward", "backward", "parameters")}
+        seconds = [max(step) for step in zip(*(r.seconds for r in per_rank))]
+        variants[name] = VariantRun(name, diff, sent, per_rank[0].calls, per_rank[0].activation_bytes,
+                                    Measured.of(seconds))
+    return TensorParallelRun(cfg, variants, ref_bytes)
+
+
+def one_process(cfg: Config):
+    """The unsplit block in this process: output, input gradient, the block with its gradients,
+    and the bytes its forward kept for backward."""
+    block = cfg.block()
+    x, g = cfg.data()
+    x = x.clone().requires_grad_()
+    y, kept = saved_activation_bytes(lambda: block(x), parameter_storages(block))
+    (y * g).sum().backward()
+    return y.detach(), x.grad, block, kept
+
+
+def _difference(name, cfg, rank, got: VariantResult, y_ref, dx_ref, grads_block) -> float:
+    tp = TensorParallelGroup(None, rank, cfg.world_size)
+    want_y, want_dx = (tp.slice(y_ref, 1), tp.slice(dx_ref, 1)) if sequence_parallel(name) else (y_ref, dx_ref)
+    expected = {n: p.detach() for n, p in ParallelBlock(grads_block, tp).named_parameters()}
+    diffs = [(got.output - want_y).abs().max(), (got.input_grad - want_dx).abs().max()]
+    diffs += [(got.grads[n] - expected[n]).abs().max() for n in expected]
+    return float(max(diffs))
+
+
+# ---------------------------------------------------------------------------------------------
+# Activation memory: Korthikanti et al. (2022) beside what the ranks kept
+# ---------------------------------------------------------------------------------------------
+
+
+def korthikanti_bytes(cfg: Config, sequence_parallel: bool, tensor_parallel: int | None = None) -> float:
+    """Activation bytes per layer by Korthikanti et al., "Reducing Activation Recomputation in
+    Large Transformer Models" (2022), eqs. 1-4: 2-byte activations and 1-byte dropout masks.
+    One process: sbh(34 + 5as/h); tensor parallel over t: sbh(10 + 24/t + 5as/(ht)); with sequence
+    parallelism: sbh/t (34 + 5as/h)."""
+    s, b, h, a = cfg.seq_len, cfg.batch, cfg.dim, cfg.n_heads
+    t = tensor_parallel or cfg.world_size
+    scores = 5 * a * s / h
+    if t == 1:
+        return s * b * h * (34 + scores)
+    if sequence_parallel:
+        return s * b * h / t * (34 + scores)
+    return s * b * h * (10 + 24 / t + scores / t)
+
+
+@dataclass
+class MemorySplit:
+    """Activation bytes of our block as Korthikanti's formula splits them: `replicated`, what tensor
+    parallelism keeps whole on every rank (the LayerNorms' inputs and outputs), and `split`, what
+    it divides by t (everything between f and g). Found from one process and tensor parallelism."""
+
+    replicated: float
+    split: float
+
+    def tensor_parallel(self, t: int) -> float:
+        return self.replicated + self.split / t
+
+    def sequence_parallel(self, t: int) -> float:
+        return (self.replicated + self.split) / t
+
+
+def memory_split(run: TensorParallelRun) -> MemorySplit:
+    """Solve one process = R + S and tensor parallel over t = R + S/t for R and S."""
+    t = run.cfg.world_size
+    whole, tp = run.one_process_activation_bytes, run["tp"].activation_bytes
+    split = (whole - tp) * t / (t - 1)
+    return MemorySplit(whole - split, split)
+
+
+def memory_table(run: TensorParallelRun) -> list[dict]:
+    """Per variant: activation bytes kept per rank, measured, beside Korthikanti's formula (in its
+    own 2-byte units) and beside ours predicted from the replicated/split parts."""
+    sbh = run.cfg.seq_len * run.cfg.batch * run.cfg.dim
+    split = memory_split(run)
+    t = run.cfg.world_size
+    rows = [{"variant": "one process", "measured (bytes/sbh)": run.one_process_activation_bytes / sbh,
+             "predicted (bytes/sbh)": (split.replicated + split.split) / sbh,
+             "Korthikanti, 16-bit (bytes/sbh)": korthikanti_bytes(run.cfg, False, 1) / sbh}]
+    for name, v in run.variants.items():
+        sp = sequence_parallel(name)
+        predicted = split.sequence_parallel(t) if sp else split.tensor_parallel(t)
+        rows.append({"variant": name, "measured (bytes/sbh)": v.activation_bytes / sbh,
+                     "predicted (bytes/sbh)": predicted / sbh,
+                     "Korthikanti, 16-bit (bytes/sbh)": korthikanti_bytes(run.cfg, sp) / sbh})
+    return [{k: round(v, 2) if isinstance(v, float) else v for k, v in row.items()} for row in rows]
+
+
+# ---------------------------------------------------------------------------------------------
+# Verdicts
+# ---------------------------------------------------------------------------------------------
+
+TOLERANCE = 1e-4  # float32 sums in another order: far above rounding, far below a wrong shard
+
+
+def same_as_one_process(run: TensorParallelRun) -> tuple[str, str, str, dict]:
+    worst = max(v.difference for v in run.variants.values())
+    verdict = "same" if worst <= TOLERANCE else "different"
+    text = (f"every variant ({', '.join(run.variants)}) gives the unsplit block's outputs and gradients "
+            f"on {run.cfg.world_size} ranks: largest difference {worst:.1e}" if verdict == "same" else
+            f"a variant differs from one process by {worst:.1e} (above {TOLERANCE:g})")
+    return "12.same_as_one_process", verdict, text, {"largest_difference": worst}
+
+
+def bytes_verdict(run: TensorParallelRun) -> tuple[str, str, str, dict]:
+    """Whether sequence parallelism sent what tensor parallelism sent, counted from the messages."""
+    moved = {name: v.sent["forward"] + v.sent["backward"] for name, v in run.variants.items() if name in OURS}
+    verdict = "same bytes" if moved["tp"] == moved["tp+sp"] else "different bytes"
+    text = (f"per block and pass, rank 0 sent {moved['tp']:,} bytes with tensor parallelism and "
+            f"{moved['tp+sp']:,} with sequence parallelism ({verdict}): on a ring, an all-reduce is a "
+            f"reduce-scatter plus an all-gather. Sequence parallelism adds "
+            f"{run['tp+sp'].sent['parameters']:,} bytes for the gradients of the LayerNorms and biases, "
+            f"and re-gathering the input in backward {moved['tp+sp regather'] - moved['tp+sp']:,} more")
+    return "12.bytes", verdict, text, moved
+
+
+def memory_verdict(run: TensorParallelRun) -> tuple[str, str, str, dict]:
+    """Whether the measured activation bytes follow the formula's shape: R + S/t under tensor
+    parallelism, (R + S)/t under sequence parallelism with re-gathering."""
+    split, t = memory_split(run), run.cfg.world_size
+    measured = run["tp+sp regather"].activation_bytes
+    predicted = split.sequence_parallel(t)
+    verdict = "as the formula divides" if abs(measured - predicted) <= 0.01 * predicted else "differs"
+    text = (f"tensor parallelism keeps {run['tp'].activation_bytes:,} activation bytes per rank "
+            f"(R + S/t with R = {split.replicated:,.0f} kept whole and S = {split.split:,.0f} split); "
+            f"sequence parallelism with re-gathering keeps {measured:,} against (R + S)/t = {predicted:,.0f} "
+            f"({verdict}); keeping the gathered input instead costs "
+            f"{run['tp+sp'].activation_bytes - measured:,} bytes more")
+    return "12.activation_memory", verdict, text, {"measured": measured, "predicted": predicted}
+
+
+def all_reduce_count_verdict(run: TensorParallelRun) -> tuple[str, str, str, dict]:
+    """How many all-reduces one block needed forward and backward, ours against torch's plan."""
+    def count(name: str, direction: str) -> int:
+        return sum(c for (kind, d), c in run[name].calls.items() if kind == "all_reduce" and d == direction)
+
+    ours = (count("tp", "forward"), count("tp", "backward"))
+    theirs = (count("torch tp", "forward"), count("torch tp", "backward")) if "torch tp" in run.variants else None
+    verdict = f"{ours[0]} forward, {ours[1]} backward"
+    text = f"one block all-reduced {ours[0]} times forward and {ours[1]} times backward with our layers"
+    if theirs is not None:
+        text += (f"; torch's plan, whose queries, keys and values are three column-wise layers, "
+                 f"{theirs[0]} forward and {theirs[1]} backward: each of the three sums its own input gradient, "
+                 "where our stacked QKV layer sums one")
+    return "12.all_reduces_per_block", verdict, text, {"ours": list(ours), "torch": list(theirs or ())}
+
+
+def node_verdict(run: TensorParallelRun) -> tuple[str, str, str, dict]:
+    """Why tensor parallelism stays inside a node: what one block sends per pass against what a
+    pipeline boundary sends (one activation forward, its gradient backward), from this run's bytes."""
+    cfg = run.cfg
+    tp_bytes = run["tp"].sent["forward"] + run["tp"].sent["backward"]
+    boundary = 2 * cfg.batch * cfg.seq_len * cfg.dim * 4  # fp32 activation forward + gradient back
+    ratio = tp_bytes / boundary
+    text = (f"one block sent {tp_bytes:,} bytes per rank per pass, {ratio:.1f}x what a pipeline stage boundary "
+            f"sends for the same batch ({boundary:,}), and every block of every layer sends it again, each "
+            "on the critical path (the next matrix product waits for the sum); that traffic wants NVLink's "
+            "bandwidth, while pipelines and data parallelism send far less per layer and can cross nodes")
+    return "12.inside_a_node", f"{ratio:.1f}x a boundary", text, {"tp_bytes": tp_bytes, "boundary_bytes": boundary}
+
+
+# ---------------------------------------------------------------------------------------------
+# What a DTensor is: one tensor, its placements, each rank's local part
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclass
+class Placed:
+    placements: str
+    local_shape: tuple[int, ...]
+    local: torch.Tensor
+
+
+def dtensor_worker(ctx: RankContext, cfg: Config) -> list[Placed]:
+    """A 4 x 6 tensor of 0..23 distributed three ways over a 1-D mesh of every rank."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+    mesh = init_device_mesh("cpu", (cfg.world_size,))
+    full = torch.arange(24.0).reshape(4, 6)
+    placed = []
+    for placement in (Shard(0), Shard(1), Replicate()):
+        d = distribute_tensor(full, mesh, [placement])
+        placed.append(Placed(str(d.placements), tuple(d.to_local().shape), d.to_local().clone()))
+    return placed
+
+
+def dtensor_table(cfg: Config) -> list[dict]:
+    """Per placement and rank: the local shape and values a DTensor keeps there."""
+    per_rank = experiments.run(dtensor_worker, cfg)
+    return [{"placements": p.placements, "rank": rank, "local shape": p.local_shape,
+             "local values": p.local.int().tolist()}
+            for i in range(len(per_rank[0])) for rank, placed in enumerate(per_rank) for p in [placed[i]]]
+
+
+# ---------------------------------------------------------------------------------------------
+# Timing ours beside torch's, round by round (benchmarks/tensor_parallel.py)
+# ---------------------------------------------------------------------------------------------
+
+
+def alternated_worker(ctx: RankContext, cfg: Config, rounds: int) -> dict[str, list[float]]:
+    """Each round, every variant's median of `cfg.steps` forward+backward passes, the variants in
+    turn (`measure.alternate`), so a load that comes and goes slows them alike."""
+    tp = TensorParallelGroup.world()
+    x, g = cfg.data()
+    runs = {}
+    for variant in cfg.variants:
+        block = _build(variant, cfg, tp)
+        x_in, g_in = (tp.slice(x, 1), tp.slice(g, 1)) if sequence_parallel(variant) else (x, g)
+        x_in = x_in.clone().requires_grad_()
+
+        def one_round(block=block, x_in=x_in, g_in=g_in) -> float:
+            steps = time_steps(ctx, lambda i: _pass(block, x_in, g_in), cfg.steps,
+                               prepare=lambda i: block.zero_grad(set_to_none=True))
+            return statistics.median(steps.seconds)
+
+        runs[variant] = one_round
+    return alternate(runs, rounds)
+
+
+def alternated(cfg: Config, rounds: int) -> dict[str, list[float]]:
+    """Per variant, the slowest rank's median pass of each round (seconds)."""
+    per_rank = experiments.run(lambda ctx, c: alternated_worker(ctx, c, rounds), cfg)
+    return {v: [max(r) for r in zip(*(ranks[v] for ranks in per_rank))] for v in cfg.variants}
