@@ -1,0 +1,114 @@
+"""The collectives sharding is built from, each call counted and put on the timeline.
+
+Bytes sent are counted from the tensors each call really passes, as the bytes one rank puts on the
+wire when the collective runs as a ring (lesson 00), for a full tensor of n bytes on N ranks:
+
+    all-reduce      2 (N-1)/N * n   (a reduce-scatter, then an all-gather)
+    reduce-scatter    (N-1)/N * n   (n: the input, every rank's whole vector)
+    all-gather        (N-1)/N * n   (n: the output, the whole vector put together)
+
+So data parallelism sends 2(N-1)/N * 4Ψ bytes per step for Ψ fp32 parameters ("2Ψ" in the ZeRO
+paper, which counts in elements and lets N grow), ZeRO-1 and ZeRO-2 the same, ZeRO-3 1.5 times it.
+`payload` counts the other way: the bytes of the full tensor handed to each call.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+import torch.distributed as dist
+
+from pipelab.timeline import Recorder, now
+
+RING_SHARE = {"allreduce": 2, "reducescatter": 1, "allgather": 1}  # times (N-1)/N of the full tensor
+
+
+def ring_bytes(kind: str, nbytes: int, world_size: int) -> float:
+    """Bytes one rank sends for collective `kind` on a full tensor of `nbytes`, as a ring."""
+    return RING_SHARE[kind] * (world_size - 1) / world_size * nbytes
+
+
+@dataclass(frozen=True)
+class Message:
+    """One collective this rank took part in."""
+
+    kind: str  # "allreduce", "reducescatter" or "allgather"
+    payload: int  # bytes of the full tensor (all-reduce's tensor, reduce-scatter's input, all-gather's output)
+    sent: float  # bytes this rank sends, as a ring
+    layer: str | None
+
+
+class Pending:
+    """A collective in flight: `wait()` returns once it has arrived. Its span on the `comm` lane runs
+    from issue to arrival (the moment the backend finished it, not the moment someone waited)."""
+
+    def __init__(self, work, rec: Recorder, clock: Callable[[], float], kind: str, start: float, **meta):
+        self.work, self.rec, self.clock, self.kind, self.start, self.meta = work, rec, clock, kind, start, meta
+        self.arrived: list[float] = []
+        if work is not None and hasattr(work, "get_future"):
+            try:  # the backend's own completion time, when it tells us (gloo does)
+                work.get_future().then(lambda _: self.arrived.append(self.clock()))
+            except (RuntimeError, NotImplementedError):
+                pass
+
+    def wait(self) -> None:
+        if self.work is not None:
+            self.work.wait()
+        end = self.arrived[0] if self.arrived else self.clock()
+        self.rec.add(self.kind, self.start, max(end, self.start), lane="comm", **self.meta)
+        self.work = None
+
+
+def _reduce_scatter():
+    # torch 2.13 names it reduce_scatter_single (reduce_scatter_tensor is its deprecated alias)
+    return getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
+def _all_gather():
+    return getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+
+class Collectives:
+    """All-reduce, reduce-scatter and all-gather over `group`, each call counted in `messages` and
+    drawn on `rec`'s `comm` lane. `async_op=True` returns at once; call `wait()` on what it returns."""
+
+    def __init__(self, rec: Recorder, group=None):
+        self.rec, self.group = rec, group
+        self.world_size = dist.get_world_size(group)
+        self.clock = getattr(rec, "now", None) or now  # an emulated rank's recorder has its own clock
+        self.messages: list[Message] = []
+
+    def all_reduce(self, tensor: torch.Tensor, layer: str | None = None, async_op: bool = False) -> Pending:
+        """Sum `tensor` over the ranks, in place."""
+        return self._issue("allreduce", tensor, layer, async_op,
+                           lambda: dist.all_reduce(tensor, group=self.group, async_op=async_op))
+
+    def reduce_scatter(self, shard: torch.Tensor, full: torch.Tensor, layer: str | None = None,
+                       async_op: bool = False) -> Pending:
+        """Sum `full` over the ranks and leave this rank's piece in `shard` (full is N shards long)."""
+        return self._issue("reducescatter", full, layer, async_op,
+                           lambda: _reduce_scatter()(shard, full, group=self.group, async_op=async_op))
+
+    def all_gather(self, full: torch.Tensor, shard: torch.Tensor, layer: str | None = None,
+                   async_op: bool = False) -> Pending:
+        """Put every rank's `shard` into `full`, in rank order (`shard` may be a view into `full`)."""
+        return self._issue("allgather", full, layer, async_op,
+                           lambda: _all_gather()(full, shard, group=self.group, async_op=async_op))
+
+    def _issue(self, kind: str, full: torch.Tensor, layer, async_op: bool, call) -> Pending:
+        payload = full.numel() * full.element_size()
+        self.messages.append(Message(kind, payload, ring_bytes(kind, payload, self.world_size), layer))
+        start = self.clock()
+        pending = Pending(call(), self.rec, self.clock, kind, start, layer=layer)
+        if not async_op:
+            pending.wait()
+        return pending
+
+    def bytes_sent(self) -> float:
+        """Bytes this rank sent since the last `clear()`, counted as a ring."""
+        return sum(m.sent for m in self.messages)
+
+    def clear(self) -> None:
+        self.messages.clear()
