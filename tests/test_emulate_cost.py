@@ -291,3 +291,18 @@ def test_anchors_as_published():
     assert row["published"] == 1.414 and row["emulated / published"] == pytest.approx(1.5 / 1.414)
     with pytest.raises(ValueError, match="tutorial_naive_mp_slowdown"):
         anchors.anchor("nope")
+
+
+def test_counting_in_another_dtype_and_stage_seconds():
+    layer, x = nn.Linear(64, 32), torch.randn(8, 64)
+    full = cost.forward_backward_counts(layer, x)
+    half = cost.forward_backward_counts(layer, x, torch.bfloat16)
+    assert [c.flops for c in half] == [c.flops for c in full]
+    assert [2 * c.bytes for c in half] == [c.bytes for c in full]
+    h100 = specs.DEVICES["h100"]
+    seconds = cost.stage_seconds(layer, x, h100, "bf16", efficiency=0.5, launch_overhead_s=5e-6)
+    assert seconds["F"] == pytest.approx(cost.compute_seconds(half[0], h100, "bf16", 0.5, 5e-6))
+    assert seconds["B"] == pytest.approx(cost.compute_seconds(half[1] + half[2], h100, "bf16", 0.5, 5e-6))
+    assert seconds["I"] + seconds["W"] >= seconds["B"] * (1 - 1e-9)  # split, each pays its own roofline
+    stage = memory.stage_memory(layer, x, h100, dtype=torch.bfloat16)
+    assert stage.parameters == 2 * (64 * 32 + 32) and stage.master_weights == 4 * (64 * 32 + 32)

@@ -25,7 +25,7 @@ from torch.utils._pytree import tree_flatten, tree_map
 from torch.utils.flop_counter import FlopCounterMode
 
 from pipelab.collectives import ring_all_reduce_time
-from pipelab.emulate.specs import Device, Link
+from pipelab.emulate.specs import Device, Link, torch_dtype
 
 # Model FLOPs utilisation of well-tuned large-model training is about half the peak: Megatron-LM
 # reports 52% of the A100's peak per GPU (Narayanan et al., "Efficient Large-Scale Language Model
@@ -90,14 +90,25 @@ class ByteCounter(TorchDispatchMode):
         return out
 
 
-def to_meta(tree):
-    """`tree` with every tensor replaced by a META tensor of the same shape, dtype and
-    requires_grad (other values unchanged)."""
+def to_meta(tree, dtype=None):
+    """`tree` with every tensor replaced by a META tensor of the same shape, dtype (floating ones
+    in `dtype` if given) and requires_grad; other values unchanged."""
     def meta(t):
-        if not isinstance(t, torch.Tensor) or t.device.type == "meta":
+        if not isinstance(t, torch.Tensor):
             return t
-        return torch.empty_like(t, device="meta").requires_grad_(t.requires_grad)
+        cast = dtype if dtype is not None and t.is_floating_point() else t.dtype
+        if t.device.type == "meta" and cast == t.dtype:
+            return t
+        return torch.empty_like(t, device="meta", dtype=cast).requires_grad_(t.requires_grad)
     return tree_map(meta, tree)
+
+
+def meta_inputs(example_input, dtype=None) -> tuple:
+    """`example_input` (a tensor or a tuple) as a tuple of fresh META leaves; the floating ones
+    require grad, as a stage's input does when the previous stage waits for its gradient."""
+    inputs = example_input if isinstance(example_input, tuple) else (example_input,)
+    return tuple(to_meta(x, dtype).detach().requires_grad_(x.is_floating_point()) if isinstance(x, torch.Tensor)
+                 else x for x in inputs)
 
 
 def count(fn, *args, **kwargs) -> Counts:
@@ -113,14 +124,21 @@ def count(fn, *args, **kwargs) -> Counts:
     return Counts(float(flops.get_total_flops()), float(moved.bytes), moved.kernels)
 
 
-def meta_module(module: torch.nn.Module) -> torch.nn.Module:
-    """`module` itself if all its parameters and buffers are on meta, else a copy on meta (the
-    original keeps its weights). Build a large model straight on meta with
-    `with torch.device("meta"): model = Model(...)`."""
+def meta_module(module: torch.nn.Module, dtype=None) -> torch.nn.Module:
+    """`module` itself if all its parameters and buffers are on meta (in `dtype`, if given), else a
+    copy on meta whose floating tensors are in `dtype`. The original keeps its weights, and the
+    copy never allocates them: each parameter and buffer is swapped for an empty meta tensor as it
+    is copied. Build a large model straight on meta with `with torch.device("meta"): Model(...)`."""
     tensors = list(module.parameters()) + list(module.buffers())
-    if all(t.device.type == "meta" for t in tensors):
+    if all(t.device.type == "meta" and (dtype is None or not t.is_floating_point() or t.dtype == dtype)
+           for t in tensors):
         return module
-    return copy.deepcopy(module).to("meta")
+    memo = {}
+    for p in module.parameters():
+        memo[id(p)] = torch.nn.Parameter(to_meta(p.detach(), dtype), requires_grad=p.requires_grad)
+    for b in module.buffers():
+        memo[id(b)] = to_meta(b, dtype)
+    return copy.deepcopy(module, memo)
 
 
 def _outputs(out) -> list[torch.Tensor]:
@@ -128,20 +146,21 @@ def _outputs(out) -> list[torch.Tensor]:
     return [t for t in leaves if isinstance(t, torch.Tensor) and t.requires_grad]
 
 
-def forward_backward_counts(module: torch.nn.Module, example_input) -> tuple[Counts, Counts, Counts]:
+def forward_backward_counts(module: torch.nn.Module, example_input, dtype=None) -> tuple[Counts, Counts, Counts]:
     """(forward, backward_input, backward_weight) counts of `module` on `example_input` (a tensor
     or a tuple of them), on the meta device: the forward; I, the backward for the input (every
     activation's gradient back to the input); W, the weights' gradients on top of I. B = I + W.
+    With `dtype` (e.g. torch.bfloat16) the module and input are counted in that dtype. A stage
+    whose input is not differentiable (token ids) has I = 0: nothing waits for its input's
+    gradient, so its whole backward is W.
 
     The backward is counted with a gradient of ones for every output, as a loss's gradient would be.
     W is the whole backward (input and weights) less I, so it holds exactly the weight-gradient
     products (a layer's input gradient is part of I, whether or not the weights need it). Where one
     operator computes both gradients in one call (a convolution's backward), W gets the FLOPs of
     the weight gradient and the bytes it writes, and I the rest."""
-    module = meta_module(module)
-    inputs = example_input if isinstance(example_input, tuple) else (example_input,)
-    inputs = tuple(to_meta(x).detach().requires_grad_(x.is_floating_point()) if isinstance(x, torch.Tensor)
-                   else x for x in inputs)
+    module = meta_module(module, dtype)
+    inputs = meta_inputs(example_input, dtype)
     grad_inputs = [x for x in inputs if isinstance(x, torch.Tensor) and x.requires_grad]
     params = [p for p in module.parameters() if p.requires_grad]
     forward = count(module, *inputs)
@@ -174,6 +193,18 @@ def compute_seconds(counts: Counts, device: Device, dtype="float32", efficiency:
         raise ValueError(f"launch_overhead_s must be >= 0 seconds, got {launch_overhead_s!r}; e.g. 5e-6")
     busy = max(counts.flops / device.rate(dtype), counts.bytes / device.memory_bandwidth)
     return busy / efficiency + launch_overhead_s * counts.kernels
+
+
+def stage_seconds(module: torch.nn.Module, example_input, device: Device, dtype="float32",
+                  efficiency: float = EFFICIENCY, launch_overhead_s: float = LAUNCH_OVERHEAD_S) -> dict[str, float]:
+    """Modelled seconds of `module`'s forward ("F"), backward ("B") and its two halves ("I", "W")
+    on `device` in `dtype`, for one micro-batch like `example_input`: what a pipeline stage's
+    spans last on the emulated node (and in the simulator, with the same costs)."""
+    forward, grad_input, grad_weight = forward_backward_counts(module, example_input, torch_dtype(dtype))
+    seconds = {kind: compute_seconds(counts, device, dtype, efficiency, launch_overhead_s)
+               for kind, counts in (("F", forward), ("I", grad_input), ("W", grad_weight))}
+    seconds["B"] = compute_seconds(grad_input + grad_weight, device, dtype, efficiency, launch_overhead_s)
+    return seconds
 
 
 def bound(counts: Counts, device: Device, dtype="float32") -> str:

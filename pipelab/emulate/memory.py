@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 import torch
 from torch.utils._pytree import tree_flatten
 
-from pipelab.emulate.cost import meta_module, to_meta
+from pipelab.emulate.cost import meta_inputs, meta_module
 from pipelab.emulate.specs import GB, Device
 
 # Extra copies of the parameters each optimizer keeps.
@@ -122,15 +122,14 @@ def microbatches_in_flight(schedule: str, stage: int, stages: int, microbatches:
     raise ValueError(f"unknown schedule {schedule!r}; use 'gpipe' or '1f1b'")
 
 
-def stashed_bytes(module: torch.nn.Module, example_input) -> int:
+def stashed_bytes(module: torch.nn.Module, example_input, dtype=None) -> int:
     """Bytes of the tensors autograd saves for `module`'s backward in one forward on
     `example_input` (one micro-batch), counted on the meta device: the activations a stage stashes
     per micro-batch. The parameters it saves (a weight for its input gradient) are not counted:
-    they are held anyway. A tensor saved by several operators counts once."""
-    module = meta_module(module)
-    inputs = example_input if isinstance(example_input, tuple) else (example_input,)
-    inputs = tuple(to_meta(x).detach().requires_grad_(x.is_floating_point()) if isinstance(x, torch.Tensor)
-                   else x for x in inputs)
+    they are held anyway. A tensor saved by several operators counts once. With `dtype`, the
+    module and input are counted in that dtype."""
+    module = meta_module(module, dtype)
+    inputs = meta_inputs(example_input, dtype)
     held = {p.untyped_storage()._cdata for p in module.parameters()}
     held |= {b.untyped_storage()._cdata for b in module.buffers()}
     saved: dict[int, int] = {}
@@ -155,22 +154,23 @@ def input_bytes(example_input) -> int:
 
 def stage_memory(module: torch.nn.Module, example_microbatch, device: Device, *, stage: int | str = 0,
                  optimizer: str = "adam", microbatches_in_flight: int = 1, checkpoint: bool = False,
-                 ) -> MemoryBreakdown:
+                 dtype=None) -> MemoryBreakdown:
     """`rank_memory` of a stage `module` (built on meta at the emulated size, or a small real one)
-    fed micro-batches like `example_microbatch`. With `checkpoint`, a stage stashes only its input
-    per micro-batch and rebuilds one micro-batch's activations at a time in backward."""
-    module = meta_module(module)
+    fed micro-batches like `example_microbatch`, in `dtype` if given (bf16: mixed precision).
+    With `checkpoint`, a stage stashes only its input per micro-batch and rebuilds one
+    micro-batch's activations at a time in backward."""
+    module = meta_module(module, dtype)
     params = list(module.parameters())
     count = sum(p.numel() for p in params)
-    dtype = params[0].dtype if params else torch.float32
-    full = stashed_bytes(module, example_microbatch)
+    param_dtype = params[0].dtype if params else (dtype or torch.float32)
+    full = stashed_bytes(module, example_microbatch, dtype)
     if checkpoint:
-        kept = input_bytes(example_microbatch)
+        kept = input_bytes(meta_inputs(example_microbatch, dtype))
         activations = kept * microbatches_in_flight + full  # plus one micro-batch being recomputed
         per_microbatch, in_flight = activations, 1
     else:
         per_microbatch, in_flight = full, microbatches_in_flight
-    breakdown = rank_memory(count, device, stage=stage, param_dtype=dtype, optimizer=optimizer,
+    breakdown = rank_memory(count, device, stage=stage, param_dtype=param_dtype, optimizer=optimizer,
                             activation_bytes=per_microbatch, microbatches_in_flight=in_flight)
     breakdown.notes.update(microbatches_in_flight=microbatches_in_flight, checkpoint=checkpoint,
                            activation_bytes_per_microbatch=full)

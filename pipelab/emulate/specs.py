@@ -22,6 +22,8 @@ import json
 import re
 from dataclasses import asdict, dataclass
 
+import torch
+
 GB = 1e9
 TERA = 1e12
 
@@ -43,6 +45,13 @@ def dtype_name(dtype) -> str:
             return name
     raise ValueError(f"unknown dtype {dtype!r}; use one of {sorted(DTYPE_NAMES)} (or a torch dtype, "
                      "e.g. torch.bfloat16)")
+
+
+def torch_dtype(dtype) -> torch.dtype:
+    """The dtype tensors are stored in for math in `dtype`: tf32 is float32 storage with
+    tensor-core math; fp8 training keeps its tensors in bf16 around fp8 matrix products."""
+    return {"float32": torch.float32, "tf32": torch.float32, "bfloat16": torch.bfloat16,
+            "float16": torch.float16, "float8": torch.bfloat16}[dtype_name(dtype)]
 
 
 @dataclass(frozen=True)
