@@ -53,10 +53,6 @@ class Counts:
         return Counts(max(0.0, self.flops - other.flops), max(0.0, self.bytes - other.bytes),
                       max(0, self.kernels - other.kernels))
 
-    def scaled(self, factor: float) -> "Counts":
-        """The work of `factor` times as much (e.g. a micro-batch `factor` times larger)."""
-        return Counts(self.flops * factor, self.bytes * factor, self.kernels)
-
 
 ZERO = Counts(0.0, 0.0, 0)
 
