@@ -21,6 +21,7 @@ KIND_COLORS = {
     "held": "#BBBBBB",  # a device held back on purpose (lesson 04's race demonstration)
     "R": "#A1C9F4",  # a recomputed forward (activation checkpointing)
     "tied-allreduce": "#8B1A1A",  # lesson 08's ReduceTiedGrads, apart from F's blue and allreduce's orange
+    "allgather": "#B07AA1", "reducescatter": "#E15759",  # lesson 11's halves of an all-reduce
 }
 _EXTRA_COLORS = plt.get_cmap("tab20").colors
 
