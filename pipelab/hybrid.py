@@ -8,14 +8,15 @@
 * **The pipe x data grid.** `pipe x data` processes: each column of the grid is one pipeline
   (lessons 06-07) running its schedule over its stages; each row holds the copies of one stage,
   which average that stage's gradients among themselves only. `grid_place` reads both groups off
-  lesson 08's `ProcessTopology`. `run_grid_step` is lesson 06's rank loop plus one line: the
-  moment a stage's last backward is done, `StageAllReduce.start` sends its gradients, and the
-  pipeline goes on with the other stages' work while they travel.
+  lesson 08's `ProcessTopology` and gives the process its place as a `RankContext` of its own
+  pipeline. `run_grid_step` is lesson 06's rank loop plus one line: the moment a stage's last
+  backward is done, `StageAllReduce.start` sends its gradients, and the pipeline goes on with the
+  other stages' work while they travel.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import replace
 from typing import Callable
 
 import torch
@@ -24,12 +25,14 @@ from torch import nn
 
 from pipelab import hardware, model_parallel as mp
 from pipelab.checks import whole_number
+from pipelab.ddp.flat import FlatAllReduce, average_gradients, write_back
+from pipelab.models import trainable_parameters
 from pipelab.pipeline.p2p import P2P, TensorSpec
 from pipelab.pipeline.schedules import Action, Schedule
 from pipelab.pipeline.stage import StageRunner
 from pipelab.pipeline.topology import PipeDataParallelTopology, ProcessTopology, axis_groups
-from pipelab.streams import Device
-from pipelab.timeline import Recorder, now
+from pipelab.streams import CudaDevice, Device, VirtualDevice
+from pipelab.worker import RankContext
 
 HALVES = ("seq1", "seq2", "fc")  # a two-device model: seq1 on device 0, seq2 and fc on device 1
 
@@ -67,8 +70,8 @@ def replica_devices(rank: int, world_size: int, device: str = "auto") -> list[De
     """The two devices of `rank`'s replica: GPUs 2*rank and 2*rank+1 on the GPU path, else two
     virtual CPU devices of this process. Their rows on the timeline are "device 0" and "device 1"."""
     if gpu_path(world_size, 2, device):
-        return [Device(f"cuda:{2 * rank + i}", label=device_lane(i)) for i in range(2)]
-    return [Device(f"cpu:{i}", label=device_lane(i)) for i in range(2)]
+        return [CudaDevice(f"cuda:{2 * rank + i}", label=device_lane(i)) for i in range(2)]
+    return [VirtualDevice(f"cpu:{i}", label=device_lane(i)) for i in range(2)]
 
 
 class ModelParallelReplica(nn.Module):
@@ -108,27 +111,6 @@ class ModelParallelReplica(nn.Module):
 # ---------------------------------------------------------------------------------------------
 
 
-@dataclass
-class GridPlace:
-    """Where one process sits in a pipe x data grid, as lesson 06's stage runner and messages see it.
-
-    `rank` is its place in its own pipeline (what a schedule calls a rank: its pipe coordinate),
-    `ranks` the process of every place of that pipeline, `data_group` the process group of the
-    copies of its stages (None with one replica). Device and recorder are the process's."""
-
-    topology: ProcessTopology
-    rank: int
-    ranks: list[int]
-    data_group: object | None
-    device: torch.device
-    rec: Recorder
-
-    @property
-    def data_size(self) -> int:
-        """How many copies of each stage the grid holds: the data-parallel replicas."""
-        return self.topology.get_dim("data")
-
-
 def check_grid(pipe: int, data: int, world_size: int | None = None) -> ProcessTopology:
     """The pipe x data topology, refusing a grid that does not fill the world (before any start)."""
     whole_number("pipe", pipe, example="pipe=2")
@@ -140,14 +122,23 @@ def check_grid(pipe: int, data: int, world_size: int | None = None) -> ProcessTo
     return PipeDataParallelTopology(num_pp=pipe, num_dp=data)
 
 
-def grid_place(ctx, topology: ProcessTopology) -> GridPlace:
-    """This process's place in the grid, and its groups, read off the topology: the pipe comm list
-    holding it is its pipeline, the data comm list holding it is its data-parallel group. Every
-    process must call this (creating a process group is collective)."""
+def grid_place(ctx: RankContext, topology: ProcessTopology) -> RankContext:
+    """This process's place in the grid, as lesson 06's stage runner and messages see it: a
+    `RankContext` of its own pipeline. Its `rank` is its pipe coordinate (what a schedule calls a
+    rank) of `world_size` = pipe ranks; `groups["pipe"]` holds the processes of its pipeline (their
+    group ranks are their stages' order) and `groups["data"]` the copies of its stage, each None
+    where that axis has one process. Device and recorder stay the process's. Every process must
+    call this (creating a process group is collective)."""
     coord = topology.get_coord(ctx.rank)
-    pipeline = next(ranks for ranks in topology.get_axis_comm_lists("pipe") if ctx.rank in ranks)
-    group = axis_groups(topology, "data", ctx.rank) if topology.get_dim("data") > 1 else None
-    return GridPlace(topology, coord.pipe, pipeline, group, ctx.device, ctx.rec)
+    groups = {axis: axis_groups(topology, axis, ctx.rank) if topology.get_dim(axis) > 1 else None
+              for axis in ("pipe", "data")}
+    return replace(ctx, rank=coord.pipe, world_size=topology.get_dim("pipe"), groups={**ctx.groups, **groups})
+
+
+def pipeline_processes(place: RankContext) -> list[int] | None:
+    """The processes of `place`'s pipeline, by stage order: where its messages go (None: one stage)."""
+    group = place.groups.get("pipe")
+    return dist.get_process_group_ranks(group) if group is not None else None
 
 
 class StageAllReduce:
@@ -155,40 +146,29 @@ class StageAllReduce:
     per stage, launched the moment the stage's gradients are final and waited for at the end of
     the step, so it travels while the pipeline does its remaining work.
 
-    The gradients are divided by the group size as they are flattened, so the all-reduce's sum is
-    the average (as `BucketedDDP` does). Each all-reduce is drawn on the `comm` lane from launch to
-    arrival (the arrival is read by a callback on the communication thread)."""
+    It is `pipelab.ddp.flat`'s all-reduce, as in `BucketedDDP`: the gradients are divided by the
+    group size as they are flattened, so the all-reduce's sum is the average, and each all-reduce
+    is drawn on the `comm` lane from launch to arrival."""
 
-    def __init__(self, place: GridPlace, modules: dict[int, nn.Module]):
+    def __init__(self, place: RankContext, modules: dict[int, nn.Module]):
         self.place, self.modules = place, modules
-        self.inflight: list[tuple] = []  # (stage, flat gradients, work, launch time, arrival future)
+        self.group = place.groups.get("data")  # the copies of this process's stages (None: no copies)
+        self.inflight: list[tuple[int, FlatAllReduce]] = []  # (stage, its all-reduce in flight)
 
     def params(self, stage: int) -> list[nn.Parameter]:
-        return [p for p in self.modules[stage].parameters() if p.requires_grad]
+        return [p for _, p in trainable_parameters(self.modules[stage])]
 
     def start(self, stage: int) -> None:
         """Launch the all-reduce of `stage`'s gradients and return at once."""
-        if self.place.data_group is None:
+        if self.group is None:
             return  # one replica: nothing to average
-        grads = [torch.zeros_like(p) if p.grad is None else p.grad for p in self.params(stage)]
-        flat = torch.cat([g.reshape(-1) for g in grads]).div_(self.place.data_size)
-        launched = now()
-        work = dist.all_reduce(flat, group=self.place.data_group, async_op=True)
-        arrival = work.get_future().then(lambda _: now()) if self.place.rec.enabled else None
-        self.inflight.append((stage, flat, work, launched, arrival))
+        self.inflight.append((stage, average_gradients(self.params(stage), self.group, rec=self.place.rec,
+                                                       stage=stage)))
 
     def finish(self) -> None:
         """Wait for every stage's average and write it into `.grad`."""
-        for stage, flat, work, launched, arrival in self.inflight:
-            work.wait()
-            if arrival is not None:
-                self.place.rec.add("allreduce", launched, arrival.wait(), lane="comm", stage=stage,
-                                   bytes=flat.nbytes)
-            offset = 0
-            for p in self.params(stage):
-                average = flat[offset:offset + p.numel()].view_as(p)
-                p.grad = average.clone() if p.grad is None else p.grad.copy_(average)
-                offset += p.numel()
+        for stage, op in self.inflight:
+            write_back(op.wait(), self.params(stage))
         self.inflight = []
 
 
@@ -198,14 +178,15 @@ def last_backwards(actions: list[Action]) -> dict[int, int]:
     return {a.stage: i for i, a in enumerate(actions) if a.kind in ("B", "W")}
 
 
-def run_grid_step(place: GridPlace, schedule: Schedule, modules: dict[int, nn.Module], loss_fn: Callable,
+def run_grid_step(place: RankContext, schedule: Schedule, modules: dict[int, nn.Module], loss_fn: Callable,
                   x: torch.Tensor, y: torch.Tensor, specs: list[list[TensorSpec]]) -> StageRunner:
     """One training step of this process of the grid (no optimizer): lesson 06's rank loop over
     its own pipeline, plus the all-reduce of each stage's gradients over its data-parallel group,
-    started as soon as that stage's last backward is done. `specs` are the messages' shapes
-    (`p2p.message_specs` of the stages on this pipeline's share of the batch)."""
+    started as soon as that stage's last backward is done. `place` is this process's `grid_place`;
+    `specs` are the messages' shapes (`p2p.message_specs` of the stages on this pipeline's share of
+    the batch). The runner it returns holds the last stage's micro-batch losses."""
     m = schedule.num_microbatches
-    p2p = P2P(place, schedule, specs, ranks=place.ranks)  # messages stay within this pipeline
+    p2p = P2P(place, schedule, specs, ranks=pipeline_processes(place))  # messages stay within this pipeline
     runner = StageRunner(place, schedule, modules, loss_fn, p2p, list(x.chunk(m)), list(y.chunk(m)))
     reducer = StageAllReduce(place, modules)
     actions = schedule.actions[place.rank]
@@ -217,3 +198,10 @@ def run_grid_step(place: GridPlace, schedule: Schedule, modules: dict[int, nn.Mo
     p2p.finish()
     reducer.finish()
     return runner
+
+
+def microbatch_losses(runner: StageRunner) -> list[float]:
+    """Each micro-batch's loss as the last stage computed it, in micro-batch order ([] on a process
+    without the last stage). The runner keeps them divided by its divisor, so that they add up to
+    the batch's loss; this undoes that division."""
+    return [float(loss) * runner.divisor for loss in runner.losses]

@@ -1,19 +1,21 @@
 """Lesson 05: BucketedDDP on a module spread over two devices, the overlaps read off a timeline,
-the pipe x data grid's groups and gradients against one process, and the inputs refused before
-any process starts."""
+the pipe x data grid's groups, gradients and micro-batch losses against one process, and the
+inputs refused when a Config is built, before any process starts."""
+
+from dataclasses import replace
 
 import pytest
 import torch
 import torch.distributed as dist
 from torch import nn
 
-from pipelab import hardware, models
+from pipelab import experiments, hardware, models
 from pipelab.ddp import MIB, Bucket, module_bucket_plan, plan_buckets
 from pipelab.experiments import grid as grid_experiment
 from pipelab.experiments import hybrid as hybrid_experiment
-from pipelab.experiments.grid import Layout, hidden_behind_pipeline, layouts_of, run_grid, run_layouts
-from pipelab.experiments.hybrid import OVERLAPS, hidden_share, overlaps, run_replicas
-from pipelab.hybrid import ModelParallelReplica, check_grid, gpu_path, grid_place, last_backwards
+from pipelab.experiments.grid import Layout, hidden_behind_pipeline, layouts_of
+from pipelab.experiments.hybrid import allreduce_overlap, copy_overlap, device_concurrency, hidden_share, shares
+from pipelab.hybrid import ModelParallelReplica, check_grid, gpu_path, grid_place, last_backwards, pipeline_processes
 from pipelab.launch import spawn
 from pipelab.measure import Steps
 from pipelab.pipeline.schedules import B, F, I, W, make_schedule
@@ -31,6 +33,15 @@ def toy_problem(batch: int = 16):
 def mlp_problem(batch: int = 32, width: int = 16):
     torch.manual_seed(0)
     return models.mlp([width] * 9), torch.randn(batch, width), torch.randn(batch, width)
+
+
+def run_replicas(model, x, y, **settings) -> dict:
+    cfg = hybrid_experiment.Config(model=model, x=x, y=y, **settings)
+    return experiments.run(hybrid_experiment.worker, cfg, hybrid_experiment.gather)
+
+
+def grid_config(model, x, y, pipe=2, data=2, num_microbatches=4, **settings) -> grid_experiment.Config:
+    return grid_experiment.Config(model=model, x=x, y=y, layouts=(Layout(pipe, data, num_microbatches),), **settings)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -80,11 +91,10 @@ def test_the_three_overlaps_of_a_hand_made_step():
         Span(0, "comm", "allreduce", 18, 26, meta={"bucket": 0}),
         Span(0, "device 1", "copy", 26, 27, meta={"bucket": 0}),  # the wrapper's write-back: no activation copy
     ]
-    got = overlaps(Timeline(spans))
-    assert set(got) == set(OVERLAPS)
-    assert got["copy/compute"] == pytest.approx(0.5)  # copy 0 under device 0's F 1; copy 1 under nothing
-    assert got["device/device"] == pytest.approx(3 / 21)  # both computed 5..8; one or both 0..9 and 10..22
-    assert got["all-reduce/compute"] == pytest.approx(0.5)  # 18..22 of 18..26
+    tl = Timeline(spans)
+    assert copy_overlap(tl) == pytest.approx(0.5)  # copy 0 under device 0's F 1; copy 1 under nothing
+    assert device_concurrency(tl) == pytest.approx(3 / 21)  # both computed 5..8; one or both 0..9 and 10..22
+    assert allreduce_overlap(tl) == pytest.approx(0.5)  # 18..22 of 18..26
 
 
 def test_hidden_behind_pipeline_counts_flight_from_the_last_launch_and_any_process():
@@ -106,13 +116,13 @@ def test_simulated_hidden_share_with_the_measured_costs_and_flights():
               Span(2, "comm", "allreduce", 0.020, 0.021, meta={"stage": 1}),
               Span(3, "comm", "allreduce", 0.020, 0.021, meta={"stage": 1})]
     tl = Timeline(spans)
-    run = grid_experiment.GridRun(Layout(2, 2, 4), "1f1b", [], [], [], 0.0, Steps([0.03, 0.04], [tl, tl]), rounds=2)
+    run = grid_experiment.GridRun(Layout(2, 2, 4), "1f1b", [], [], [], [], 0.0, Steps([0.03, 0.04], [tl, tl]), rounds=2)
     assert run.flights() == pytest.approx({0: 1e-3, 1: 1e-3})
     # 1F1B: stage 1's last B ends one B (2 ms) before stage 0's, long enough to hide its 1 ms
     # flight; stage 0's all-reduce hides behind nothing: half of the all-reduce time
-    assert run.simulated_hidden() == pytest.approx(0.5)
-    assert run.round_times == [0.03, 0.04] and run.step_times.values == (0.03, 0.04)
-    assert len(run.hidden.values) == 2
+    assert run.simulated_overlap() == pytest.approx(0.5)
+    assert run.round_times == [0.03, 0.04] and run.step_time.values == (0.03, 0.04)
+    assert len(run.overlap.values) == 2
 
 
 def test_last_backwards_is_where_a_stage_s_gradients_are_final():
@@ -165,13 +175,13 @@ def test_bucketed_timeline_has_both_devices_and_the_all_reduce_lane(toy_runs, sp
             # device 1's buckets leave before device 0's backward is over
             first = min(s.start for s in mine.filter(kind="allreduce") if s.meta["bucket"] < 2)
             assert first <= mine.filter(lane="device 0", kind="B").spans[0].end
-    for kind in OVERLAPS:
-        share = run.overlap(kind)
+    for kind, share in shares(run).items():
         assert len(share.values) == len(run.steps.timelines)  # one figure per timed step
         assert 0.0 <= share.low <= share.median <= share.high <= 1.0
+    assert run.overlap.values == shares(run)["all-reduce/compute"].values
     if split is None:
-        assert run.overlap("copy/compute").values == (0.0,) * len(run.steps.timelines)  # lesson 02's forward: nothing to hide a copy under
-    assert run.step_times.values == tuple(run.steps.seconds)
+        assert run.copy_overlap.values == (0.0,) * len(run.steps.timelines)  # lesson 02's forward: nothing to hide a copy under
+    assert run.step_time.values == tuple(run.steps.seconds)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -180,23 +190,26 @@ def test_bucketed_timeline_has_both_devices_and_the_all_reduce_lane(toy_runs, sp
 
 def groups_worker(ctx, pipe, data):
     place = grid_place(ctx, check_grid(pipe, data, ctx.world_size))
-    group = dist.get_process_group_ranks(place.data_group) if place.data_group is not None else None
+    group = place.groups["data"]
+    data_ranks = dist.get_process_group_ranks(group) if group is not None else None
     ctx.barrier()  # rank 0 holds the store the others build their groups with: stay until all are done
-    return place.rank, place.ranks, group
+    assert type(place) is type(ctx) and place.device == ctx.device and place.rec is ctx.rec
+    return place.rank, place.world_size, pipeline_processes(place), data_ranks
 
 
-def test_grid_groups_come_from_the_topology():
+def test_grid_place_is_a_rank_context_of_its_pipeline_with_groups_from_the_topology():
     got = spawn(groups_worker, 4, 2, 2)
     # rank = pipe * data_size + data: pipelines are columns, stage copies are rows
-    assert got == [(0, [0, 2], [0, 1]), (0, [1, 3], [0, 1]), (1, [0, 2], [2, 3]), (1, [1, 3], [2, 3])]
-    assert spawn(groups_worker, 4, 4, 1) == [(r, [0, 1, 2, 3], None) for r in range(4)]
-    assert [g for _, _, g in spawn(groups_worker, 4, 1, 4)] == [[0, 1, 2, 3]] * 4
+    assert got == [(0, 2, [0, 2], [0, 1]), (0, 2, [1, 3], [0, 1]), (1, 2, [0, 2], [2, 3]), (1, 2, [1, 3], [2, 3])]
+    assert spawn(groups_worker, 4, 4, 1) == [(r, 4, [0, 1, 2, 3], None) for r in range(4)]
+    assert spawn(groups_worker, 4, 1, 4) == [(0, 1, None, [0, 1, 2, 3])] * 4
 
 
 @pytest.fixture(scope="module")
 def layout_runs():
     model, x, y = mlp_problem()
-    return run_layouts(model, x, y, layouts_of(4, 2, 2, 4), steps=2, rounds=1), model, x, y
+    cfg = grid_experiment.Config(model=model, x=x, y=y, layouts=layouts_of(2, 2, 4), steps=2, rounds=1)
+    return experiments.run(grid_experiment.worker, cfg, grid_experiment.gather), model, x, y
 
 
 def test_every_layout_equals_one_process_after_optimizer_steps(layout_runs):
@@ -206,6 +219,16 @@ def test_every_layout_equals_one_process_after_optimizer_steps(layout_runs):
         assert len(run.losses) == 3  # one checked warm-up step, two timed
         assert_same(run, reference_run(model, x, y, nn.MSELoss(), steps=3, lr=0.1))
         assert run.replica_spread == 0.0
+
+
+def test_every_layout_returns_each_micro_batch_s_loss_as_one_process_computes_it(layout_runs):
+    runs, model, x, y = layout_runs
+    for run in runs:
+        parts = run.layout.data * run.layout.num_microbatches  # batch order: pipeline by pipeline
+        want = [nn.MSELoss()(model(xm), ym).item() for xm, ym in zip(x.chunk(parts), y.chunk(parts))]
+        assert len(run.mb_losses) == len(run.losses) and len(run.mb_losses[0]) == parts
+        assert run.mb_losses[0] == pytest.approx(want, rel=1e-5, abs=1e-6)
+        assert [sum(step) / len(step) for step in run.mb_losses] == pytest.approx(run.losses, rel=1e-6)
     one_pipe, grid, dp = runs
     assert one_pipe.pipelines == [[0, 1, 2, 3]] and grid.pipelines == [[0, 2], [1, 3]]
     assert grid.stages == [[0], [0], [1], [1]] and dp.stages == [[0]] * 4
@@ -222,20 +245,22 @@ def test_the_stage_all_reduce_starts_after_its_last_backward_and_only_in_data_gr
             assert sorted(s.rank for s in reduces) == [0, 1, 2, 3]  # one per process and step
             for a in reduces:
                 backwards = [b for b in tl.filter(rank=a.rank, kind="B") if b.meta["stage"] == a.meta["stage"]]
-                assert len(backwards) == run.layout.microbatches and a.start >= max(b.end for b in backwards)
-        hidden = run.hidden
-        assert len(hidden.values) == len(run.steps.timelines)
-        assert 0.0 <= hidden.low <= hidden.median <= hidden.high <= 1.0
+                assert len(backwards) == run.layout.num_microbatches and a.start >= max(b.end for b in backwards)
+        overlap = run.overlap
+        assert len(overlap.values) == len(run.steps.timelines)
+        assert 0.0 <= overlap.low <= overlap.median <= overlap.high <= 1.0
+        assert grid_experiment.launched_after_last_backward(run)
     for row in grid.launches():
         assert row["launched (ms)"] <= row["arrived (ms)"]
     assert one_pipe.flights() == {} and set(grid.flights()) == {0, 1}  # one pipeline has nothing to average
-    assert 0.0 <= grid.simulated_hidden() <= 1.0
+    assert 0.0 <= grid.simulated_overlap() <= 1.0
     assert all(len(r.round_times) == 1 for r in runs)  # one round of timed steps
 
 
 def test_interleaved_grid_overlaps_its_own_process_s_remaining_work():
     model, x, y = mlp_problem()
-    run = run_grid(model, x, y, pipe=2, data=2, microbatches=4, schedule="interleaved", steps=1)
+    cfg = grid_config(model, x, y, pipe=2, data=2, num_microbatches=4, schedule="interleaved", steps=1)
+    run, = experiments.run(grid_experiment.worker, cfg, grid_experiment.gather)
     assert len(run.losses) == 2  # the checked warm-up step and one timed step
     assert_same(run, reference_run(model, x, y, nn.MSELoss(), steps=2, lr=0.1))
     assert run.stages == [[0, 2], [0, 2], [1, 3], [1, 3]]
@@ -246,15 +271,14 @@ def test_interleaved_grid_overlaps_its_own_process_s_remaining_work():
 
 
 # ---------------------------------------------------------------------------------------------
-# Refused before any process starts
+# Refused when the Config is built, before any process starts
 # ---------------------------------------------------------------------------------------------
 
 @pytest.fixture
 def no_spawn(monkeypatch):
     def refuse(*args, **kwargs):
         raise AssertionError("a process was started for input that should have been refused")
-    monkeypatch.setattr(hybrid_experiment, "spawn", refuse)
-    monkeypatch.setattr(grid_experiment, "spawn", refuse)
+    monkeypatch.setattr("pipelab.launch.spawn", refuse)
 
 
 def test_bad_replica_input_is_refused(no_spawn):
@@ -268,36 +292,61 @@ def test_bad_replica_input_is_refused(no_spawn):
         run_replicas(model, x, y, device="tpu")
     with pytest.raises(ValueError, match="has no seq1, seq2, fc"):
         run_replicas(nn.Linear(10, 5), x, y)
-    with pytest.raises(ValueError, match="16 samples does not split evenly over world_size=3"):
+    with pytest.raises(ValueError, match="batch=16 does not divide evenly by world_size=3"):
         run_replicas(model, x, y, world_size=3)
     with pytest.raises(ValueError, match="split_size=9 is larger than a replica's slice"):
         run_replicas(model, x, y, split_size=9)
     with pytest.raises(ValueError, match="variants must be some of"):
-        run_replicas(model, x, y, variants=["naive"])
+        run_replicas(model, x, y, variants=("naive",))
+    with pytest.raises(ValueError, match="inputs have 16 samples but targets have 15"):
+        run_replicas(model, x, y[:15])
+    with pytest.raises(ValueError, match="steps must be a whole number"):
+        run_replicas(model, x, y, steps=0)
+    with pytest.raises(ValueError, match="bucket_cap_mb must be a number of MiB > 0"):
+        run_replicas(model, x, y, bucket_cap_mb=0)
+
+
+def test_a_summed_loss_is_refused_by_the_replicas_before_any_process_starts(no_spawn):
+    model, x, y = toy_problem()
+    with pytest.raises(ValueError, match="reduction='sum'.*use reduction='mean'"):
+        run_replicas(model, x, y, loss_fn=nn.MSELoss(reduction="sum"))
+
+
+def test_a_summed_loss_is_refused_by_the_grid_before_any_process_starts(no_spawn):
+    model, x, y = mlp_problem()
+    with pytest.raises(ValueError, match="reduction='sum'.*use reduction='mean'"):
+        grid_config(model, x, y, loss_fn=nn.MSELoss(reduction="sum"))
 
 
 def test_bad_grid_input_is_refused(no_spawn):
     model, x, y = mlp_problem()
-    with pytest.raises(ValueError, match=r"pipe=2 x data=2 holds 4 ranks, not world_size=3.*1 x 3, 3 x 1"):
-        run_grid(model, x, y, pipe=2, data=2, world_size=3)
-    with pytest.raises(ValueError, match=r"holds 2 ranks, not world_size=4"):
-        run_layouts(model, x, y, [Layout(2, 2, 4), Layout(2, 1, 4)])
+    with pytest.raises(ValueError, match=r"holds 2 ranks, not world_size=4.*1 x 4, 2 x 2, 4 x 1"):
+        grid_experiment.Config(model=model, x=x, y=y, layouts=(Layout(2, 2, 4), Layout(2, 1, 4)))
     with pytest.raises(ValueError, match=r"batch of 30 samples does not split over data=2 replicas x 4 micro-batches"
-                                         r".*multiple of 8, or microbatches in \[1, 3, 5, 15\]"):
-        run_grid(model, x[:30], y[:30], pipe=2, data=2, microbatches=4)
+                                         r".*multiple of 8, or num_microbatches in \[1, 3, 5, 15\]"):
+        grid_config(model, x[:30], y[:30], pipe=2, data=2, num_microbatches=4)
     with pytest.raises(ValueError, match="pass an nn.Sequential"):
-        run_grid(models.ToyModel(), x, y)
+        grid_config(models.ToyModel(), x, y)
     with pytest.raises(ValueError, match="cannot cut a model with 8 layers into 16 stages"):
-        run_grid(model, x, y, pipe=16, data=1, microbatches=1)
-    with pytest.raises(ValueError, match="reduction='mean'"):
-        run_grid(model, x, y, loss_fn=nn.MSELoss(reduction="sum"))
+        grid_config(model, x, y, pipe=16, data=1, num_microbatches=1)
     with pytest.raises(ValueError, match="unknown schedule"):
-        run_grid(model, x, y, schedule="pipedream")
+        grid_config(model, x, y, schedule="pipedream")
     with pytest.raises(ValueError, match="pipe must be a whole number"):
-        run_grid(model, x, y, pipe=0)
+        grid_config(model, x, y, pipe=0)
+    with pytest.raises(ValueError, match="num_microbatches must be a whole number"):
+        grid_config(model, x, y, num_microbatches=0)
+    with pytest.raises(ValueError, match="layouts must be one or more Layout"):
+        grid_experiment.Config(model=model, x=x, y=y, layouts=())
+    with pytest.raises(ValueError, match="rounds must be a whole number"):
+        grid_config(model, x, y, rounds=0)
+    cfg = grid_config(model, x, y)
+    assert cfg.world_size == 4
+    with pytest.raises(ValueError, match="unknown schedule"):  # a changed copy is checked too
+        replace(cfg, schedule="1f1b ")
 
 
 def test_predicted_step_of_a_layout():
+    assert layouts_of(2, 2, 4) == (Layout(4, 1, 4), Layout(2, 2, 4), Layout(1, 4, 1))
     assert grid_experiment.ideal_fraction(Layout(4, 1, 4)) == pytest.approx(7 / 16)
     assert grid_experiment.ideal_fraction(Layout(2, 2, 4)) == pytest.approx(5 / 16)
     assert grid_experiment.ideal_fraction(Layout(1, 4, 1)) == pytest.approx(1 / 4)

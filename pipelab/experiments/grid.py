@@ -1,12 +1,17 @@
-"""Lesson 05 from a notebook, part 3-4: the pipe x data grid, and the same processes laid out as
+"""Lesson 05 from a notebook, parts 3-4: the pipe x data grid, and the same processes laid out as
 one long pipeline or as pure data parallelism.
 
-`run_layouts(model, x, y, layouts)` starts `world_size` processes once and runs every layout
-(pipe x data) in them, in alternating rounds so that a busy machine slows them all alike. In each,
-a process finds its place and groups with `hybrid.grid_place`, cuts its stages with
+    cfg = grid.Config(model=models.mlp([512] * 9), x=x, y=y, layouts=grid.layouts_of(2, 2, 4))  # checked here
+    runs = experiments.run(grid.worker, cfg, grid.gather)  # one GridRun per layout
+
+The processes start once and run every layout (pipe x data) in alternating rounds, so that a busy
+machine slows them all alike. In each, a process finds its place with `hybrid.grid_place` (a
+`RankContext` of its own pipeline, its pipe and data groups in `ctx.groups`), cuts its stages with
 `split_model`, takes its replica's share of the batch and trains with `hybrid.run_grid_step`.
 A `GridRun` names gradients and weights as the model does, so
-`assert_same(run, reference_run(model, x, y, loss_fn, steps=len(run.losses), lr=lr))` checks it.
+`assert_same(run, grid.reference(cfg, steps=len(run.losses)))` checks it; its `mb_losses` are each
+micro-batch's loss as the last stage computed it. The predictions and verdict functions below turn
+the runs into the lesson's conclusions.
 """
 
 from __future__ import annotations
@@ -19,26 +24,31 @@ from typing import Callable, Sequence
 import torch
 from torch import nn
 
-from pipelab.checks import divisors, positive_number, whole_number
+from pipelab import experiments, hardware
+from pipelab.checks import divisors, mean_loss, positive_number, same_batch, whole_number
+from pipelab.display import conclude, human_bytes
 from pipelab.experiments.hybrid import hidden_share, is_compute
-from pipelab.hybrid import check_grid, grid_place, run_grid_step
-from pipelab.launch import spawn
 from pipelab.hardware import synchronize
-from pipelab.measure import Measured, TimedSteps, RankSteps, Steps, alternate, best_of, gather_steps, time_steps
+from pipelab.hybrid import check_grid, grid_place, microbatch_losses, run_grid_step
+from pipelab.measure import Measured, RankSteps, Steps, TimedSteps, alternate, best_of, compare, gather_steps, \
+    ratios, time_steps
 from pipelab.pipeline.p2p import message_specs
 from pipelab.pipeline.partition import split_model
 from pipelab.pipeline.schedules import make_schedule
 from pipelab.pipeline.simulate import Costs, simulate
+from pipelab.pipeline.topology import ProcessTopology
+from pipelab.reference import Reference, reference_run
 from pipelab.timeline import Span, Timeline
+from pipelab.worker import RankContext
 
 
 @dataclass(frozen=True)
 class Layout:
-    """`pipe x data` processes: `data` pipelines of `pipe` ranks, each on `microbatches` micro-batches."""
+    """`pipe x data` processes: `data` pipelines of `pipe` ranks, each on `num_microbatches` micro-batches."""
 
     pipe: int
     data: int
-    microbatches: int = 1
+    num_microbatches: int = 1
 
     @property
     def name(self) -> str:
@@ -48,11 +58,76 @@ class Layout:
             return f"one pipeline ({self.pipe} x 1)"
         return f"grid ({self.pipe} x {self.data})"
 
+    def schedule(self, name: str):
+        """The schedule each pipeline of this layout runs (one stage needs no schedule: 1F1B of one rank)."""
+        return make_schedule(name if self.pipe > 1 else "1f1b", self.pipe, self.num_microbatches)
 
-def layouts_of(world_size: int, pipe: int, data: int, microbatches: int) -> list[Layout]:
-    """The three ways lesson 05 compares: one pipeline over every process (whole batch), the
-    grid, and pure data parallelism (each process the whole model, one micro-batch)."""
-    return [Layout(world_size, 1, microbatches), Layout(pipe, data, microbatches), Layout(1, world_size, 1)]
+
+def layouts_of(pipe: int, data: int, num_microbatches: int) -> tuple[Layout, ...]:
+    """The three ways lesson 05 compares on pipe x data processes: one pipeline over every process
+    (whole batch), the grid, and pure data parallelism (each process the whole model, one micro-batch)."""
+    return Layout(pipe * data, 1, num_microbatches), Layout(pipe, data, num_microbatches), Layout(1, pipe * data, 1)
+
+
+# ---------------------------------------------------------------------------------------------
+# What a run is: checked when built
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, kw_only=True)
+class Config(experiments.Config):
+    """`model` (an nn.Sequential) trained on (x, y) in each of `layouts`, all on the same processes
+    (so `world_size` is the first layout's pipe x data): one checked warm-up step, then `rounds` x
+    `steps` timed SGD steps per layout, the layouts alternating round by round. The pipelines run
+    `schedule` (lesson 07)."""
+
+    model: nn.Sequential
+    x: torch.Tensor
+    y: torch.Tensor
+    layouts: tuple[Layout, ...]
+    loss_fn: Callable = field(default_factory=nn.MSELoss)
+    schedule: str = "1f1b"
+    lr: float = 0.1
+    steps: int = 3
+    rounds: int = 1
+    timeout: float = 300.0
+    world_size: int = field(init=False, default=0)  # the layouts' processes: pipe x data
+
+    def __post_init__(self) -> None:
+        if not self.layouts or not all(isinstance(layout, Layout) for layout in self.layouts):
+            raise ValueError(f"layouts must be one or more Layout(pipe, data, num_microbatches), got {self.layouts!r}; "
+                             "e.g. layouts=(Layout(2, 2, 4),) or grid.layouts_of(2, 2, 4)")
+        first = self.layouts[0]
+        check_grid(first.pipe, first.data)
+        object.__setattr__(self, "world_size", first.pipe * first.data)
+        super().__post_init__()
+
+    def check(self) -> None:
+        super().check()
+        mean_loss(self.loss_fn)
+        if not isinstance(self.model, nn.Sequential):
+            raise ValueError(f"the grid cuts the model into stages, so pass an nn.Sequential, got "
+                             f"{type(self.model).__name__} (e.g. pipelab.models.mlp([64] * 9))")
+        batch = same_batch(self.x, self.y)
+        make_schedule(self.schedule, 2, 2)  # refuses a schedule name that does not exist
+        for layout in self.layouts:
+            check_grid(layout.pipe, layout.data, self.world_size)
+            whole_number("num_microbatches", layout.num_microbatches, example="num_microbatches=4")
+            split_model(self.model, layout.schedule(self.schedule).num_stages)  # refuses more stages than layers
+            parts = layout.data * layout.num_microbatches
+            if batch % parts:
+                fits = f", or num_microbatches in {divisors(batch // layout.data)}" if batch % layout.data == 0 else ""
+                raise ValueError(f"a batch of {batch} samples does not split over data={layout.data} replicas x "
+                                 f"{layout.num_microbatches} micro-batches ({parts} equal parts); use a batch that "
+                                 f"is a multiple of {parts}{fits}")
+        positive_number("lr", self.lr, example="lr=0.1")
+        whole_number("steps", self.steps, example="steps=3")
+        whole_number("rounds", self.rounds, example="rounds=2")
+
+
+def reference(cfg: Config, steps: int) -> Reference:
+    """What one process computes with the same model, batch, loss and `steps` SGD steps."""
+    return reference_run(cfg.model, cfg.x, cfg.y, cfg.loss_fn, steps=steps, lr=cfg.lr)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -60,63 +135,79 @@ def layouts_of(world_size: int, pipe: int, data: int, microbatches: int) -> list
 # ---------------------------------------------------------------------------------------------
 
 
+@dataclass
+class Result:
+    """What one process brings back for one layout."""
+
+    steps: RankSteps  # per step, this process's micro-batch losses if it holds a last stage (else None)
+    grads: dict[str, torch.Tensor]  # its stages' gradients of the first step, named as in the model
+    weights: dict[str, torch.Tensor]  # its stages' weights after the last step
+    pipeline: list[int]  # the processes of its pipeline
+    replica: int  # its data coordinate: which share of the batch its pipeline trains
+    stages: list[int]  # the stages it holds
+
+
 class LayoutTrainer:
     """One layout on this process: its place in the grid, its stages, its share of the batch."""
 
-    def __init__(self, ctx, layout: Layout, model: nn.Module, x: torch.Tensor, y: torch.Tensor,
-                 loss_fn: Callable, schedule: str, lr: float):
-        self.ctx, self.loss_fn = ctx, loss_fn
-        self.place = grid_place(ctx, check_grid(layout.pipe, layout.data, ctx.world_size))
-        self.schedule = make_schedule(schedule if layout.pipe > 1 else "1f1b", layout.pipe, layout.microbatches)
-        local = copy.deepcopy(model)  # every layout starts from the same weights
+    def __init__(self, ctx: RankContext, cfg: Config, layout: Layout):
+        self.cfg = cfg
+        topology = check_grid(layout.pipe, layout.data, ctx.world_size)
+        self.place = grid_place(ctx, topology)
+        self.pipeline = next(ranks for ranks in topology.get_axis_comm_lists("pipe") if ctx.rank in ranks)
+        self.replica = topology.get_coord(ctx.rank).data
+        self.schedule = layout.schedule(cfg.schedule)
+        local = copy.deepcopy(cfg.model)  # every layout starts from the same weights
         self.names = {id(p): n for n, p in local.named_parameters()}  # names as in the whole model
         stages = split_model(local, self.schedule.num_stages)
-        replica = ctx.rank % layout.data  # the grid's last axis (data) runs fastest
-        self.x, self.y = x.chunk(layout.data)[replica], y.chunk(layout.data)[replica]
-        self.specs = message_specs(stages, self.x, layout.microbatches)  # what each message carries
+        x, y = cfg.x.chunk(layout.data)[self.replica], cfg.y.chunk(layout.data)[self.replica]
+        self.specs = message_specs(stages, x, layout.num_microbatches)  # what each message carries
         self.modules = {s: stages[s].to(ctx.device) for s in self.schedule.stages_of(self.place.rank)}
-        self.x, self.y = self.x.to(ctx.device), self.y.to(ctx.device)
-        self.optimizer = torch.optim.SGD([p for m in self.modules.values() for p in m.parameters()], lr=lr)
+        self.x, self.y = x.to(ctx.device), y.to(ctx.device)
+        self.optimizer = torch.optim.SGD([p for m in self.modules.values() for p in m.parameters()], lr=cfg.lr)
         self.first_grads: dict | None = None
 
     def zero_grad(self, _=None) -> None:
         self.optimizer.zero_grad(set_to_none=True)
 
-    def step(self, _=None) -> float | None:
-        """One step: the grid's rank loop, then SGD; the loss where this process holds the last stage."""
-        runner = run_grid_step(self.place, self.schedule, self.modules, self.loss_fn, self.x, self.y, self.specs)
+    def step(self, _=None) -> list[float] | None:
+        """One step: the grid's rank loop, then SGD; the micro-batch losses where this process
+        holds the last stage."""
+        runner = run_grid_step(self.place, self.schedule, self.modules, self.cfg.loss_fn, self.x, self.y, self.specs)
         if self.first_grads is None:
             self.first_grads = self.tensors(grad=True)
         self.optimizer.step()
-        return float(sum(runner.losses)) if runner.losses else None
+        return microbatch_losses(runner) or None
 
     def tensors(self, grad: bool) -> dict[str, torch.Tensor]:
         """This process's gradients or weights, named as in the whole model."""
         return {self.names[id(p)]: (p.grad if grad else p).detach().cpu().clone()
                 for m in self.modules.values() for p in m.parameters()}
 
+    def result(self, steps: RankSteps) -> Result:
+        return Result(steps, self.first_grads, self.tensors(grad=False), self.pipeline, self.replica,
+                      sorted(self.modules))
 
-def layouts_worker(ctx, model: nn.Module, x: torch.Tensor, y: torch.Tensor, loss_fn: Callable,
-                   layouts: list[Layout], schedule: str, lr: float, steps: int, rounds: int) -> list[dict]:
-    """Worker: every layout in `rounds` alternating rounds of `steps` timed steps; the first step
-    of each layout is checked and warms up."""
-    trainers = [LayoutTrainer(ctx, layout, model, x, y, loss_fn, schedule, lr) for layout in layouts]
-    measured = [RankSteps([], [], []) for _ in layouts]
+
+def worker(ctx: RankContext, cfg: Config) -> list[Result]:
+    """Worker: every layout in `cfg.rounds` alternating rounds of `cfg.steps` timed steps (one
+    `Result` per layout); the first step of each layout is checked and warms up."""
+    trainers = [LayoutTrainer(ctx, cfg, layout) for layout in cfg.layouts]
+    measured = [RankSteps([], [], []) for _ in trainers]
 
     def one_round(i: int) -> Callable[[], float]:
         def run() -> float:
             trainer, got = trainers[i], measured[i]
             warmup = 0 if got.results else 1  # a layout's very first step is checked, not timed
-            this = time_steps(ctx, trainer.step, steps + warmup, prepare=trainer.zero_grad, warmup=warmup)
+            this = time_steps(ctx, trainer.step, cfg.steps + warmup, prepare=trainer.zero_grad, warmup=warmup)
             got.results.extend(this.results)
             got.seconds.extend(this.seconds)
             got.timelines.extend(this.timelines)
             return statistics.median(this.seconds)
         return run
 
-    alternate({i: one_round(i) for i in range(len(layouts))}, rounds, warmup=0)  # A B C A B C ...
-    return [{"steps": got, "grads": t.first_grads, "weights": t.tensors(grad=False), "pipeline": t.place.ranks,
-             "stages": sorted(t.modules)} for t, got in zip(trainers, measured)]
+    alternate({i: one_round(i) for i in range(len(trainers))}, cfg.rounds, warmup=0)  # A B C A B C ...
+    return [trainer.result(got) for trainer, got in zip(trainers, measured)]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -130,7 +221,8 @@ class GridRun(TimedSteps):
 
     layout: Layout
     schedule: str
-    losses: list[float]  # per step: the mean over pipelines of the batch's loss
+    losses: list[float]  # per step: the batch's loss, the mean of its micro-batches' losses
+    mb_losses: list[list[float]]  # per step: each micro-batch's loss as its last stage computed it, in batch order
     grads: list[dict[str, torch.Tensor]]  # per process: its stages' gradients of the first step
     weights: list[dict[str, torch.Tensor]]  # per process: its stages' weights after the last step
     replica_spread: float  # largest difference between two copies of a weight after the last step
@@ -151,8 +243,9 @@ class GridRun(TimedSteps):
         return [statistics.median(self.steps.seconds[r * per:(r + 1) * per]) for r in range(self.rounds)]
 
     @property
-    def hidden(self) -> Measured:
-        """`hidden_behind_pipeline` of every timed step."""
+    def overlap(self) -> Measured:
+        """Per timed step, the share of the data-parallel all-reduces' flight hidden behind some
+        process's compute (`hidden_behind_pipeline`)."""
         return Measured.of(hidden_behind_pipeline(tl) for tl in self.steps.timelines)
 
     def flights(self) -> dict[int, float]:
@@ -165,27 +258,20 @@ class GridRun(TimedSteps):
                 per_stage.setdefault(stage, []).append(statistics.mean(mine))
         return {stage: statistics.median(d) for stage, d in sorted(per_stage.items())}
 
-    def simulated_hidden(self) -> float:
-        """The share `hidden` would be on independent devices: the schedule simulated with this
+    def simulated_overlap(self) -> float:
+        """The share `overlap` would be on independent devices: the schedule simulated with this
         run's measured per-stage costs, each stage's all-reduce launched when its gradients are
         final and taking its measured flight, hidden for as long as the pipeline still computes."""
-        sched = make_schedule(self.schedule if self.layout.pipe > 1 else "1f1b", self.layout.pipe,
-                              self.layout.microbatches)
-        sim = simulate(sched, Costs.from_timeline(self.timeline, per_stage=True)).timeline
+        sim = simulate(self.layout.schedule(self.schedule), Costs.from_timeline(self.timeline, per_stage=True)).timeline
         end, hidden, total = max(s.end for s in sim), 0.0, 0.0
         for stage, flight in self.flights().items():
             final = max(s.end for s in sim if s.kind in ("B", "W") and s.meta["stage"] == stage)
             hidden, total = hidden + min(flight, end - final), total + flight
         return hidden / total if total > 0 else 0.0
 
-    @property
-    def typical_hidden(self) -> float:
-        """`hidden_behind_pipeline` of the typical step (the one `timeline` is)."""
-        return hidden_behind_pipeline(self.timeline)
-
     def launches(self) -> list[dict]:
-        """For each process in the typical step: when its stage's all-reduce was launched and arrived,
-        and when its pipeline's last compute ended (ms from the step's start)."""
+        """Table rows, one per process in the typical step: when its stage's all-reduce was launched
+        and arrived, and when its pipeline's last compute ended (ms from the step's start)."""
         tl = self.timeline
         rows = []
         for s in tl.filter(kind="allreduce"):
@@ -215,6 +301,13 @@ def hidden_behind_pipeline(tl: Timeline) -> float:
     return hidden_share(flights, lambda s: s.kind == "allreduce", is_compute, any_rank=True)
 
 
+def launched_after_last_backward(run: GridRun) -> bool:
+    """Whether, in every timed step, each stage's all-reduce started only once that stage's
+    gradients were final (after its last B or W on that process)."""
+    return all(a.start >= max(b.end for b in tl.filter(rank=a.rank, kind=("B", "W")) if b.meta.get("stage") == a.meta["stage"])
+               for tl in run.steps.timelines for a in tl.filter(kind="allreduce"))
+
+
 def _spread(weights: list[dict[str, torch.Tensor]]) -> float:
     """Largest difference between two processes' copies of the same weight."""
     first: dict[str, torch.Tensor] = {}
@@ -225,66 +318,20 @@ def _spread(weights: list[dict[str, torch.Tensor]]) -> float:
     return worst
 
 
-def gather_layout(layout: Layout, schedule: str, per_rank: list[dict], rounds: int = 1) -> GridRun:
-    per_step = zip(*(r["steps"].results for r in per_rank))
-    losses = [statistics.mean(loss for loss in step if loss is not None) for step in per_step]
-    pipelines = sorted({tuple(r["pipeline"]) for r in per_rank})
-    return GridRun(layout, schedule, losses, [r["grads"] for r in per_rank], [r["weights"] for r in per_rank],
-                   _spread([r["weights"] for r in per_rank]), gather_steps([r["steps"] for r in per_rank]),
-                   [list(p) for p in pipelines], [r["stages"] for r in per_rank], rounds)
+def gather_layout(cfg: Config, layout: Layout, mine: Sequence[Result]) -> GridRun:
+    """One layout's `GridRun` from every process's `Result` (by rank)."""
+    last = sorted((r for r in mine if r.steps.results[0] is not None), key=lambda r: r.replica)  # one per pipeline
+    mb_losses = [[loss for r in last for loss in r.steps.results[i]] for i in range(len(last[0].steps.results))]
+    pipelines = sorted({tuple(r.pipeline) for r in mine})
+    weights = [r.weights for r in mine]
+    return GridRun(layout, cfg.schedule, [statistics.mean(step) for step in mb_losses], mb_losses,
+                   [r.grads for r in mine], weights, _spread(weights), gather_steps([r.steps for r in mine]),
+                   [list(p) for p in pipelines], [r.stages for r in mine], cfg.rounds)
 
 
-def check_layouts(model: nn.Module, x: torch.Tensor, y: torch.Tensor, layouts: Sequence[Layout], world_size: int,
-                  loss_fn: Callable, schedule: str, lr: float, steps: int, rounds: int) -> None:
-    """Refuse what cannot run, before any process starts."""
-    if getattr(loss_fn, "reduction", "mean") != "mean":
-        raise ValueError(f"the replicas average their gradients, which is the whole batch's gradient only for a "
-                         f"loss that averages over samples; got reduction={loss_fn.reduction!r}: use "
-                         "reduction='mean'")
-    if not isinstance(model, nn.Sequential):
-        raise ValueError(f"the grid cuts the model into stages, so pass an nn.Sequential, got {type(model).__name__} "
-                         "(e.g. pipelab.models.mlp([64] * 9))")
-    if not layouts:
-        raise ValueError("give at least one layout, e.g. [Layout(pipe=2, data=2, microbatches=4)]")
-    batch = x.shape[0]
-    if y.shape[0] != batch:
-        raise ValueError(f"inputs have {batch} samples but targets have {y.shape[0]}; pass one target per input")
-    for layout in layouts:
-        check_grid(layout.pipe, layout.data, world_size)
-        whole_number("microbatches", layout.microbatches, example="microbatches=4")
-        sched = make_schedule(schedule if layout.pipe > 1 else "1f1b", layout.pipe, layout.microbatches)
-        split_model(model, sched.num_stages)  # refuses more stages than layers
-        parts = layout.data * layout.microbatches
-        if batch % parts:
-            fits = f", or microbatches in {divisors(batch // layout.data)}" if batch % layout.data == 0 else ""
-            raise ValueError(f"a batch of {batch} samples does not split over data={layout.data} replicas x "
-                             f"{layout.microbatches} micro-batches ({parts} equal parts); use a batch that is a "
-                             f"multiple of {parts}{fits}")
-    positive_number("lr", lr, example="lr=0.1")
-    whole_number("steps", steps, example="steps=3")
-    whole_number("rounds", rounds, example="rounds=2")
-
-
-def run_layouts(model: nn.Module, x: torch.Tensor, y: torch.Tensor, layouts: Sequence[Layout],
-                loss_fn: Callable | None = None, schedule: str = "1f1b", lr: float = 0.1, steps: int = 3,
-                rounds: int = 1, world_size: int | None = None, backend: str = "auto",
-                timeout: float = 300.0) -> list[GridRun]:
-    """Train `model` (an nn.Sequential) in each layout on the same `world_size` processes (by
-    default, the first layout's pipe x data): one checked warm-up step, then `rounds` x `steps`
-    timed SGD steps per layout, rounds alternating."""
-    loss_fn = loss_fn if loss_fn is not None else nn.MSELoss()
-    if world_size is None:
-        world_size = layouts[0].pipe * layouts[0].data if layouts else 1
-    check_layouts(model, x, y, layouts, world_size, loss_fn, schedule, lr, steps, rounds)
-    per_rank = spawn(layouts_worker, world_size, model, x, y, loss_fn, list(layouts), schedule, lr, steps, rounds,
-                     backend=backend, timeout=timeout)
-    return [gather_layout(layout, schedule, [r[i] for r in per_rank], rounds) for i, layout in enumerate(layouts)]
-
-
-def run_grid(model: nn.Module, x: torch.Tensor, y: torch.Tensor, pipe: int = 2, data: int = 2,
-             microbatches: int = 4, **kwargs) -> GridRun:
-    """Train `model` on one pipe x data grid (see `run_layouts` for the other arguments)."""
-    return run_layouts(model, x, y, [Layout(pipe, data, microbatches)], **kwargs)[0]
+def gather(cfg: Config, results: Sequence[list[Result]]) -> list[GridRun]:
+    """One `GridRun` per layout, in `cfg.layouts`' order."""
+    return [gather_layout(cfg, layout, [r[i] for r in results]) for i, layout in enumerate(cfg.layouts)]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -298,7 +345,7 @@ def ideal_fraction(layout: Layout) -> float:
     does 1/(pipe x data) of the work, and a pipeline of p stages and m micro-batches takes
     m + p - 1 micro-batch slots for m slots of work (the bubble, lessons 06-07):
     (m + p - 1) / (m x p x data). Pure data parallelism (p = m = 1) gives 1/data."""
-    m, p = layout.microbatches, layout.pipe
+    m, p = layout.num_microbatches, layout.pipe
     return (m + p - 1) / (m * p * layout.data)
 
 
@@ -332,3 +379,136 @@ def one_device_seconds(model: nn.Module, x: torch.Tensor, y: torch.Tensor, loss_
         return best_of({"step": step}, repeats, prepare=lambda: model.zero_grad(set_to_none=True))["step"][0]
     finally:
         torch.set_num_threads(threads)
+
+
+@dataclass
+class Prediction:
+    """The layouts' compute-only steps, from one measured step of the whole model."""
+
+    one_device: float  # s: the whole model's forward and backward on the whole batch, one thread or one GPU
+    device: str  # "cpu" or "cuda"
+    here: int  # the devices this machine's processes share: its GPUs, or its cores
+    world: int  # the processes
+
+    def seconds(self, layout: Layout, devices: int | None = None) -> float:
+        """The layout's predicted step (s) on `devices` devices (default: this machine's)."""
+        return predicted_seconds(layout, self.one_device, devices or self.here)
+
+    @property
+    def few_cores(self) -> bool:
+        """More processes than cores: a process waiting in a bubble leaves its core to another."""
+        return self.device == "cpu" and self.world > self.here
+
+    def ms(self, runs: Sequence[GridRun]) -> dict[str, dict[str, float]]:
+        """Both predictions, by label, then by layout name (ms): on this machine, and on one GPU per process."""
+        here = f"predicted, {self.here} {'GPUs' if self.device == 'cuda' else 'cores'} (this machine)"
+        return {here: {r.name: self.seconds(r.layout) * 1e3 for r in runs},
+                f"predicted, {self.world} GPUs": {r.name: self.seconds(r.layout, self.world) * 1e3 for r in runs}}
+
+
+def predict(cfg: Config) -> Prediction:
+    """Time the whole model's step here (one GPU if every process has one, else one CPU thread)."""
+    device = "cuda" if hardware.gpu_count() >= cfg.world_size else "cpu"
+    one = one_device_seconds(cfg.model, cfg.x, cfg.y, cfg.loss_fn, device=device)
+    return Prediction(one, device, cfg.world_size if device == "cuda" else hardware.cpu_cores(), cfg.world_size)
+
+
+def layouts_table(cfg: Config, runs: Sequence[GridRun], prediction: Prediction) -> list[dict]:
+    """One row per layout: its bubble, its all-reduce bytes, both predictions and the measured step."""
+    predicted = prediction.ms(runs)
+    return [{"layout": r.name, "bubble (p-1)/(m+p-1)": round((r.layout.pipe - 1) / (r.layout.num_microbatches + r.layout.pipe - 1), 3),
+             "all-reduce per process": human_bytes(allreduce_bytes(r.layout, cfg.model)),
+             **{label: round(per[r.name], 1) for label, per in predicted.items()},
+             "measured (ms)": f"{r.step_time.scaled(1e3):.1f}"} for r in runs]
+
+
+# ---------------------------------------------------------------------------------------------
+# Verdicts: what the notebook concludes, computed from the runs
+# ---------------------------------------------------------------------------------------------
+
+
+def groups_verdict(topology: ProcessTopology) -> str:
+    """Conclude whether the topology's groups are the ones its numbering (data fastest) predicts."""
+    pipe, data = topology.get_dim("pipe"), topology.get_dim("data")
+    predicted_data = [[p * data + d for d in range(data)] for p in range(pipe)]
+    predicted_pipe = [[p * data + d for p in range(pipe)] for d in range(data)]
+    got_data, got_pipe = topology.get_axis_comm_lists("data"), topology.get_axis_comm_lists("pipe")
+    as_predicted = got_data == predicted_data and got_pipe == predicted_pipe
+    verdict = "as predicted" if as_predicted else "not as predicted"
+    conclude("05.grid_groups", verdict,
+             f"the topology's data groups {got_data} and pipelines {got_pipe} " + ("are" if as_predicted else "are not")
+             + f" the ones the numbering predicts ({predicted_data} and {predicted_pipe}).")
+    return verdict
+
+
+def overlap_verdict(run: GridRun) -> str:
+    """Conclude how much of the grid's data-parallel all-reduce time hid behind the pipeline's
+    compute, beside what the schedule would hide on one device per process."""
+    overlap, simulated = run.overlap, run.simulated_overlap()
+    world = run.layout.pipe * run.layout.data
+    cores = world if hardware.gpu_count() >= world else hardware.cpu_cores()
+    text = (f"{overlap.scaled(100):.0f} % of the data-parallel all-reduce time (from the last copy's launch to arrival) "
+            f"had some process still computing (median (lowest-highest) of {len(overlap.values)} timed steps); "
+            f"{run.schedule} simulated with this run's measured costs and all-reduce times, one device per process, "
+            f"hides {simulated:.0%}. ")
+    if cores < world:
+        verdict = "within noise"
+        text += (f"Here {world} processes share {cores} cores: a process 'still computing' may have been waiting for "
+                 "a core, so the measured share counts time-slicing as much as hiding. Too few cores for the effect: "
+                 "the simulated share is what one device per process would hide.")
+    else:
+        verdict = compare(overlap, Measured.of([simulated]))
+        text += {"lower": "Every timed step hid less than the simulation.",
+                 "higher": "Every timed step hid more than the simulation.",
+                 "within noise": "The simulated share lies within the measured range."}[verdict]
+    conclude("05.grid_hidden", verdict, text, hidden=overlap, simulated=simulated, flights_s=str(run.flights()))
+    return verdict
+
+
+def layout_verdicts(runs: Sequence[GridRun], prediction: Prediction) -> dict[str, str]:
+    """Conclude how the grid's step compares with one pipeline's and with pure data parallelism's
+    (`runs` in `layouts_of`' order), and how every layout compares with its prediction."""
+    one_pipe, grid_run, dp = runs
+    gpu = prediction.ms(runs)[f"predicted, {prediction.world} GPUs"]
+    verdicts = {}
+    for other, key in ((one_pipe, "05.grid_vs_one_pipeline"), (dp, "05.grid_vs_data_parallel")):
+        per_round = ratios(grid_run.round_times, other.round_times)  # the layouts alternated round by round
+        text = (f"the grid's step / {other.name}'s: {per_round:.2f} (median (lowest-highest) of "
+                f"{len(per_round.values)} rounds); grid {grid_run.step_time.scaled(1e3):.1f} ms against "
+                f"{other.step_time.scaled(1e3):.1f} ms over the timed steps. ")
+        if prediction.few_cores:
+            verdict = "within noise"
+            text += (f"{prediction.world} processes share {prediction.here} cores: a process waiting in a bubble leaves "
+                     f"its core to another, so all three compute-only predictions meet at "
+                     f"{prediction.one_device / prediction.here * 1e3:.1f} ms, and the layouts differ here only by their "
+                     "messages, all-reduces and overheads. Too few cores for the layouts' bubbles to show: with one GPU "
+                     f"per process the prediction is {gpu[grid_run.name]:.1f} ms for the grid against "
+                     f"{gpu[other.name]:.1f} ms.")
+        else:
+            verdict = compare(grid_run.step_time, other.step_time)
+            text += {"lower": "Every timed step of the grid was faster than any of the other.",
+                     "higher": "Every timed step of the grid was slower than any of the other.",
+                     "within noise": "The ranges overlap: this run cannot tell the two apart."}[verdict]
+        conclude(key, verdict, text, ratio=per_round, grid=grid_run.step_time, other=other.step_time)
+        verdicts[key] = verdict
+
+    over = {r.name: r.step_time.scaled(1 / prediction.seconds(r.layout)) for r in runs}
+    slower = all(compare(r.step_time, Measured.of([prediction.seconds(r.layout)])) == "higher" for r in runs)
+    verdicts["05.layouts_vs_prediction"] = verdict = "slower than predicted" if slower else "not all slower"
+    conclude("05.layouts_vs_prediction", verdict,
+             "measured / predicted on this machine: " + ", ".join(f"{n} {v:.1f}" for n, v in over.items()) + ". "
+             + ("Every timed step of every layout took longer than its compute-only prediction: the prediction "
+                "leaves out the messages, the all-reduces and the overhead of each action and micro-batch."
+                if slower else "Some timed step came within its compute-only prediction, so the messages, "
+                "all-reduces and overheads it leaves out cost little here."),
+             **{n.split(" (")[0].replace(" ", "_"): v for n, v in over.items()})
+    return verdicts
+
+
+def gpu_outlook(runs: Sequence[GridRun], prediction: Prediction) -> str:
+    """The compute-only predictions on one GPU per process, and which layout they put first."""
+    gpu = prediction.ms(runs)[f"predicted, {prediction.world} GPUs"]
+    return ("On a node with one GPU per process the compute-only predictions are "
+            + ", ".join(f"{n} {v:.1f} ms" for n, v in gpu.items())
+            + f" (scaled from this machine's one-thread step): {min(gpu, key=gpu.get)} first, "
+            "and the all-reduce bytes per process above are what it pays for that.")

@@ -1,18 +1,24 @@
-"""Lesson 05 from a notebook, part 1-2: data parallelism over replicas that each span two devices.
+"""Lesson 05 from a notebook, parts 1-2: data parallelism over replicas that each span two devices.
 
-`run_replicas` starts `world_size` processes; each builds a `ModelParallelReplica` on its two
-devices (GPUs, or virtual CPU devices), wraps it with our `BucketedDDP` and with torch's
+    cfg = hybrid.Config(model=models.SplitMLP(512, 2, 512), x=x, y=y, split_size=16)  # refuses bad input here
+    runs = experiments.run(hybrid.worker, cfg, hybrid.gather)  # variant -> ReplicaRun
+
+Each of `cfg.world_size` processes builds a `ModelParallelReplica` on its two devices (GPUs, or
+virtual CPU devices), wraps it with our `BucketedDDP` and with torch's
 `DistributedDataParallel(device_ids=None)`, and trains a few SGD steps on its slice of the batch.
 A `ReplicaRun` carries losses, first-step gradients and final weights for
-`reference.assert_same`, the timed steps, and the three overlaps of the lesson, measured on every
-timed step: copy/compute, device/device and all-reduce/compute (`overlaps`).
+`reference.assert_same`, the timed steps, and what ran at once in them, each a `Measured` over the
+timed steps: `overlap` (the buckets' all-reduce time hidden behind compute), `copy_overlap` (the
+activation copies' time hidden behind compute) and `device_concurrency` (both devices computing).
+The verdict functions turn the runs into the lesson's conclusions.
 
-The grid of part 3-4 is in `pipelab.experiments.grid`.
+The grid of parts 3-4 is in `pipelab.experiments.grid`.
 """
 
 from __future__ import annotations
 
 import copy
+import math
 import statistics
 from dataclasses import dataclass, field, replace
 from typing import Callable, Sequence
@@ -20,20 +26,22 @@ from typing import Callable, Sequence
 import torch
 from torch import nn
 
-from pipelab.checks import divisors, positive_number, whole_number
+from pipelab import experiments, hardware
+from pipelab.checks import divides, mean_loss, positive_number, same_batch, whole_number
 from pipelab.ddp import Bucket, BucketedDDP, check_bucket_cap
+from pipelab.display import conclude
 from pipelab.experiments.ddp import replica_spread, shard
 from pipelab.hybrid import HALVES, ModelParallelReplica, gpu_path, replica_devices
-from pipelab.launch import spawn
-from pipelab.measure import Measured, TimedSteps, Steps, gather_steps, time_steps
+from pipelab.measure import Measured, RankSteps, Steps, TimedSteps, compare, gather_steps, time_steps
+from pipelab.reference import Reference, perturb, reference_run
 from pipelab.streams import Device
 from pipelab.timeline import Recorder, Span, Timeline
+from pipelab.worker import RankContext
 
 REPLICA_VARIANTS = ("bucketed", "torch")
-OVERLAPS = ("copy/compute", "device/device", "all-reduce/compute")
 
 # ---------------------------------------------------------------------------------------------
-# What overlapped: shares of one kind of work hidden under another, read off a timeline
+# What ran at once: shares of one kind of work hidden under another, read off a timeline
 # ---------------------------------------------------------------------------------------------
 
 
@@ -57,7 +65,17 @@ def hidden_share(tl: Timeline, hidden: Callable[[Span], bool], behind: Callable[
     return covered / total if total > 0 else 0.0
 
 
-def devices_together(tl: Timeline) -> float:
+def allreduce_overlap(tl: Timeline) -> float:
+    """Share of the buckets' all-reduce time during which a device of the same process computed."""
+    return hidden_share(tl, lambda s: s.kind == "allreduce", is_compute)
+
+
+def copy_overlap(tl: Timeline) -> float:
+    """Share of the activation copies' time (device 0 to device 1) during which a device computed."""
+    return hidden_share(tl, lambda s: s.kind == "copy" and s.mb is not None, is_compute)
+
+
+def device_concurrency(tl: Timeline) -> float:
     """Share of the time some device of a process computed during which both of its devices did."""
     both = either = 0.0
     for rank in tl.ranks:
@@ -69,20 +87,82 @@ def devices_together(tl: Timeline) -> float:
     return both / either if either > 0 else 0.0
 
 
-def overlaps(tl: Timeline) -> dict[str, float]:
-    """The lesson's three overlaps in one step: the share of activation-copy time during which a
-    device computed, the share of compute time during which both devices computed, and the share
-    of all-reduce time during which a device computed."""
-    return {
-        "copy/compute": hidden_share(tl, lambda s: s.kind == "copy" and s.mb is not None, is_compute),
-        "device/device": devices_together(tl),
-        "all-reduce/compute": hidden_share(tl, lambda s: s.kind == "allreduce", is_compute),
-    }
+# ---------------------------------------------------------------------------------------------
+# What a run is: checked when built
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, kw_only=True)
+class Config(experiments.Config):
+    """`model` (halves seq1 | seq2, fc) trained on (x, y) by `world_size` replicas of two devices
+    each, once per variant: `steps` SGD steps, the first checked and not timed (unless it is the
+    only one). `split_size` None runs lesson 02's forward in each replica, a number lesson 03's
+    split-input pipelining. The replicas' all-reduces go through gloo on every path: launch binds
+    NCCL to one GPU per process, and a replica here spans two."""
+
+    model: nn.Module
+    x: torch.Tensor
+    y: torch.Tensor
+    loss_fn: Callable = field(default_factory=nn.MSELoss)
+    variants: tuple[str, ...] = REPLICA_VARIANTS
+    split_size: int | None = None
+    bucket_cap_mb: float = 25.0
+    lr: float = 0.1
+    steps: int = 3
+    device: str = "auto"  # "cuda": two GPUs per replica; "cpu": two virtual devices per process
+    backend: str = "gloo"
+    timeout: float = 180.0
+
+    def check(self) -> None:
+        super().check()
+        gpu_path(self.world_size, 2, self.device)  # also refuses more GPUs than the machine has
+        missing = [h for h in HALVES if not isinstance(getattr(self.model, h, None), nn.Module)]
+        if missing:
+            raise ValueError(f"the model has no {', '.join(missing)}: a two-device replica runs seq1 on device 0 "
+                             "and seq2, fc on device 1; use e.g. pipelab.models.ToyModel() or SplitMLP()")
+        bad = [v for v in self.variants if v not in REPLICA_VARIANTS]
+        if bad or not self.variants:
+            raise ValueError(f"variants must be some of {REPLICA_VARIANTS}, got {list(self.variants)!r}")
+        check_bucket_cap(self.bucket_cap_mb)
+        positive_number("lr", self.lr, example="lr=0.1")
+        whole_number("steps", self.steps, example="steps=3")
+        mean_loss(self.loss_fn)
+        batch = same_batch(self.x, self.y)
+        divides("batch", batch, "world_size", self.world_size)
+        if self.split_size is not None:
+            whole_number("split_size", self.split_size, example="split_size=8")
+            if self.split_size > batch // self.world_size:
+                raise ValueError(f"split_size={self.split_size} is larger than a replica's slice of the batch "
+                                 f"({batch // self.world_size} samples); pick a split size between 1 and "
+                                 f"{batch // self.world_size}")
+
+    @property
+    def on_gpus(self) -> bool:
+        """Whether each replica gets two real GPUs (else two virtual CPU devices per process)."""
+        return gpu_path(self.world_size, 2, self.device)
+
+
+def reference(cfg: Config) -> Reference:
+    """What one process computes with the same model, batch, loss and SGD steps."""
+    return reference_run(cfg.model, cfg.x, cfg.y, cfg.loss_fn, steps=cfg.steps, lr=cfg.lr)
 
 
 # ---------------------------------------------------------------------------------------------
 # On each process: a replica on two devices, wrapped, trained
 # ---------------------------------------------------------------------------------------------
+
+
+@dataclass
+class Result:
+    """What one process brings back for one variant."""
+
+    variant: str
+    steps: RankSteps  # each step's loss on this process's slice; the timed steps' times and spans
+    grads: dict[str, torch.Tensor] | None  # process 0: the averaged gradients of the first step
+    weights: dict[str, torch.Tensor] | None  # process 0: the weights after the last step
+    spread: float  # largest weight difference between processes after the last step
+    buckets: list[Bucket] | None  # BucketedDDP's plan
+    devices: list[str]  # this process's two devices
 
 
 def wrap_replica(variant: str, replica: ModelParallelReplica, bucket_cap_mb: float, recorder: Recorder) -> nn.Module:
@@ -106,60 +186,50 @@ def record_devices(rec: Recorder, devs: list[Device]) -> None:
         d.rec.clear()
 
 
-def _start_elsewhere(module: nn.Module, seed: int) -> None:
-    """Other weights on this process, as if it had built its model with its own seed: the
-    wrapper's broadcast must make the replicas equal."""
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for p in module.parameters():
-            p.add_(torch.randn(p.shape, generator=g).to(p.device))
+def train_variant(ctx: RankContext, cfg: Config, variant: str) -> Result:
+    """A replica of the model on this process's two devices, wrapped by `variant`, and `cfg.steps`
+    SGD steps on this process's slice of the batch; the first is checked and warms up."""
+    devs = replica_devices(ctx.rank, ctx.world_size, cfg.device)
+    replica = ModelParallelReplica(copy.deepcopy(cfg.model), devs, cfg.split_size)
+    if ctx.rank != 0:
+        perturb(replica, seed=ctx.rank)
+    wrapped = wrap_replica(variant, replica, cfg.bucket_cap_mb, ctx.rec)
+    optimizer = torch.optim.SGD(replica.parameters(), lr=cfg.lr)
+    xs = shard(cfg.x, ctx.rank, ctx.world_size)
+    ys = shard(cfg.y, ctx.rank, ctx.world_size).to(devs[1].torch_device)  # the output's device
+    grads: dict = {}
+
+    def prepare(i: int) -> None:
+        optimizer.zero_grad(set_to_none=True)
+        for d in devs:  # the last step's work done, its spans forgotten
+            d.synchronize()
+            d.rec.clear()
+
+    def step(i: int) -> float:
+        loss = cfg.loss_fn(wrapped(xs), ys)
+        loss.backward()  # the wrapper averages the gradients before this returns
+        optimizer.step()
+        record_devices(ctx.rec, devs)
+        if i == 0:
+            grads.update({n: p.grad.detach().cpu().clone() for n, p in replica.named_parameters()})
+        return loss.item()
+
+    measured = time_steps(ctx, step, cfg.steps, prepare=prepare)
+    first = ctx.rank == 0
+    result = Result(variant, measured, grads if first else None,
+                    {n: p.detach().cpu().clone() for n, p in replica.named_parameters()} if first else None,
+                    replica_spread([p.detach().cpu() for p in replica.parameters()]),  # over gloo, in host memory
+                    wrapped.buckets if isinstance(wrapped, BucketedDDP) else None, [d.name for d in devs])
+    if isinstance(wrapped, BucketedDDP):
+        wrapped.remove_hooks()
+    for d in devs:
+        d.close()
+    return result
 
 
-def replica_worker(ctx, model: nn.Module, x: torch.Tensor, y: torch.Tensor, loss_fn: Callable,
-                   variants: Sequence[str], split_size: int | None, bucket_cap_mb: float, lr: float,
-                   steps: int, device: str) -> dict[str, dict]:
-    """Worker: for each variant, a replica of `model` on this process's two devices, wrapped, and
-    `steps` SGD steps on this process's slice of (x, y); the first is checked and warms up."""
-    results = {}
-    for variant in variants:
-        devs = replica_devices(ctx.rank, ctx.world_size, device)
-        replica = ModelParallelReplica(copy.deepcopy(model), devs, split_size)
-        if ctx.rank != 0:
-            _start_elsewhere(replica, seed=ctx.rank)
-        wrapped = wrap_replica(variant, replica, bucket_cap_mb, ctx.rec)
-        optimizer = torch.optim.SGD(replica.parameters(), lr=lr)
-        xs = shard(x, ctx.rank, ctx.world_size)
-        ys = shard(y, ctx.rank, ctx.world_size).to(devs[1].torch_device)  # the output's device
-        grads: dict = {}
-
-        def prepare(i: int) -> None:
-            optimizer.zero_grad(set_to_none=True)
-            for d in devs:  # the last step's work done, its spans forgotten
-                d.synchronize()
-                d.rec.clear()
-
-        def step(i: int) -> float:
-            loss = loss_fn(wrapped(xs), ys)
-            loss.backward()  # the wrapper averages the gradients before this returns
-            optimizer.step()
-            record_devices(ctx.rec, devs)
-            if i == 0:
-                grads.update({n: p.grad.detach().cpu().clone() for n, p in replica.named_parameters()})
-            return loss.item()
-
-        measured = time_steps(ctx, step, steps, prepare=prepare)
-        results[variant] = {
-            "steps": measured, "grads": grads if ctx.rank == 0 else None,
-            "weights": {n: p.detach().cpu().clone() for n, p in replica.named_parameters()} if ctx.rank == 0 else None,
-            "spread": replica_spread([p.detach().cpu() for p in replica.parameters()]),  # over gloo, in host memory
-            "buckets": wrapped.buckets if isinstance(wrapped, BucketedDDP) else None,
-            "devices": [d.name for d in devs],
-        }
-        if isinstance(wrapped, BucketedDDP):
-            wrapped.remove_hooks()
-        for d in devs:
-            d.close()
-    return results
+def worker(ctx: RankContext, cfg: Config) -> list[Result]:
+    """Worker: each variant in turn on this process's replica (one `Result` per variant)."""
+    return [train_variant(ctx, cfg, variant) for variant in cfg.variants]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -174,8 +244,8 @@ class ReplicaRun(TimedSteps):
     variant: str
     split_size: int | None
     losses: list[float]  # per step: the mean of the processes' losses
-    grads: dict[str, torch.Tensor]  # rank 0's averaged gradients of the first step
-    weights: dict[str, torch.Tensor]  # rank 0's weights after the last step
+    grads: dict[str, torch.Tensor]  # process 0's averaged gradients of the first step
+    weights: dict[str, torch.Tensor]  # process 0's weights after the last step
     replica_spread: float  # largest weight difference between processes after the last step
     steps: Steps = field(repr=False)  # the timed steps, all processes
     buckets: list[Bucket] | None = None  # BucketedDDP's plan
@@ -186,58 +256,120 @@ class ReplicaRun(TimedSteps):
         how = "naive forward" if self.split_size is None else f"split_size={self.split_size}"
         return f"{self.variant} ({how})"
 
-    def overlap(self, kind: str) -> Measured:
-        """One of the `OVERLAPS`, measured on every timed step."""
-        return Measured.of(overlaps(tl)[kind] for tl in self.steps.timelines)
+    @property
+    def overlap(self) -> Measured:
+        """Per timed step, the share of the buckets' all-reduce time hidden behind compute."""
+        return Measured.of(allreduce_overlap(tl) for tl in self.steps.timelines)
+
+    @property
+    def copy_overlap(self) -> Measured:
+        """Per timed step, the share of the activation copies' time hidden behind compute."""
+        return Measured.of(copy_overlap(tl) for tl in self.steps.timelines)
+
+    @property
+    def device_concurrency(self) -> Measured:
+        """Per timed step, the share of the compute time during which both devices computed."""
+        return Measured.of(device_concurrency(tl) for tl in self.steps.timelines)
 
 
-def check_replica_inputs(model: nn.Module, x: torch.Tensor, y: torch.Tensor, world_size: int,
-                         variants: Sequence[str], split_size: int | None, bucket_cap_mb: float, lr: float,
-                         steps: int, device: str) -> None:
-    """Refuse what cannot run, before any process starts."""
-    gpu_path(world_size, 2, device)  # also refuses more GPUs than the machine has
-    missing = [h for h in HALVES if not isinstance(getattr(model, h, None), nn.Module)]
-    if missing:
-        raise ValueError(f"the model has no {', '.join(missing)}: a two-device replica runs seq1 on device 0 "
-                         "and seq2, fc on device 1; use e.g. pipelab.models.ToyModel() or SplitResNet()")
-    bad = [v for v in variants if v not in REPLICA_VARIANTS]
-    if bad or not variants:
-        raise ValueError(f"variants must be some of {REPLICA_VARIANTS}, got {list(variants)!r}")
-    check_bucket_cap(bucket_cap_mb)
-    positive_number("lr", lr, example="lr=0.1")
-    whole_number("steps", steps, example="steps=3")
-    batch = x.shape[0]
-    if y.shape[0] != batch:
-        raise ValueError(f"inputs have {batch} samples but targets have {y.shape[0]}; pass one target per input")
-    if batch % world_size:
-        raise ValueError(f"a batch of {batch} samples does not split evenly over world_size={world_size} "
-                         f"replicas; use world_size in {divisors(batch, 16)}, or a batch that is a "
-                         f"multiple of {world_size}")
-    if split_size is not None:
-        whole_number("split_size", split_size, example="split_size=8")
-        if split_size > batch // world_size:
-            raise ValueError(f"split_size={split_size} is larger than a replica's slice of the batch "
-                             f"({batch // world_size} samples); pick a split size between 1 and {batch // world_size}")
+def shares(run: ReplicaRun) -> dict[str, Measured]:
+    """The run's three figures of what ran at once, labelled by what overlaps what (the table's
+    rows and the bar chart's groups)."""
+    return {"copy/compute": run.copy_overlap, "device/device": run.device_concurrency, "all-reduce/compute": run.overlap}
 
 
-def run_replicas(model: nn.Module, x: torch.Tensor, y: torch.Tensor, loss_fn: Callable | None = None,
-                 world_size: int = 2, variants: Sequence[str] = REPLICA_VARIANTS, split_size: int | None = None,
-                 bucket_cap_mb: float = 25.0, lr: float = 0.1, steps: int = 3, device: str = "auto",
-                 timeout: float = 180.0) -> dict[str, ReplicaRun]:
-    """Train `model` (halves seq1 | seq2, fc) with each variant on `world_size` processes, each
-    holding one replica over two devices and its slice of the batch: `steps` SGD steps, the first
-    checked and not timed (unless it is the only one)."""
-    loss_fn = loss_fn if loss_fn is not None else nn.MSELoss()
-    check_replica_inputs(model, x, y, world_size, variants, split_size, bucket_cap_mb, lr, steps, device)
-    # Launch binds NCCL to one GPU per process, and a replica here spans two: its all-reduces go
-    # through gloo (host memory) on every path.
-    per_rank = spawn(replica_worker, world_size, model, x, y, loss_fn, list(variants), split_size, bucket_cap_mb,
-                     lr, steps, device, backend="gloo", timeout=timeout)
+def gather(cfg: Config, results: Sequence[list[Result]]) -> dict[str, ReplicaRun]:
+    """Each variant's `ReplicaRun`, from every process's results (by rank)."""
     runs = {}
-    for v in variants:
-        mine = [r[v] for r in per_rank]
-        losses = [statistics.mean(step) for step in zip(*(r["steps"].results for r in mine))]
-        runs[v] = ReplicaRun(v, split_size, losses, mine[0]["grads"], mine[0]["weights"],
-                             max(r["spread"] for r in mine), gather_steps([r["steps"] for r in mine]),
-                             mine[0]["buckets"], [r["devices"] for r in mine])
+    for i, variant in enumerate(cfg.variants):
+        mine = [r[i] for r in results]
+        losses = [statistics.mean(step) for step in zip(*(r.steps.results for r in mine))]
+        runs[variant] = ReplicaRun(variant, cfg.split_size, losses, mine[0].grads, mine[0].weights,
+                                   max(r.spread for r in mine), gather_steps([r.steps for r in mine]),
+                                   mine[0].buckets, [r.devices for r in mine])
     return runs
+
+
+# ---------------------------------------------------------------------------------------------
+# Verdicts: what the notebook concludes, computed from the runs
+# ---------------------------------------------------------------------------------------------
+
+
+def early_buckets(run: ReplicaRun) -> Measured:
+    """Per timed step, the share of device 1's buckets' all-reduce time during which device 0 was
+    still running its backward."""
+    device_of_bucket = {b.index: b.device for b in run.buckets}
+    return Measured.of(hidden_share(tl, lambda s: s.kind == "allreduce" and device_of_bucket[s.meta["bucket"]] == "device 1",
+                                    lambda s: s.kind == "B" and s.lane == "device 0") for tl in run.steps.timelines)
+
+
+def early_buckets_verdict(run: ReplicaRun) -> str:
+    """Conclude whether device 1's buckets travelled during device 0's backward (`BucketedDDP`)."""
+    early = early_buckets(run)
+    overlapped = early.median > 0  # the typical step: one whose threads all waited for a core overlaps nothing
+    verdict = "overlaps" if overlapped else "does not overlap"
+    conclude("05.early_buckets", verdict,
+             f"device 1's buckets were in flight during device 0's backward for {early.scaled(100):.0f} % of their "
+             f"all-reduce time (median (lowest-highest) of {len(early.values)} timed steps): "
+             + ("in the typical step they travelled while device 0 still differentiated its layers."
+                if overlapped else "in the typical step none of it overlapped device 0's backward."),
+             early=early)
+    return verdict
+
+
+WHY_SPLITS_OVERLAP = {"copy/compute": "a split's copy travels while device 0 computes the next split",
+                      "device/device": "device 1 computes split i while device 0 computes split i + 1"}
+
+
+def splits_verdicts(without: ReplicaRun, with_splits: ReplicaRun, cfg: Config) -> dict[str, str]:
+    """Conclude what lesson 03's splits changed inside each replica: the copy/compute and
+    device/device shares, and the step time (`cfg` is the run with splits). Returns each verdict."""
+    verdicts = {}
+    for kind, because in WHY_SPLITS_OVERLAP.items():
+        now, before = shares(with_splits)[kind], shares(without)[kind]
+        # A step whose threads all waited for a core overlaps nothing, so judge the typical step: its
+        # median against every step of the other run.
+        verdict = "higher" if now.median > before.high else "lower" if now.median < before.low else "within noise"
+        conclude(f"05.splits_{kind.replace('/', '_')}", verdict,
+                 f"{kind} overlap {now.scaled(100):.0f} % with splits against {before.scaled(100):.0f} % "
+                 "without (median (lowest-highest) of the timed steps): "
+                 + {"higher": f"the typical step with splits overlapped more than any step without, as lesson 03 predicts ({because}).",
+                    "lower": f"the typical step with splits overlapped less than any step without, against lesson 03's prediction ({because}).",
+                    "within noise": "the typical step with splits lies within the range without, so this run cannot tell the two apart."}[verdict],
+                 with_splits=now, without=before)
+        verdicts[kind] = verdict
+    verdicts["step time"] = split_time_verdict(without, with_splits, cfg)
+    return verdicts
+
+
+def split_time_verdict(without: ReplicaRun, with_splits: ReplicaRun, cfg: Config) -> str:
+    """Conclude whether the splits made a step faster, and say what lesson 03 bounds it by."""
+    cores, threads = hardware.cpu_cores(), cfg.world_size * 2
+    few_cores = not cfg.on_gpus and threads > cores  # the virtual devices share the cores
+    splits = math.ceil(cfg.x.shape[0] // cfg.world_size / cfg.split_size)
+    bound = 2 * splits / (splits + 1)  # lesson 03: 2 devices, k splits, equal halves
+    text = (f"a step took {with_splits.step_time.scaled(1e3):.1f} ms with splits and "
+            f"{without.step_time.scaled(1e3):.1f} ms without (median (lowest-highest) of the timed steps). ")
+    if few_cores:
+        verdict = "within noise"
+        text += (f"Here {cfg.world_size} processes drive {threads} virtual devices on {cores} cores: too few cores for "
+                 "splits to save time. Work that overlaps on the timeline was interleaved on shared cores, so an overlap "
+                 "here shows what ran at once, not time saved. With two GPUs per replica each device computes on its "
+                 f"own and the copies ride the copy engines: lesson 03's bound for {splits} splits on 2 devices is "
+                 f"{bound:.2f}x faster.")
+    else:
+        verdict = compare(with_splits.step_time, without.step_time)
+        text += {"lower": "Splits made every timed step faster than any without them",
+                 "higher": "Splits made every timed step slower than any without them",
+                 "within noise": "The ranges overlap: this run cannot tell the two apart"}[verdict] + \
+            f"; lesson 03's bound for {splits} splits on 2 devices is {bound:.2f}x faster."
+    conclude("05.splits_step_time", verdict, text, with_splits=with_splits.step_time, without=without.step_time,
+             bound=bound, cores=cores, threads=threads)
+    return verdict
+
+
+def shares_table(runs: dict[str, ReplicaRun]) -> list[dict]:
+    """One row per share (what overlaps what), one column per run: median (lowest-highest) in %."""
+    figures = {label: shares(run) for label, run in runs.items()}
+    return [{"overlap": kind, **{label: f"{f[kind].scaled(100):.0f} %" for label, f in figures.items()}}
+            for kind in ("copy/compute", "device/device", "all-reduce/compute")]

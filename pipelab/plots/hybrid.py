@@ -3,7 +3,7 @@ of each way to lay out the same processes (the grid itself is `plots.pipeline.dr
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Sequence
+from typing import TYPE_CHECKING, Mapping, Sequence
 
 import matplotlib.pyplot as plt
 from matplotlib.patches import FancyArrowPatch, Patch, Rectangle
@@ -13,6 +13,7 @@ from pipelab.plots import gantt, kind_color
 if TYPE_CHECKING:  # only for the annotations: plots do not import the experiments
     from pipelab.experiments.grid import GridRun
     from pipelab.experiments.hybrid import ReplicaRun
+    from pipelab.measure import Measured
 
 
 def draw_replicas(world_size: int = 2, ax=None):
@@ -54,14 +55,16 @@ def plot_replica_step(run: ReplicaRun, ax=None, title: str | None = None, longes
     return ax
 
 
-def plot_overlaps(runs: dict[str, ReplicaRun], kinds: Sequence[str], ax=None):
-    """The lesson's overlaps, one group of bars per kind, one bar per run: the median share over the
-    timed steps, with the lowest and highest as the error bar."""
+def plot_overlaps(runs: Mapping[str, Mapping[str, Measured]], ax=None):
+    """The lesson's shares of one kind of work hidden under another (run label -> what overlaps
+    what -> share), one group of bars per kind, one bar per run: the median share over the timed
+    steps, with the lowest and highest as the error bar."""
     if ax is None:
         _, ax = plt.subplots(figsize=(7, 3.4))
     width = 0.8 / len(runs)
-    for i, (label, run) in enumerate(runs.items()):
-        figures = [run.overlap(k) for k in kinds]
+    kinds = list(next(iter(runs.values())))
+    for i, (label, shares) in enumerate(runs.items()):
+        figures = [shares[k] for k in kinds]
         xs = [k + (i - (len(runs) - 1) / 2) * width for k in range(len(kinds))]
         med = [100 * f.median for f in figures]
         err = [[100 * (f.median - f.low) for f in figures], [100 * (f.high - f.median) for f in figures]]
@@ -82,8 +85,9 @@ def plot_layouts(runs: Sequence[GridRun], predicted_ms: dict[str, dict[str, floa
     if ax is None:
         _, ax = plt.subplots(figsize=(7, 3.6))
     names = [r.name for r in runs]
-    med = [r.step_time * 1e3 for r in runs]
-    err = [[m - r.spread[0] * 1e3 for m, r in zip(med, runs)], [r.spread[1] * 1e3 - m for m, r in zip(med, runs)]]
+    times = [r.step_time.scaled(1e3) for r in runs]
+    med = [t.median for t in times]
+    err = [[t.median - t.low for t in times], [t.high - t.median for t in times]]
     ax.bar(range(len(runs)), med, yerr=err, capsize=4, color=kind_color("compute"), alpha=0.8, label="measured")
     for (label, per_layout), marker in zip((predicted_ms or {}).items(), "D^sv"):
         ax.scatter(range(len(runs)), [per_layout[n] for n in names], marker=marker, zorder=3, s=45, label=label)
@@ -100,6 +104,6 @@ def plot_grid_step(run: GridRun, ax=None):
     """A typical step of the grid, every process: its stages' F and B, its messages, and each
     stage's all-reduce over its data-parallel group on the comm lane."""
     tl = run.timeline
-    title = (f"{run.name}, {run.schedule}: typical step {tl.makespan * 1e3:.1f} ms; "
-             f"{run.typical_hidden:.0%} of the all-reduces' flight under some stage's compute")
+    title = (f"{run.name}, {run.schedule}: typical step {tl.makespan * 1e3:.1f} ms; all-reduces' flight under "
+             f"some stage's compute: {run.overlap.scaled(100):.0f} % (median (lowest-highest) of the timed steps)")
     return gantt(tl, ax=ax, title=title)
