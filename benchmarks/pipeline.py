@@ -1,6 +1,6 @@
 """Our GPipe and 1F1B against torch.distributed.pipelining's, same model, data and ranks.
 
-    python benchmarks/pipeline.py [--ranks 2] [--microbatches 8] [--width 1024] [--layers 8]
+    python benchmarks/pipeline.py [--ranks 2] [--num-microbatches 8] [--width 1024] [--layers 8]
                                   [--batch 256] [--steps 5] [--rounds 5]
 
 Ours and torch's run in alternation, round by round (ours, torch, ours, torch, ...:
@@ -15,13 +15,14 @@ and the bubble simulated with our measured per-stage costs, each with its `_low`
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 
 import torch
 
 from pipelab import hardware, measure, models
 from pipelab.display import format_table
-from pipelab.experiments.pipeline import run_pipelines, run_torch_pipelines, simulated_bubbles
+from pipelab.experiments import pipeline
 from pipelab.measure import Measured
 from pipelab.pipeline.partition import split_model
 from pipelab.pipeline.schedules import make_schedule
@@ -43,7 +44,7 @@ def spread(figures: dict, name: str, value: Measured, digits: int) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--ranks", type=int, default=2)
-    parser.add_argument("--microbatches", type=int, default=8)
+    parser.add_argument("--num-microbatches", type=int, default=8)
     parser.add_argument("--width", type=int, default=1024)
     parser.add_argument("--layers", type=int, default=8)
     parser.add_argument("--batch", type=int, default=256)
@@ -57,36 +58,40 @@ def main() -> None:
     x, y = torch.randn(args.batch, args.width), torch.randn(args.batch, args.width)
     loss_fn = torch.nn.MSELoss()
     stages = split_model(model, args.ranks)
-    p, m = args.ranks, args.microbatches
+    p, m = args.ranks, args.num_microbatches
     schedules = [make_schedule("gpipe", p, m), make_schedule("1f1b", p, m)]
+    ours_cfg = pipeline.Config(world_size=p, stages=stages, schedules=schedules, x=x, y=y, loss_fn=loss_fn,
+                               steps=args.steps)
+    configs = {"ours": ours_cfg, "torch": dataclasses.replace(ours_cfg, engine="torch")}
     reference = reference_run(torch.nn.Sequential(*stages), x, y, loss_fn, lr=None)
 
     runs: dict[str, list] = {"ours": [], "torch": []}  # per side, per round: one run per schedule
 
-    def side(name: str, run_all):
+    def side(name: str):
         def one_round() -> float:
-            result = run_all(stages, schedules, x, y, loss_fn, steps=args.steps)
+            result = pipeline.run(configs[name])
             runs[name].append(result)
-            return sum(r.step_time for r in result)
+            return sum(r.step_time.median for r in result)
         return one_round
 
-    measure.alternate({"ours": side("ours", run_pipelines), "torch": side("torch", run_torch_pipelines)},
+    measure.alternate({name: side(name) for name in configs},
                       args.rounds, warmup=0)  # every round starts fresh processes and drops its first step
     for ours, theirs in zip(runs["ours"], runs["torch"]):
         for a, b in zip(ours, theirs):
             assert_same(a, reference, atol=1e-4, rtol=1e-4)
             assert abs(a.loss - b.loss) <= 1e-5 * max(1.0, abs(b.loss))
+            torch.testing.assert_close(a.mb_losses, b.mb_losses)  # micro-batch by micro-batch
 
     formula = gpipe_bubble(p, m)
     rows, figures = [], {"p": p, "m": m, "rounds": args.rounds, "bubble_formula": round(formula, 4)}
     for i, s in enumerate(schedules):
         ours = [r[i] for r in runs["ours"]]
         theirs = [r[i] for r in runs["torch"]]
-        ratio = measure.ratios([r.step_time for r in ours], [r.step_time for r in theirs])
-        ours_ms = Measured.of(r.step_time for r in ours).scaled(1e3)
-        torch_ms = Measured.of(r.step_time for r in theirs).scaled(1e3)
-        bubble, torch_bubble = pooled(r.bubbles for r in ours), pooled(r.bubbles for r in theirs)
-        simulated = pooled(simulated_bubbles(r) for r in ours)
+        ratio = measure.ratios([r.step_time.median for r in ours], [r.step_time.median for r in theirs])
+        ours_ms = Measured.of(r.step_time.median for r in ours).scaled(1e3)
+        torch_ms = Measured.of(r.step_time.median for r in theirs).scaled(1e3)
+        bubble, torch_bubble = pipeline.pooled_bubble(ours), pipeline.pooled_bubble(theirs)
+        simulated = pooled(r.simulated_bubble for r in ours)
         rows.append({"schedule": s.name, "ours_ms": f"{ours_ms:.1f}", "torch_ms": f"{torch_ms:.1f}",
                      "ratio": f"{ratio:.3f}", "bubble": f"{bubble:.3f}", "torch bubble": f"{torch_bubble:.3f}",
                      "simulated": f"{simulated:.3f}", "formula": round(formula, 3),

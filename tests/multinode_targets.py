@@ -18,9 +18,8 @@ from torch import nn
 
 from pipelab import models
 from pipelab.experiments.ddp import ddp_worker
-from pipelab.pipeline.p2p import message_specs
 from pipelab.pipeline.partition import split_model
-from pipelab.pipeline.runtime import pipeline_worker
+from pipelab.experiments import pipeline as pipeline_experiment
 from pipelab.pipeline.schedules import Schedule, make_schedule
 
 OUT_DIR = "PIPELAB_MULTINODE_OUT"  # the environment variable naming the output folder
@@ -50,10 +49,11 @@ def ddp_step(ctx) -> str:
 
 
 def gpipe_step(ctx) -> str:
-    """Lesson 06's `pipeline_worker`: one GPipe step (forward and backward, no optimizer)."""
+    """Lesson 06's worker: one GPipe step (forward and backward, no optimizer)."""
     stages, schedule, x, y = gpipe_inputs()
-    specs = message_specs(stages, x, schedule.num_microbatches)
-    result = pipeline_worker(ctx, stages, [schedule], [(x, y)], nn.MSELoss(), [specs], steps=1)
+    cfg = pipeline_experiment.Config(world_size=ctx.world_size, stages=stages, schedules=[schedule], x=x, y=y,
+                                     loss_fn=nn.MSELoss(), steps=1)
+    result = pipeline_experiment.worker(ctx, cfg)
     return _save(ctx, "gpipe_step", result)
 
 

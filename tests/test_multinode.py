@@ -23,7 +23,7 @@ from torch import nn
 
 import multinode_targets as targets
 from pipelab.experiments.ddp import VARIANTS, run_ddp
-from pipelab.experiments.pipeline import gather, run_pipeline
+from pipelab.experiments import pipeline as pipeline_experiment
 from pipelab.reference import assert_same, reference_run
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -165,13 +165,15 @@ def test_ddp_step_on_two_nodes_equals_spawn(tmp_path):
 
 def test_gpipe_step_on_two_nodes_equals_spawn(tmp_path):
     """Lesson 06: GPipe's loss and every stage's gradients over two torchrun nodes (one stage
-    each, activations sent between the nodes) equal those of `run_pipeline` (spawn)."""
+    each, activations sent between the nodes) equal those of the same Config run by spawn."""
     per_rank, logs = run_two_nodes("gpipe_step", tmp_path)
     _assert_ranks_on_both_nodes(logs, "gpipe_step")
     stages, schedule, x, y = targets.gpipe_inputs()
-    two_nodes = gather(schedule, [results[0] for results in per_rank])
-    spawned = run_pipeline(stages, schedule, x, y, nn.MSELoss(), steps=1, backend="gloo")
-    torch.testing.assert_close(two_nodes.losses, spawned.losses, msg=lambda m: f"losses: {m}")
+    cfg = pipeline_experiment.Config(stages=stages, schedules=[schedule], x=x, y=y, loss_fn=nn.MSELoss(), steps=1,
+                                     backend="gloo")
+    [two_nodes] = pipeline_experiment.gather(cfg, per_rank)
+    [spawned] = pipeline_experiment.run(cfg)
+    torch.testing.assert_close(two_nodes.mb_losses, spawned.mb_losses, msg=lambda m: f"losses: {m}")
     torch.testing.assert_close(two_nodes.grads, spawned.grads, msg=lambda m: f"gradients: {m}")
     assert [r[0].stages for r in per_rank] == [[0], [1]]
     assert two_nodes.messages_sent == spawned.messages_sent > 0  # activations and gradients crossed

@@ -1,14 +1,16 @@
 """The pipeline runtime on real processes: every schedule gives the single-process loss and
-gradients; stashes and messages are counted; torch.distributed.pipelining agrees with us."""
+gradients; stashes and messages are counted; torch.distributed.pipelining agrees with us, down to
+each micro-batch's loss."""
 
 import copy
+import dataclasses
 from types import SimpleNamespace
 
 import pytest
 import torch
 
 from pipelab import models
-from pipelab.experiments.pipeline import run_pipeline, run_pipelines, run_torch_pipelines
+from pipelab.experiments.pipeline import Config, run
 from pipelab.pipeline.p2p import message_specs
 from pipelab.pipeline.partition import split_model
 from pipelab.pipeline.runtime import run_step
@@ -27,6 +29,17 @@ def problem(num_stages: int):
     return split_model(model, num_stages), x, y, torch.nn.MSELoss()
 
 
+def pipelines(stages, schedules, x, y, loss_fn, **options):
+    """Every schedule (all on one number of ranks) in one set of processes, one step each by default."""
+    cfg = Config(world_size=schedules[0].num_ranks, stages=stages, schedules=schedules, x=x, y=y, loss_fn=loss_fn,
+                 **{"steps": 1, **options})
+    return run(cfg)
+
+
+def torch_pipelines(stages, schedules, x, y, loss_fn, **options):
+    return pipelines(stages, schedules, x, y, loss_fn, engine="torch", **options)
+
+
 def reference(stages, x, y, loss_fn):
     """The whole model (the stages in a row) on the whole batch in one process, no optimizer step."""
     return reference_run(torch.nn.Sequential(*stages), x, y, loss_fn, lr=None)
@@ -40,7 +53,7 @@ MICROBATCHES = {2: [1, 3, 4], 3: [1, 4, 6], 4: [1, 6, 8]}
 def test_one_stage_per_rank_schedules_match_the_reference(p):
     stages, x, y, loss_fn = problem(p)
     schedules = [make_schedule(name, p, m) for name in ("gpipe", "1f1b", "zb-h1") for m in MICROBATCHES[p]]
-    runs = run_pipelines(stages, schedules, x, y, loss_fn, steps=1)
+    runs = pipelines(stages, schedules, x, y, loss_fn)
     for schedule, run in zip(schedules, runs):
         assert_same(run, reference(stages, x, y, loss_fn))
         # The stash count follows from the order alone, so it must equal the simulator's.
@@ -54,7 +67,7 @@ def test_one_stage_per_rank_schedules_match_the_reference(p):
 def test_interleaved_matches_the_reference(p):
     stages, x, y, loss_fn = problem(2 * p)
     schedules = [ScheduleInterleaved1F1B(p, m, 2) for m in MICROBATCHES[p]]
-    runs = run_pipelines(stages, schedules, x, y, loss_fn, steps=1)
+    runs = pipelines(stages, schedules, x, y, loss_fn)
     for schedule, run in zip(schedules, runs):
         assert_same(run, reference(stages, x, y, loss_fn))
         assert run.peak_stash == simulate(schedule).peak_stash
@@ -65,7 +78,7 @@ def test_full_and_split_backwards_mix_in_one_schedule():
     stages, x, y, loss_fn = problem(2)
     # Stage 1 splits micro-batch 0's backward into I and W; everything else runs a full B.
     actions = [[F(0, 0), F(0, 1), B(0, 0), B(0, 1)], [F(1, 0), I(1, 0), F(1, 1), B(1, 1), W(1, 0)]]
-    run = run_pipeline(stages, Schedule(2, 2, actions=actions), x, y, loss_fn, steps=1)
+    [run] = pipelines(stages, [Schedule(2, 2, actions=actions)], x, y, loss_fn)
     assert_same(run, reference(stages, x, y, loss_fn))
     spans = sorted(run.timeline.filter(rank=1, lane="compute"), key=lambda s: s.start)
     assert [f"{s.meta['stage']}{s.kind}{s.mb}" for s in spans] == [str(a) for a in actions[1]]
@@ -75,7 +88,7 @@ def test_full_and_split_backwards_mix_in_one_schedule():
 def test_stages_on_one_rank_hand_over_without_messages():
     stages, x, y, loss_fn = problem(3)
     schedule = ScheduleInterleaved1F1B(1, 4, 3)  # one rank holding all three stages
-    run = run_pipeline(stages, schedule, x, y, loss_fn, steps=1)
+    [run] = pipelines(stages, [schedule], x, y, loss_fn)
     assert_same(run, reference(stages, x, y, loss_fn))
     assert run.messages_sent == 0 and not run.timeline.filter(lane="comm").spans
 
@@ -83,8 +96,7 @@ def test_stages_on_one_rank_hand_over_without_messages():
 def test_gpipe_stash_grows_with_m_and_1f1b_stays_bounded():
     p, m = 2, 6
     stages, x, y, loss_fn = problem(p)
-    gpipe, one_f_one_b = run_pipelines(stages, [make_schedule("gpipe", p, m), make_schedule("1f1b", p, m)],
-                                       x, y, loss_fn, steps=1)
+    gpipe, one_f_one_b = pipelines(stages, [make_schedule("gpipe", p, m), make_schedule("1f1b", p, m)], x, y, loss_fn)
     assert gpipe.peak_stash == {0: m, 1: m}
     assert one_f_one_b.peak_stash == {0: 2, 1: 1}
     for rank in range(p):  # the bytes scale with the count: measured, per micro-batch the same
@@ -100,7 +112,7 @@ def test_activation_checkpointing_gives_the_reference_and_keeps_only_the_inputs(
     m = 6
     stages, x, y, loss_fn = problem(p)
     schedules = [make_schedule(name, p, m) for name in ("gpipe", "1f1b")]
-    runs = run_pipelines(stages, schedules * 2, x, y, loss_fn, steps=1, checkpoint=[False, False, True, True])
+    runs = pipelines(stages, schedules * 2, x, y, loss_fn, checkpoint=[False, False, True, True])
     plain, ckpt = runs[:2], runs[2:]
     for a, b in zip(plain, ckpt):
         assert not a.checkpoint and b.checkpoint
@@ -133,8 +145,8 @@ def test_a_recomputed_forward_draws_the_same_dropout_masks():
     for checkpoint in (False, True):
         modules = {s: copy.deepcopy(stage) for s, stage in enumerate(stages)}
         torch.manual_seed(1)
-        runner = run_step(ctx, schedule, modules, torch.nn.MSELoss(), x, y, message_specs(stages, x, 4), checkpoint)
-        results.append((float(sum(runner.losses)), [p.grad for m in modules.values() for p in m.parameters()]))
+        step = run_step(ctx, schedule, modules, torch.nn.MSELoss(), x, y, message_specs(stages, x, 4), checkpoint)
+        results.append((step.losses, [p.grad for m in modules.values() for p in m.parameters()]))
     (loss, grads), (loss_ckpt, grads_ckpt) = results
     assert loss_ckpt == loss
     for a, b in zip(grads, grads_ckpt):
@@ -142,13 +154,29 @@ def test_a_recomputed_forward_draws_the_same_dropout_masks():
     assert ctx.rec.timeline().filter(kind="R").spans
 
 
-def test_torch_pipelining_runs_the_same_order_and_loss():
+def test_run_step_returns_each_micro_batch_loss_as_the_last_stage_computed_it():
+    """In one process (one rank holding both stages): the losses of run_step are the loss function
+    on each micro-batch, not the share of the batch's loss the runner backpropagates."""
+    stages, x, y, loss_fn = problem(2)
+    ctx = SimpleNamespace(rank=0, device=torch.device("cpu"), rec=Recorder(0))
+    modules = {s: copy.deepcopy(stage) for s, stage in enumerate(stages)}
+    step = run_step(ctx, ScheduleInterleaved1F1B(1, 3, 2), modules, loss_fn, x, y, message_specs(stages, x, 3))
+    whole = torch.nn.Sequential(*stages)
+    expected = [loss_fn(whole(xm), ym) for xm, ym in zip(x.chunk(3), y.chunk(3))]
+    torch.testing.assert_close(step.losses, expected)
+
+
+def test_torch_pipelining_runs_the_same_order_and_losses():
     p, m = 3, 4
     stages, x, y, loss_fn = problem(p)
     schedules = [make_schedule(name, p, m) for name in ("gpipe", "1f1b", "zb-h1")]
-    theirs = run_torch_pipelines(stages, schedules, x, y, loss_fn, steps=1)
-    for schedule, run in zip(schedules, theirs):
+    theirs = torch_pipelines(stages, schedules, x, y, loss_fn)
+    ours = pipelines(stages, schedules, x, y, loss_fn)
+    for schedule, run, mine in zip(schedules, theirs, ours):
         assert_same(run, reference(stages, x, y, loss_fn))
+        # each micro-batch's loss, as torch's schedule.step(..., losses=[]) gives them
+        assert len(run.mb_losses) == m
+        torch.testing.assert_close(mine.mb_losses, run.mb_losses)
         for rank in range(p):  # the order torch executed, recorded span by span
             executed = [(s.kind, s.meta["stage"], s.mb) for s in run.timeline.filter(rank=rank, lane="compute")]
             planned = [(a.kind, a.stage, a.mb) for a in schedule.actions[rank]]
@@ -159,30 +187,55 @@ def test_torch_interleaved_matches_ours():
     p, m = 2, 4
     stages, x, y, loss_fn = problem(2 * p)
     schedule = make_schedule("interleaved", p, m)
-    ours = run_pipeline(stages, schedule, x, y, loss_fn, steps=1)
-    theirs = run_torch_pipelines(stages, [schedule], x, y, loss_fn, steps=1)[0]
+    [ours] = pipelines(stages, [schedule], x, y, loss_fn)
+    [theirs] = torch_pipelines(stages, [schedule], x, y, loss_fn)
     assert theirs.loss == pytest.approx(ours.loss, rel=1e-5)
+    torch.testing.assert_close(ours.mb_losses, theirs.mb_losses)
     for rank in range(p):
         executed = [(s.kind, s.meta["stage"], s.mb) for s in theirs.timeline.filter(rank=rank, lane="compute")]
         assert executed == [(a.kind, a.stage, a.mb) for a in schedule.actions[rank]]
 
 
-def test_bad_input_is_refused_before_workers_start():
+BAD_CONFIGS = [  # (field, bad value, what the Config's error says)
+    ("schedules", "gpipe", "a list of one or more schedules, got 'gpipe'"),
+    ("schedules", ["gpipe", "pipedream"], r"unknown schedule 'pipedream'; choose one of"),
+    ("num_microbatches", 5, "batch=24 does not divide evenly by num_microbatches=5"),
+    ("num_microbatches", [4], "num_microbatches must be one int for all 2 schedules or one per schedule"),
+    ("loss_fn", None, "the last stage needs a loss function"),
+    ("loss_fn", torch.nn.MSELoss(reduction="sum"), "reduction='sum'.*use reduction='mean'"),
+    ("y", torch.randn(23, 4), "targets have 23"),
+    ("checkpoint", [True], "checkpoint must be one bool for all 2 schedules or one per schedule"),
+    ("steps", 0, "steps must be a whole number >= 1, got 0"),
+    ("engine", "deepspeed", "engine must be one of"),
+    ("world_size", 3, r"runs on 2 ranks but world_size=3"),
+]
+
+
+@pytest.mark.parametrize("field, value, message", BAD_CONFIGS)
+def test_bad_input_is_refused_by_the_config_before_workers_start(field, value, message, monkeypatch):
+    def spawn(*args, **kwargs):
+        raise AssertionError("a process was started: the bad input was not refused before")
+
+    monkeypatch.setattr("pipelab.launch.spawn", spawn)
     stages, x, y, loss_fn = problem(2)
-    with pytest.raises(ValueError, match="num_microbatches=5 does not divide the batch of 24"):
-        run_pipeline(stages, make_schedule("gpipe", 2, 5), x, y, loss_fn)
+    good = dict(stages=stages, schedules=["gpipe", "1f1b"], num_microbatches=4, x=x, y=y, loss_fn=loss_fn)
+    if field == "world_size":
+        good["schedules"] = [make_schedule("gpipe", 2, 4)]
+    with pytest.raises(ValueError, match=message):
+        run(Config(**{**good, field: value}))
+
+
+def test_bad_schedules_and_splits_are_refused():
+    stages, x, y, loss_fn = problem(2)
     with pytest.raises(ValueError, match="cannot cut a model with 9 layers into 10 stages"):
         split_model(models.mlp([8] + [16] * 8 + [4]), 10)
     with pytest.raises(ValueError, match="cannot take num_microbatches=5"):
         make_schedule("interleaved", 2, 5)
-    with pytest.raises(ValueError, match="the last stage needs a loss function"):
-        run_pipeline(stages, make_schedule("1f1b", 2, 4), x, y, None)
     with pytest.raises(ValueError, match="runs 4 stages"):
-        run_pipeline(stages, make_schedule("interleaved", 2, 4), x, y, loss_fn)
-    with pytest.raises(ValueError, match="targets have 23"):
-        run_pipeline(stages, make_schedule("gpipe", 2, 4), x, y[:23], loss_fn)
-    with pytest.raises(ValueError, match="one of them per schedule"):
-        run_pipelines(stages, [make_schedule("gpipe", 2, 4)] * 2, x, y, loss_fn, checkpoint=[True])
+        Config(stages=stages, schedules=[make_schedule("interleaved", 2, 4)], x=x, y=y)
+    with pytest.raises(ValueError, match="torch has no counterpart"):
+        Config(stages=stages, schedules=[Schedule(2, 1, actions=[[F(0, 0), B(0, 0)], [F(1, 0), B(1, 0)]])],
+               num_microbatches=1, x=x, y=y, engine="torch")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -191,7 +244,7 @@ def test_bad_input_is_refused_before_workers_start():
 
 def run_and_check(stages, schedules, x, y, loss_fn, atol=1e-5):
     """Every schedule on real processes, each equal to the stages in a row in one process."""
-    for run in run_pipelines(stages, schedules, x, y, loss_fn, steps=1):
+    for run in pipelines(stages, schedules, x, y, loss_fn):
         assert_same(run, reference(stages, x, y, loss_fn), atol=atol, rtol=atol)
 
 
@@ -247,7 +300,7 @@ def test_a_shape_that_differs_from_the_trace_fails_naming_the_stage_and_the_shap
     x, y = torch.randn(8, 8), torch.randn(8, 4)
     with pytest.raises(Exception, match=r"stage 0 made an output of \[2, 3\] float32 on micro-batch 0, but the "
                                         r"trace before the run \(message_specs\) gave \[2, 4\] float32"):
-        run_pipeline(stages, make_schedule("gpipe", 2, 4), x, y, torch.nn.MSELoss(), steps=1, timeout=60)
+        pipelines(stages, [make_schedule("gpipe", 2, 4)], x, y, torch.nn.MSELoss(), timeout=60)
 
 
 class To(torch.nn.Module):
@@ -268,14 +321,13 @@ def test_a_bfloat16_stage_between_float32_stages():
     run_and_check(stages, three_kinds(3, 2), x, y, torch.nn.MSELoss(), atol=2e-2)
 
 
-def test_a_summed_loss_gives_the_batch_sum_with_ours_and_torchs():
+def test_a_summed_loss_is_refused_by_ours_and_torchs_before_any_rank_starts(monkeypatch):
+    """Every parallel mode averages over micro-batches, which equals one process only for a mean."""
+    monkeypatch.setattr("pipelab.launch.spawn", lambda *a, **k: pytest.fail("a rank started"))
     stages, x, y, _ = problem(2)
-    loss_fn = torch.nn.MSELoss(reduction="sum")
-    ref = reference(stages, x, y, loss_fn)
-    schedules = three_kinds(2, 4)
-    for run in run_pipelines(stages, schedules, x, y, loss_fn, steps=1) + \
-            run_torch_pipelines(stages, schedules, x, y, loss_fn, steps=1):
-        assert_same(run, ref, rtol=1e-4)  # the batch's sum, not its sum / m
+    for engine in ("pipelab", "torch"):
+        with pytest.raises(ValueError, match="reduction='sum'"):
+            pipelines(stages, three_kinds(2, 4), x, y, torch.nn.MSELoss(reduction="sum"), engine=engine)
 
 
 @pytest.mark.parametrize("where", ["first", "middle"])

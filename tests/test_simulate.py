@@ -145,7 +145,7 @@ def test_schedule_explorer_redraws_and_explains_refusals():
     matplotlib.use("Agg")
     from pipelab.widgets import schedule_explorer
 
-    box = schedule_explorer("gpipe", ranks=2, microbatches=4)
+    box = schedule_explorer("gpipe", num_ranks=2, num_microbatches=4)
     controls = [w for row in box.children[:2] for w in row.children]
     by_name = {w.description: w for w in controls}
     assert set(by_name) >= {"schedule", "ranks p", "micro-batches m", "transfer / F"}

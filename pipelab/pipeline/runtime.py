@@ -2,29 +2,41 @@
 
 The whole pipeline, seen from one rank, is `run_step`: walk this rank's action list in order and
 run each action. The order is the schedule (GPipe, 1F1B, ...); the waiting is done by the receives
-(`p2p`); the work and the stash by the stage runner (`stage`). `pipeline_worker` is what every
-process runs: a few timed steps of each schedule it is given, each with or without activation
-checkpointing.
+(`p2p`); the work and the stash by the stage runner (`stage`). The lessons' worker, which times a
+few steps of each schedule, is `pipelab.experiments.pipeline.worker`.
 """
 
 from __future__ import annotations
 
-import copy
 from dataclasses import dataclass
-from typing import Callable, Sequence
+from typing import TYPE_CHECKING, Callable
 
 import torch
 from torch import nn
 
-from pipelab.measure import RankSteps, time_steps, timed_slice
 from pipelab.pipeline.p2p import P2P, TensorSpec
 from pipelab.pipeline.schedules import Schedule
-from pipelab.pipeline.stage import StageRunner
+from pipelab.pipeline.stage import StageRunner, StashMeter
+
+if TYPE_CHECKING:
+    from pipelab.worker import RankContext
 
 
-def run_step(ctx, schedule: Schedule, modules: dict[int, nn.Module], loss_fn: Callable,
+@dataclass
+class Step:
+    """What one rank's step leaves: each micro-batch's loss as the last stage computed it (what
+    torch's `schedule.step(..., losses=[])` gives; empty on the other ranks), the stash it kept
+    over the step, and the messages it sent."""
+
+    losses: list[torch.Tensor]
+    stash: StashMeter
+    messages_sent: int
+    bytes_sent: int
+
+
+def run_step(ctx: RankContext, schedule: Schedule, modules: dict[int, nn.Module], loss_fn: Callable,
              x: torch.Tensor, y: torch.Tensor, specs: list[list[TensorSpec]],
-             checkpoint: bool = False) -> StageRunner:
+             checkpoint: bool = False) -> Step:
     """One training step (no optimizer): run this rank's actions of `schedule` in order. `specs` are
     the messages' shapes and dtypes (`p2p.message_specs`); `checkpoint` recomputes each stage's
     forward in its backward instead of stashing its activations."""
@@ -34,50 +46,6 @@ def run_step(ctx, schedule: Schedule, modules: dict[int, nn.Module], loss_fn: Ca
     for action in schedule.actions[ctx.rank]:
         runner.run(action)
     p2p.finish()
-    return runner
-
-
-@dataclass
-class RankResult:
-    """What one rank brings back from `pipeline_worker` for one schedule."""
-
-    rank: int
-    stages: list[int]
-    loss: float | None  # the last step's, on the rank holding the last stage
-    grads: dict[int, dict[str, torch.Tensor]]  # stage -> parameter name -> gradient (last step)
-    steps: RankSteps  # times and timelines of the timed steps
-    stash_traces: list[list[tuple[float, int, int]]]  # one per timed step: (time, stashes, bytes)
-    peak_stash: int
-    peak_stash_bytes: int
-    messages_sent: int
-    bytes_sent: int
-
-
-def pipeline_worker(ctx, stages: list[nn.Module], schedules: list[Schedule],
-                    batches: list[tuple[torch.Tensor, torch.Tensor]], loss_fn: Callable,
-                    specs: list[list[list[TensorSpec]]], steps: int = 2,
-                    checkpoint: bool | Sequence[bool] = False) -> list[RankResult]:
-    """Worker: run each schedule on its (inputs, targets) batch for `steps` steps; report the
-    timelines and times of all but the first (a warm-up), and the last step's gradients. `specs` holds
-    each schedule's message specs; `checkpoint`, one flag for all schedules or one per schedule."""
-    results = []
-    flags = [checkpoint] * len(schedules) if isinstance(checkpoint, bool) else list(checkpoint)
-    for schedule, (x, y), sched_specs, ckpt in zip(schedules, batches, specs, flags):
-        x, y = x.to(ctx.device), y.to(ctx.device)
-        modules = {s: copy.deepcopy(stages[s]).to(ctx.device) for s in schedule.stages_of(ctx.rank)}
-
-        def zero_grad(_):
-            for module in modules.values():
-                module.zero_grad(set_to_none=True)
-
-        measured = time_steps(ctx, lambda _: run_step(ctx, schedule, modules, loss_fn, x, y, sched_specs, ckpt),
-                              steps, prepare=zero_grad)
-        runner = measured.results[-1]
-        traces = [r.meter.trace for r in measured.results[timed_slice(steps)]]
-        loss = float(sum(runner.losses)) if runner.losses else None
-        grads = {s: {n: None if p.grad is None else p.grad.detach().cpu() for n, p in mod.named_parameters()}
-                 for s, mod in modules.items()}
-        timed = RankSteps([], measured.seconds, measured.timelines)  # the runners stay here
-        results.append(RankResult(ctx.rank, sorted(modules), loss, grads, timed, traces, runner.meter.peak,
-                                  runner.meter.peak_bytes, runner.p2p.messages_sent, runner.p2p.bytes_sent))
-    return results
+    # The runner divided each loss by `divisor` so that the m backwards add up to the batch's gradient.
+    losses = [loss * runner.divisor for loss in runner.losses]
+    return Step(losses, runner.meter, p2p.messages_sent, p2p.bytes_sent)
