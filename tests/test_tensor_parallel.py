@@ -94,3 +94,28 @@ def test_sizes_that_do_not_divide_are_refused(dim, heads, ranks, bad):
     block = make_block(dim, heads)
     with pytest.raises(ValueError, match=bad):
         ParallelBlock(block, TensorParallelGroup(None, 0, ranks))
+
+
+def test_every_variant_ours_and_torchs_equals_one_process_and_memory_follows_the_formula():
+    from pipelab.experiments import tensor_parallel as tpx
+
+    run = tpx.run(tpx.Config(world_size=2, dim=32, n_heads=4, seq_len=16, steps=1))
+    assert tpx.same_as_one_process(run)[1] == "same"
+    assert tpx.bytes_verdict(run)[1] == "same bytes"
+    assert tpx.memory_verdict(run)[1] == "as the formula divides"
+    calls = run["torch tp"].calls  # torch's q, k, v: three column-wise layers, three input-gradient sums
+    assert calls[("all_reduce", "forward")] == 2 and calls[("all_reduce", "backward")] == 4
+
+
+@pytest.mark.parametrize("bad,match", [
+    (dict(n_heads=8, world_size=3), "n_heads=8 does not divide by the tensor-parallel size world_size=3"),
+    (dict(dim=30, n_heads=4), "dim=30 does not divide into n_heads=4"),
+    (dict(seq_len=15), "seq_len=15 does not divide by world_size=2"),
+    (dict(variants=("tp", "megatron")), "variants must be some of"),
+    (dict(world_size=64), "ranks per core"),
+])
+def test_the_lessons_config_refuses_what_cannot_run(bad, match):
+    from pipelab.experiments import tensor_parallel as tpx
+
+    with pytest.raises(ValueError, match=match):
+        tpx.Config(**bad)
