@@ -365,3 +365,17 @@ def test_recv_waits_split_a_receive_into_waiting_for_the_sender_and_for_the_mess
     for_sender, for_message = recv_waits(tl)
     assert for_sender == pytest.approx(0.004)
     assert for_message == pytest.approx(0.006 + 0.001)
+
+
+def test_the_stash_counted_from_the_layers_is_the_stash_measured():
+    """Lesson 06's count: per micro-batch, each ReLU output, the received activation (not on stage
+    0) and the last stage's output, one micro-batch by `width` float32 numbers each."""
+    from pipelab.experiments import gpipe
+
+    torch.manual_seed(0)
+    width, m = 16, 2
+    stages = split_model(models.mlp([width] * 5), 2)
+    x, y = torch.randn(8, width), torch.randn(8, width)
+    [run] = pipelines(stages, [make_schedule("gpipe", 2, m)], x, y, torch.nn.MSELoss())
+    activation = 8 // m * width * 4
+    assert gpipe.stash_per_rank(run, stages, activation) == gpipe.stashed_tensors(stages) == {0: 2, 1: 3}
