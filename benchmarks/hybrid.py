@@ -1,6 +1,6 @@
 """The pipe x data grid against one pipeline and against pure data parallelism, same processes.
 
-    python benchmarks/hybrid.py [--pipe 2] [--data 2] [--microbatches 4] [--schedule 1f1b]
+    python benchmarks/hybrid.py [--pipe 2] [--data 2] [--num-microbatches 4] [--schedule 1f1b]
                                 [--width 1024] [--layers 8] [--batch 256] [--steps 5] [--rounds 3]
 
 An MLP of `layers` Linear layers of `width` on `pipe x data` processes, laid out three ways in one
@@ -26,20 +26,19 @@ import argparse
 import json
 
 import torch
-from torch import nn
 
-from pipelab import hardware, models
+from pipelab import experiments, hardware, models
 from pipelab.display import format_table
-from pipelab.experiments.grid import layouts_of, one_device_seconds, predicted_seconds, run_layouts
+from pipelab.experiments import grid as experiment
 from pipelab.measure import ratios
-from pipelab.reference import assert_same, reference_run
+from pipelab.reference import assert_same
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--pipe", type=int, default=2)
     parser.add_argument("--data", type=int, default=2)
-    parser.add_argument("--microbatches", type=int, default=4)
+    parser.add_argument("--num-microbatches", type=int, default=4)
     parser.add_argument("--schedule", default="1f1b")
     parser.add_argument("--width", type=int, default=1024)
     parser.add_argument("--layers", type=int, default=8)
@@ -47,39 +46,37 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=5, help="timed steps per layout and round")
     parser.add_argument("--rounds", type=int, default=3, help="rounds, the layouts alternating")
     args = parser.parse_args()
-    world = args.pipe * args.data
-    print(hardware.describe(world))
-
     torch.manual_seed(0)
     model = models.mlp([args.width] * (args.layers + 1))
     x, y = torch.randn(args.batch, args.width), torch.randn(args.batch, args.width)
-    runs = run_layouts(model, x, y, layouts_of(world, args.pipe, args.data, args.microbatches), schedule=args.schedule,
-                       steps=args.steps, rounds=args.rounds, timeout=900)
+    cfg = experiment.Config(model=model, x=x, y=y, layouts=experiment.layouts_of(args.pipe, args.data, args.num_microbatches),
+                            schedule=args.schedule, steps=args.steps, rounds=args.rounds, timeout=900)
+    world = cfg.world_size
+    print(hardware.describe(world))
+    runs = experiments.run(experiment.worker, cfg, experiment.gather)
     worst = 0.0
     for run in runs:
-        reference = reference_run(model, x, y, nn.MSELoss(), steps=len(run.losses), lr=0.1)
-        worst = max(worst, assert_same(run, reference, atol=1e-5, rtol=1e-4))
-    device = "cuda" if hardware.gpu_count() >= world else "cpu"
-    one = one_device_seconds(model, x, y, device=device)
-    devices = world if device == "cuda" else hardware.cpu_cores()
+        worst = max(worst, assert_same(run, experiment.reference(cfg, steps=len(run.losses)), atol=1e-5, rtol=1e-4))
+    prediction = experiment.predict(cfg)
+    device, devices = prediction.device, prediction.here
 
     one_pipe, grid, dp = runs
     print(f"{world} processes, MLP {args.layers} x {args.width}, batch {args.batch}, {args.schedule}, "
-          f"m={args.microbatches}; {args.rounds} alternating rounds x {args.steps} timed steps; every layout matches "
+          f"m={args.num_microbatches}; {args.rounds} alternating rounds x {args.steps} timed steps; every layout matches "
           f"one process (largest gradient difference {worst:.1e}); one {device} forward+backward of the whole "
-          f"batch: {one * 1e3:.1f} ms")
-    print(format_table([{"layout": r.name, "step_ms": round(r.step_time * 1e3, 1),
-                         "fastest_ms": round(r.spread[0] * 1e3, 1), "slowest_ms": round(r.spread[1] * 1e3, 1),
+          f"batch: {prediction.one_device * 1e3:.1f} ms")
+    print(format_table([{"layout": r.name, "step_ms": round(r.step_time.median * 1e3, 1),
+                         "fastest_ms": round(r.step_time.low * 1e3, 1), "slowest_ms": round(r.step_time.high * 1e3, 1),
                          "grid_vs_this": f"{ratios(grid.round_times, r.round_times):.3f}",
-                         f"predicted_ms_{devices}_{device}": round(predicted_seconds(r.layout, one, devices) * 1e3, 1),
-                         f"predicted_ms_{world}_gpus": round(predicted_seconds(r.layout, one, world) * 1e3, 1),
-                         "hidden_allreduce": round(r.hidden.median, 3)} for r in runs]))
-    hidden = grid.hidden
+                         f"predicted_ms_{devices}_{device}": round(prediction.seconds(r.layout) * 1e3, 1),
+                         f"predicted_ms_{world}_gpus": round(prediction.seconds(r.layout, world) * 1e3, 1),
+                         "hidden_allreduce": round(r.overlap.median, 3)} for r in runs]))
+    hidden = grid.overlap
     vs_pipe, vs_dp = ratios(grid.round_times, one_pipe.round_times), ratios(grid.round_times, dp.round_times)
     figures = {
-        "world_size": world, "pipe": args.pipe, "data": args.data, "microbatches": args.microbatches,
-        "schedule": args.schedule, "grid_ms": round(grid.step_time * 1e3, 2),
-        "one_pipeline_ms": round(one_pipe.step_time * 1e3, 2), "data_parallel_ms": round(dp.step_time * 1e3, 2),
+        "world_size": world, "pipe": args.pipe, "data": args.data, "num_microbatches": args.num_microbatches,
+        "schedule": args.schedule, "grid_ms": round(grid.step_time.median * 1e3, 2),
+        "one_pipeline_ms": round(one_pipe.step_time.median * 1e3, 2), "data_parallel_ms": round(dp.step_time.median * 1e3, 2),
         "rounds": args.rounds,
         "grid_vs_one_pipeline": round(vs_pipe.median, 3), "grid_vs_one_pipeline_min": round(vs_pipe.low, 3),
         "grid_vs_one_pipeline_max": round(vs_pipe.high, 3),
@@ -87,7 +84,7 @@ def main() -> None:
         "grid_vs_data_parallel_max": round(vs_dp.high, 3),
         "allreduce_hidden": round(hidden.median, 3), "allreduce_hidden_min": round(hidden.low, 3),
         "allreduce_hidden_max": round(hidden.high, 3),
-        "allreduce_hidden_simulated": round(grid.simulated_hidden(), 3),
+        "allreduce_hidden_simulated": round(grid.simulated_overlap(), 3),
     }
     print(json.dumps(figures))
 

@@ -1,6 +1,6 @@
 """Lesson 10's Transformer LM: tokens/s of the pipe x data grid against one process, same machine.
 
-    python benchmarks/lm.py [--pipe 2] [--data 2] [--microbatches 2] [--schedule 1f1b]
+    python benchmarks/lm.py [--pipe 2] [--data 2] [--num-microbatches 2] [--schedule 1f1b]
                             [--emsize 64] [--nhid 128] [--nlayers 4] [--batches 100] [--repeats 3]
 
 Each round trains `batches` windows of the built-in corpus (Python's documentation) on the grid
@@ -22,7 +22,7 @@ import torch
 from pipelab import hardware
 from pipelab.data import load_corpus
 from pipelab.display import format_table
-from pipelab.experiments.capstone import LMConfig, single_process_losses, train_lm, train_one_process
+from pipelab.experiments.capstone import Config, single_process_losses, train, train_one_process
 from pipelab.measure import Measured, alternate, ratios
 
 
@@ -30,7 +30,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--pipe", type=int, default=2)
     parser.add_argument("--data", type=int, default=2)
-    parser.add_argument("--microbatches", type=int, default=2)
+    parser.add_argument("--num-microbatches", type=int, default=2)
     parser.add_argument("--schedule", default="1f1b")
     parser.add_argument("--emsize", type=int, default=64)
     parser.add_argument("--nhid", type=int, default=128)
@@ -38,18 +38,17 @@ def main() -> None:
     parser.add_argument("--batches", type=int, default=100, help="training windows timed on each side, per round")
     parser.add_argument("--repeats", type=int, default=3, help="rounds of grid then one process")
     args = parser.parse_args()
-    print(hardware.describe(args.pipe * args.data))
-
+    cfg = Config(emsize=args.emsize, nhid=args.nhid, nlayers=args.nlayers, pipe=args.pipe, data=args.data,
+                 num_microbatches=args.num_microbatches, schedule=args.schedule, max_batches=args.batches,
+                 log_interval=max(1, args.batches // 5), timeout=900)
+    print(hardware.describe(cfg.world_size))
     corpus = load_corpus()
-    cfg = LMConfig(emsize=args.emsize, nhid=args.nhid, nlayers=args.nlayers, pipe=args.pipe, data=args.data,
-                   microbatches=args.microbatches, schedule=args.schedule, max_batches=args.batches,
-                   log_interval=max(1, args.batches // 5))
     first_losses = []
 
     def grid() -> float:
-        run = train_lm(corpus, cfg, timeout=900, progress=False)
+        run = train(cfg, corpus, progress=False)
         first_losses.append(run.losses[:3])
-        return run.interval_tokens_per_second().median
+        return run.tokens_per_second.median
 
     figures = alternate({"grid": grid, "one": lambda: train_one_process(corpus, cfg, args.batches)},
                         repeats=args.repeats, warmup=0)
