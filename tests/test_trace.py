@@ -7,8 +7,8 @@ import pytest
 import torch
 from torch import nn
 
+from pipelab import experiments
 from pipelab.experiments import splitting
-from pipelab.pipeline.schedules import make_schedule
 from pipelab.pipeline.trace import check_stages, split
 from pipelab.reference import assert_same, reference_run
 from pipelab.transformer import ModelArgs, Transformer, token_loss
@@ -137,15 +137,31 @@ def test_errors_name_the_module_or_the_line():
         split(Branchy(), ["a"])
     with pytest.raises(ValueError, match="3 stages but 2 processes"):
         check_stages(3, 2)
+    with pytest.raises(ValueError, match="1 stage\\(s\\) but 2 processes.*give 1 split points"):
+        check_stages(1, 2)
     x, y = splitting.make_batch(ARGS, 4, 8)
     with pytest.raises(ValueError, match="3 stages but 2 processes"):
-        splitting.run_traced(model, ["layers.1", "layers.2"], [make_schedule("gpipe", 2, 2)], x, y)
+        splitting.TracedConfig(model=model, split_points=["layers.1", "layers.2"], x=x, y=y, num_microbatches=2)
+    with pytest.raises(ValueError, match="reduction='sum'"):
+        splitting.TracedConfig(model=model, split_points=["layers.2"], x=x, y=y,
+                               loss_fn=nn.CrossEntropyLoss(reduction="sum"))
+    with pytest.raises(ValueError, match="reduction='sum'"):
+        splitting.Config(model=model, x=x, y=y, loss_fn=nn.CrossEntropyLoss(reduction="sum"))
+    with pytest.raises(ValueError, match="world_size=3 stages but the model has 2 layers"):
+        splitting.Config(model=Transformer(ModelArgs(dim=16, n_layers=2, n_heads=2, vocab_size=50)), x=x, y=y,
+                         world_size=3)
+    with pytest.raises(ValueError, match="batch=4 does not divide evenly by num_microbatches=3"):
+        splitting.Config(model=model, x=x, y=y, num_microbatches=3)
 
 
 def test_traced_stages_run_under_pipelab_runtime():
     model = transformer(tied=True)
     x, y = splitting.make_batch(ARGS, 4, 8)
-    _, (run,) = splitting.run_traced(model, ["layers.2"], [make_schedule("1f1b", 2, 2)], x, y)
+    cfg = splitting.TracedConfig(model=model, split_points=["layers.2"], x=x, y=y, schedules=["1f1b"],
+                                 num_microbatches=2, loss_fn=token_loss)
+    (run,) = experiments.run(splitting.traced_worker, cfg, splitting.gather_traced)
+    # Each micro-batch's loss, as the last stage computed it: one process's on that micro-batch.
+    assert run.mb_losses == pytest.approx(splitting.single_process_losses(model, x, y, 2), abs=1e-6)
     ref = reference_run(model, x, y, token_loss, lr=None)
     tied = splitting.tied_gradient(run.grads, ["tok_embeddings.weight", "output.weight"])
     torch.testing.assert_close(tied, ref.grads["tok_embeddings.weight"], atol=1e-6, rtol=1e-5)
@@ -153,3 +169,24 @@ def test_traced_stages_run_under_pipelab_runtime():
     run.grads[0].pop("tok_embeddings.weight")
     ref.grads.pop("tok_embeddings.weight")
     assert_same(run, ref, atol=1e-6)
+
+
+def test_split_by_hand_and_by_torch_tracer_on_real_ranks():
+    model = transformer()
+    x, y = splitting.make_batch(ARGS, 4, 8)
+    cfg = splitting.Config(model=model, x=x, y=y, num_microbatches=2)
+    runs = experiments.run(splitting.worker, cfg, splitting.gather)
+    ref = reference_run(model, x, y, token_loss, lr=None)
+    want = splitting.single_process_losses(model, x, y, 2)
+    assert [r.name for r in runs] == ["manual", "torch pipeline()"]
+    for run in runs:
+        assert run.mb_losses == pytest.approx(want, abs=1e-5)
+        assert_same(run, ref, atol=1e-5)
+
+
+def test_torchrun_is_this_python_running_torch_distributed_run():
+    import sys
+
+    command = splitting.torchrun_command("worker.py", 2)
+    assert command[:3] == [sys.executable, "-m", "torch.distributed.run"]
+    assert command[3:5] == ["--nproc-per-node", "2"] and command[-1] == "worker.py"

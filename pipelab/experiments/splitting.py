@@ -1,25 +1,39 @@
-"""Running lesson 09 (automatic splitting) from a notebook: the Transformer cut by hand, by torch's
-tracer (`torch.distributed.pipelining.pipeline`) and by pipelab's (`pipeline.trace.split`), each run
-on real processes, and the standalone torchrun script.
+"""Lesson 09 from a notebook (automatic splitting): the Transformer cut by hand, by torch's tracer
+(`torch.distributed.pipelining.pipeline`) and by pipelab's (`pipeline.trace.split`), each run on
+real processes; the standalone torchrun script; the verdicts the lesson concludes.
 
-Every run carries `losses` (the batch's loss) and `grads` (one dict per stage, named as in the whole
-model), so `reference.assert_same(run, reference_run(model, x, y, token_loss, lr=None))` checks it.
+    cfg = splitting.Config(model=model, x=x, y=y, num_microbatches=4)  # by hand, and torch's tracer
+    manual, torch_traced = experiments.run(splitting.worker, cfg, splitting.gather)
+    cfg = splitting.TracedConfig(model=model, split_points=["layers.2"], x=x, y=y, schedules=["1f1b"])
+    runs = experiments.run(splitting.traced_worker, cfg, splitting.gather_traced)  # pipelab's tracer
+
+Every `SplitRun` carries each micro-batch's loss (`mb_losses`, as the last stage computed it), the
+batch's (`losses`) and `grads` (one dict per stage, named as in the whole model), so
+`reference.assert_same(run, reference_run(model, x, y, token_loss, lr=None))` checks it.
 """
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import inspect
 import os
 import sys
-from dataclasses import dataclass
+import warnings
+from dataclasses import dataclass, field
+from functools import cached_property
+from typing import Callable, Sequence
 
 import torch
 from torch import nn
 
-from pipelab.checks import whole_number
+from pipelab import experiments
+from pipelab.checks import divides, mean_loss, same_batch, whole_number
+from pipelab.experiments import pipeline
+from pipelab.pipeline.schedules import Schedule
 from pipelab.pipeline.trace import Split, check_stages, split
 from pipelab.transformer import ModelArgs, Transformer, token_loss
+from pipelab.worker import RankContext
 
 
 def make_batch(args: ModelArgs, batch: int, seq_len: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
@@ -45,13 +59,6 @@ def manual_stage(model: Transformer, stage: int, num_stages: int) -> Transformer
     return mod
 
 
-def split_spec(model: Transformer, num_stages: int) -> dict:
-    """torch's split_spec: a `SplitPoint.BEGINNING` before the first layer of each stage but the first."""
-    from torch.distributed.pipelining import SplitPoint
-
-    return {name: SplitPoint.BEGINNING for name in layer_split_points(model, num_stages)}
-
-
 def layer_split_points(model: Transformer, num_stages: int) -> list[str]:
     """The names of the layers that start stages 1, 2, ...: the layers shared out evenly."""
     n = len(model.layers)
@@ -60,25 +67,6 @@ def layer_split_points(model: Transformer, num_stages: int) -> list[str]:
 
 def stage_grads(module: nn.Module) -> dict[str, torch.Tensor | None]:
     return {n: None if p.grad is None else p.grad.detach().cpu() for n, p in module.named_parameters()}
-
-
-def run_torch_schedule(ctx, module: nn.Module, stage_index: int, num_stages: int, x, y, microbatches: int,
-                       stage=None) -> tuple[list[float], dict]:
-    """One GPipe step through torch.distributed.pipelining: `PipelineStage` (or a `stage` built by
-    `pipe.build_stage`) and `ScheduleGPipe` with the token loss. Returns the per-micro-batch losses
-    (on the last stage) and this stage's gradients."""
-    from torch.distributed.pipelining import PipelineStage, ScheduleGPipe
-
-    module = module.to(ctx.device)
-    stage = stage or PipelineStage(module, stage_index, num_stages, ctx.device)
-    schedule = ScheduleGPipe(stage, microbatches, loss_fn=token_loss)  # grads scaled by 1/m: the batch mean
-    last = stage_index == num_stages - 1
-    losses: list = []
-    if stage_index == 0:
-        schedule.step(x.to(ctx.device), target=y.to(ctx.device) if last else None)
-    else:
-        schedule.step(target=y.to(ctx.device) if last else None, losses=losses if last else None)
-    return [l.item() for l in losses], stage_grads(module)
 
 
 def example_io(model: Transformer, stage: int, num_stages: int, mb: torch.Tensor) -> tuple:
@@ -94,29 +82,107 @@ def example_io(model: Transformer, stage: int, num_stages: int, mb: torch.Tensor
     return tuple(t.contiguous().requires_grad_(t.is_floating_point()) for t in (inputs, h))
 
 
-def torch_splits_worker(ctx, model: Transformer, x, y, microbatches: int) -> dict:
-    """Worker: the manual split and torch's tracer split, one GPipe step each, on this rank's stage."""
-    from torch.distributed.pipelining import PipelineStage, pipeline
+@contextlib.contextmanager
+def quiet_tracer():
+    """torch's tracer copies pytree specs, and each copy warns (FutureWarning) that torch's own
+    internals still call `isinstance(treespec, LeafSpec)`: a note to torch's developers that a
+    lesson's reader can do nothing about. Ignore just that warning, just here."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=r".*LeafSpec.*", category=FutureWarning)
+        yield
 
-    module = manual_stage(model, ctx.rank, ctx.world_size).to(ctx.device)
-    inputs, outputs = example_io(model, ctx.rank, ctx.world_size, x.chunk(microbatches)[0])
+
+def torch_pipe(model: nn.Module, mb: torch.Tensor, split_points: list[str] | None = None):
+    """torch's tracer in this process: `pipeline(model, mb_args=(mb,), split_spec=...)` on a copy
+    (it rewrites the forwards of the modules it splits at). Without split points, the model must
+    mark them itself (`pipe_split()` in its forward, or `annotate_split_points`)."""
+    from torch.distributed.pipelining import SplitPoint, pipeline as trace_pipeline
+
+    spec = {name: SplitPoint.BEGINNING for name in split_points} if split_points else None
+    with quiet_tracer():
+        return trace_pipeline(copy.deepcopy(model), mb_args=(mb,), split_spec=spec)
+
+
+# ---------------------------------------------------------------------------------------------
+# By hand and by torch's tracer, run with torch's ScheduleGPipe
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, kw_only=True)
+class Config(experiments.Config):
+    """The Transformer `model` split by hand and by torch's tracer into one stage per rank (layers
+    shared out evenly), one GPipe step each on the batch `x`, `y` in `num_microbatches`."""
+
+    model: Transformer = field(repr=False)
+    x: torch.Tensor = field(repr=False)
+    y: torch.Tensor = field(repr=False)
+    num_microbatches: int = 4
+    loss_fn: Callable = token_loss
+
+    def check(self) -> None:
+        super().check()
+        if not isinstance(self.model, Transformer):
+            raise ValueError(f"model must be a pipelab.transformer.Transformer (its split by hand deletes its "
+                             f"layers), got {type(self.model).__name__}; use TracedConfig for any traceable model")
+        whole_number("world_size", self.world_size, minimum=2, example="world_size=2 (one stage per rank)")
+        layers = len(self.model.layers)
+        if self.world_size > layers:
+            raise ValueError(f"world_size={self.world_size} stages but the model has {layers} layers: use at "
+                             f"most world_size={layers}")
+        mean_loss(self.loss_fn)
+        whole_number("num_microbatches", self.num_microbatches, example="num_microbatches=4")
+        divides("batch", same_batch(self.x, self.y), "num_microbatches", self.num_microbatches)
+
+
+@dataclass
+class StageResult:
+    """One split's step on one rank."""
+
+    mb_losses: list[float]  # each micro-batch's loss on the last stage; empty elsewhere
+    grads: dict[str, torch.Tensor | None]  # this stage's, named as in the whole model
+
+
+@dataclass
+class Result:
+    manual: StageResult  # the split by hand
+    traced: StageResult  # torch's pipeline()
+
+
+def run_gpipe(ctx: RankContext, cfg: Config, stage) -> StageResult:
+    """One GPipe step of a torch `PipelineStage` with the config's loss. ScheduleGPipe divides each
+    micro-batch's loss by their number, so the gradients are the batch mean's."""
+    from torch.distributed.pipelining import ScheduleGPipe
+
+    schedule = ScheduleGPipe(stage, cfg.num_microbatches, loss_fn=cfg.loss_fn)
+    last = stage.stage_index == stage.num_stages - 1
+    inputs = (cfg.x.to(ctx.device),) if stage.stage_index == 0 else ()
+    losses: list = []
+    schedule.step(*inputs, target=cfg.y.to(ctx.device) if last else None, losses=losses if last else None)
+    return StageResult([loss.item() for loss in losses], stage_grads(stage.submod))
+
+
+def worker(ctx: RankContext, cfg: Config) -> Result:
+    """This rank's stage split by hand, then by torch's tracer: one GPipe step each."""
+    from torch.distributed.pipelining import PipelineStage
+
+    mb = cfg.x.chunk(cfg.num_microbatches)[0]
+    module = manual_stage(cfg.model, ctx.rank, ctx.world_size).to(ctx.device)
+    inputs, outputs = example_io(cfg.model, ctx.rank, ctx.world_size, mb)
     stage = PipelineStage(module, ctx.rank, ctx.world_size, ctx.device, input_args=inputs.to(ctx.device),
                           output_args=outputs.to(ctx.device))  # shapes given, not inferred: see example_io
-    out = {"manual": run_torch_schedule(ctx, module, ctx.rank, ctx.world_size, x, y, microbatches, stage=stage)}
-    traced = copy.deepcopy(model)
-    pipe = pipeline(traced, mb_args=(x.chunk(microbatches)[0],), split_spec=split_spec(traced, ctx.world_size))
-    stage = pipe.build_stage(ctx.rank, ctx.device)
-    out["torch pipeline()"] = run_torch_schedule(ctx, stage.submod, ctx.rank, ctx.world_size, x, y,
-                                                 microbatches, stage=stage)
-    return out
+    manual = run_gpipe(ctx, cfg, stage)
+    pipe = torch_pipe(cfg.model, mb, layer_split_points(cfg.model, ctx.world_size))
+    with quiet_tracer():
+        stage = pipe.build_stage(ctx.rank, ctx.device)
+    return Result(manual, run_gpipe(ctx, cfg, stage))
 
 
 @dataclass
 class SplitRun:
-    """One split run on real processes: per-micro-batch losses and every stage's gradients."""
+    """One split run on real processes: each micro-batch's loss and every stage's gradients."""
 
     name: str
-    mb_losses: list[float]
+    mb_losses: list[float]  # each micro-batch's loss, as the last stage computed it
     grads: list[dict[str, torch.Tensor | None]]  # one per stage, named as in the whole model
 
     @property
@@ -125,40 +191,62 @@ class SplitRun:
         return [sum(self.mb_losses) / len(self.mb_losses)]
 
 
-def check_run(model: Transformer, x: torch.Tensor, num_stages: int, microbatches: int, world_size: int) -> None:
-    """Refuse what cannot run, before any process starts."""
-    whole_number("num_stages", num_stages, minimum=2)
-    whole_number("microbatches", microbatches)
-    check_stages(num_stages, world_size)
-    if num_stages > len(model.layers):
-        raise ValueError(f"{num_stages} stages but {len(model.layers)} layers: use at most {len(model.layers)} stages")
-    if x.shape[0] % microbatches:
-        raise ValueError(f"a batch of {x.shape[0]} does not split into {microbatches} equal micro-batches; "
-                         f"use a divisor of {x.shape[0]}")
+def gather(cfg: Config, results: list[Result]) -> list[SplitRun]:
+    """[the split by hand, torch's pipeline()], each gathered from every rank."""
+    return [SplitRun("manual", results[-1].manual.mb_losses, [r.manual.grads for r in results]),
+            SplitRun("torch pipeline()", results[-1].traced.mb_losses, [r.traced.grads for r in results])]
 
 
-def run_torch_splits(model: Transformer, x, y, microbatches: int = 4, world_size: int = 2,
-                     timeout: float = 120.0) -> list[SplitRun]:
-    """The manual split and torch's tracer split of `model`, each run with ScheduleGPipe on
-    `world_size` processes (one stage each)."""
-    from pipelab.launch import spawn
-
-    check_run(model, x, world_size, microbatches, world_size)
-    per_rank = spawn(torch_splits_worker, world_size, model, x, y, microbatches, timeout=timeout)
-    return [SplitRun(name, per_rank[-1][name][0], [r[name][1] for r in per_rank]) for name in per_rank[0]]
+# ---------------------------------------------------------------------------------------------
+# pipelab's tracer, run with pipelab's runtime
+# ---------------------------------------------------------------------------------------------
 
 
-def run_traced(model: nn.Module, split_points: list[str], schedules: list, x, y, steps: int = 2,
-               timeout: float = 120.0) -> tuple[Split, list[SplitRun]]:
-    """pipelab's tracer cuts `model` at `split_points`; pipelab's runtime runs the stages with each
-    of `schedules` (lesson 07's) on real processes. Gradients are renamed as in `model`."""
-    from pipelab.experiments.pipeline import run_pipelines
+@dataclass(frozen=True, kw_only=True)
+class TracedConfig(experiments.Config):
+    """`model` traced and cut before each of `split_points` by pipelab's tracer (one stage per rank),
+    then run by pipelab's runtime with each of `schedules` (lesson 07's names, or `Schedule`s) for
+    `steps` steps on the batch `x`, `y` in `num_microbatches`, with the mean loss `loss_fn`."""
 
-    parts = split(model, split_points)
-    for schedule in schedules:
-        check_stages(len(parts), schedule.num_ranks * schedule.stages_per_rank)
-    runs = run_pipelines(parts.stages, schedules, x, y, token_loss, steps=steps, timeout=timeout)
-    return parts, [SplitRun(f"pipelab trace, {run.name}", [run.loss], unprefixed(run.grads)) for run in runs]
+    model: nn.Module = field(repr=False)
+    split_points: Sequence[str]
+    x: torch.Tensor = field(repr=False)
+    y: torch.Tensor = field(repr=False)
+    schedules: Sequence[str | Schedule] = ("gpipe",)
+    num_microbatches: int = 4
+    loss_fn: Callable = token_loss
+    steps: int = 2
+
+    def check(self) -> None:
+        super().check()
+        if isinstance(self.split_points, str):
+            raise ValueError(f"split_points must be a list of submodule names, got {self.split_points!r}; "
+                             f"e.g. split_points=[{self.split_points!r}]")
+        check_stages(len(self.split_points) + 1, self.world_size)
+        self.pipeline  # noqa: B018 - traces, cuts, and checks the rest (loss, sizes, schedules)
+
+    @cached_property
+    def parts(self) -> Split:
+        """The model traced and cut: one module per stage."""
+        return split(self.model, list(self.split_points))
+
+    @cached_property
+    def pipeline(self) -> pipeline.Config:
+        """The pipeline run of the traced stages: lesson 07's, checked as there."""
+        return pipeline.Config(stages=self.parts.stages, x=self.x, y=self.y, schedules=list(self.schedules),
+                               num_microbatches=self.num_microbatches, loss_fn=self.loss_fn, steps=self.steps,
+                               world_size=self.world_size, backend=self.backend, timeout=self.timeout)
+
+
+def traced_worker(ctx: RankContext, cfg: TracedConfig) -> list[pipeline.Result]:
+    """Lesson 07's pipeline worker on the traced stages."""
+    return pipeline.worker(ctx, cfg.pipeline)
+
+
+def gather_traced(cfg: TracedConfig, results: list[list[pipeline.Result]]) -> list[SplitRun]:
+    """One SplitRun per schedule, its gradients renamed as in the model."""
+    return [SplitRun(f"pipelab trace, {run.name}", run.mb_losses, unprefixed(run.grads))
+            for run in pipeline.gather(cfg.pipeline, results)]
 
 
 def unprefixed(grads: list[dict[str, torch.Tensor | None]]) -> list[dict[str, torch.Tensor | None]]:
@@ -166,20 +254,43 @@ def unprefixed(grads: list[dict[str, torch.Tensor | None]]) -> list[dict[str, to
     return [{name.split(".", 1)[1]: g for name, g in stage.items()} for stage in grads]
 
 
-def torch_pipe(model: nn.Module, mb: torch.Tensor, split_points: list[str] | None = None):
-    """torch's tracer in this process: `pipeline(model, mb_args=(mb,), split_spec=...)` on a copy
-    (it rewrites the forwards of the modules it splits at). Without split points, the model must
-    mark them itself (`pipe_split()` in its forward, or `annotate_split_points`)."""
-    from torch.distributed.pipelining import SplitPoint, pipeline
-
-    spec = {name: SplitPoint.BEGINNING for name in split_points} if split_points else None
-    return pipeline(copy.deepcopy(model), mb_args=(mb,), split_spec=spec)
+# ---------------------------------------------------------------------------------------------
+# Reading the cuts, and the verdicts
+# ---------------------------------------------------------------------------------------------
 
 
 def pipe_crossings(pipe) -> list[list[str]]:
     """What each of torch's stages receives: the arguments of its call in `pipe.split_gm`."""
     calls = [n for n in pipe.split_gm.graph.nodes if n.op == "call_module" and n.target.startswith("submod_")]
     return [[str(a) for a in n.args] for n in calls]
+
+
+def predicted_stage(name: str, cut_layers: list[int]) -> int:
+    """The stage a Transformer parameter should land on, cut before each of `cut_layers`: the
+    embedding on the first, a layer one stage further for each cut at or before it, the norm and
+    the output on the last."""
+    if name.startswith("tok_embeddings."):
+        return 0
+    if name.startswith("layers."):
+        return sum(int(name.split(".")[1]) >= c for c in cut_layers)
+    return len(cut_layers)
+
+
+def cut_verdict(model: Transformer, pipe, split_points: list[str]) -> tuple[str, str, str, dict]:
+    """(key, verdict, text, figures): did torch's tracer give each stage the parameters
+    `predicted_stage` counts from the model's modules, and one tensor across each cut?"""
+    cut_layers = [int(p.split(".")[1]) for p in split_points]  # "layers.2" -> 2
+    stages = range(pipe.num_stages)
+    predicted = [sum(p.numel() for n, p in model.named_parameters() if predicted_stage(n, cut_layers) == s)
+                 for s in stages]
+    traced = [sum(p.numel() for p in pipe.get_stage_module(s).parameters()) for s in stages]
+    crossing = [len(values) for values in pipe_crossings(pipe)[1:]]
+    as_predicted = traced == predicted and crossing == [1] * len(cut_layers)
+    text = (f"torch's tracer gave the stages {', '.join(f'{n:,}' for n in traced)} parameters (counted from the "
+            f"model's modules: {', '.join(f'{n:,}' for n in predicted)}), and {crossing} tensor(s) cross the "
+            f"cut(s): " + ("as predicted." if as_predicted else "not as predicted; compare the stages' code above."))
+    return "09.cut", "as predicted" if as_predicted else "not as predicted", text, {
+        "traced": str(traced), "predicted": str(predicted), "crossing": str(crossing)}
 
 
 def compare_with_torch(parts: Split, pipe, mb: torch.Tensor) -> float:
@@ -202,10 +313,11 @@ def compare_with_torch(parts: Split, pipe, mb: torch.Tensor) -> float:
     return worst
 
 
-def single_process_losses(model: nn.Module, x, y, microbatches: int) -> list[float]:
+def single_process_losses(model: nn.Module, x, y, num_microbatches: int,
+                          loss_fn: Callable = token_loss) -> list[float]:
     """The per-micro-batch losses of the unsplit model, in this process."""
     with torch.no_grad():
-        return [float(token_loss(model(xm), ym)) for xm, ym in zip(x.chunk(microbatches), y.chunk(microbatches))]
+        return [float(loss_fn(model(xm), ym)) for xm, ym in zip(x.chunk(num_microbatches), y.chunk(num_microbatches))]
 
 
 def tied_gradient(grads: list[dict[str, torch.Tensor | None]], names: list[str]) -> torch.Tensor:
@@ -216,6 +328,10 @@ def tied_gradient(grads: list[dict[str, torch.Tensor | None]], names: list[str])
         raise ValueError(f"no stage holds a gradient named in {names}")
     return sum(parts)
 
+
+# ---------------------------------------------------------------------------------------------
+# Outside Jupyter: the worker as a torchrun script
+# ---------------------------------------------------------------------------------------------
 
 SCRIPT = '''\
 """Lesson 09's worker on its own: the Transformer split by hand into one stage per process, one
@@ -240,10 +356,10 @@ def main():
     torch.manual_seed({seed})
     model = Transformer(args)
     x, y = make_batch(args, {batch}, {seq_len}, seed={seed})
-    inputs, outputs = example_io(model, rank, world, x.chunk({microbatches})[0])
+    inputs, outputs = example_io(model, rank, world, x.chunk({num_microbatches})[0])
     stage = PipelineStage(manual_stage(model, rank, world).to(device), rank, world, device,
                           input_args=inputs.to(device), output_args=outputs.to(device))
-    schedule = ScheduleGPipe(stage, {microbatches}, loss_fn=token_loss)
+    schedule = ScheduleGPipe(stage, {num_microbatches}, loss_fn=token_loss)
     last = rank == world - 1
     losses = []
     if rank == 0:
@@ -261,14 +377,14 @@ if __name__ == "__main__":
 '''
 
 
-def standalone_script(args: ModelArgs, batch: int, seq_len: int, microbatches: int, seed: int = 0,
+def standalone_script(args: ModelArgs, batch: int, seq_len: int, num_microbatches: int, seed: int = 0,
                       name: str = "lesson09_worker.py") -> str:
     """The text of a torchrun script that builds the same model and batch and runs the manual split:
     the model code is copied in, so the script needs torch only."""
     source = "\n\n".join(inspect.getsource(obj) for obj in (ModelArgs, Transformer, token_loss, make_batch,
                                                              manual_stage, example_io))
     return SCRIPT.format(name=name, source=source,
-                         args=args, seed=seed, batch=batch, seq_len=seq_len, microbatches=microbatches)
+                         args=args, seed=seed, batch=batch, seq_len=seq_len, num_microbatches=num_microbatches)
 
 
 def write_script(path: str, text: str) -> str:
@@ -280,15 +396,16 @@ def write_script(path: str, text: str) -> str:
 
 
 def torchrun_command(script: str, nproc: int = 2) -> list[str]:
-    """`torchrun --nproc-per-node N --master-port PORT script`, with the torchrun of this Python's
-    environment and a port free right now."""
+    """`torchrun --nproc-per-node N --master-port PORT script`, as `python -m torch.distributed.run`
+    with this Python (torchrun's own module: no `torchrun` executable needs to be on a path) and a
+    port free right now."""
     import socket
 
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    torchrun = os.path.join(os.path.dirname(sys.executable), "torchrun")
-    return [torchrun, "--nproc-per-node", str(nproc), "--master-port", str(port), script]
+    return [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc), "--master-port",
+            str(port), script]
 
 
 def run_torchrun(command: list[str], timeout: float = 120.0) -> str:

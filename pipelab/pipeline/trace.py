@@ -158,7 +158,10 @@ def split(module: nn.Module, split_points: Sequence[str]) -> Split:
 
 
 def check_stages(num_stages: int, world_size: int) -> None:
-    """Refuse a split with more stages than processes to hold them (one stage per process here)."""
+    """Refuse a split whose stages do not match the processes one to one (one stage per process here)."""
     if num_stages > world_size:
         raise ValueError(f"{num_stages} stages but {world_size} processes: give fewer split points "
                          f"(at most {world_size - 1}) or more processes")
+    if num_stages < world_size:
+        raise ValueError(f"{num_stages} stage(s) but {world_size} processes, and each process runs one stage: "
+                         f"give {world_size - 1} split points, or world_size={num_stages}")
