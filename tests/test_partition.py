@@ -8,11 +8,11 @@ import torch.nn as nn
 from pipelab.models import alexnet_layers
 from pipelab.pipeline.p2p import trace
 from pipelab.measure import Measured
-from pipelab.pipeline.partition import (compare_partitions, forward_backward_time, layer_name,
+from pipelab.pipeline.partition import (forward_backward_time, layer_name,
                                         measure_partitions, parameter_counts, partition_balanced,
                                         partition_layers, partition_uniform, profile_layers,
                                         profile_weights, slowest_stage, split_model, stage_sums,
-                                        stage_times, type_weights)
+                                        type_weights)
 
 ALEXNET_PARAMS = [23296, 0, 0, 307392, 0, 0, 663936, 0, 884992, 0, 590080, 0, 0, 0, 0, 0,
                   37752832, 0, 0, 16781312, 0, 40970]
@@ -101,10 +101,10 @@ def test_profile_weights_time_each_layer_and_balance_them():
     assert small.weight.grad is None  # profiling leaves no gradients behind
     parts = partition_layers(layers, 2, "profile", profile=lambda: times)
     assert parts == partition_balanced(times, 2)
-    per_stage = stage_times(layers, parts, x, repeats=1)
-    assert len(per_stage) == 2 and all(t > 0 for t in per_stage)
+    (per_stage,) = measure_partitions(layers, [parts], x, repeats=1)
+    assert len(per_stage) == 2 and all(t.median > 0 for t in per_stage)
     assert stage_sums([1, 2, 3, 4], [0, 1, 4]) == [1, 9]
-    both = compare_partitions(layers, [[0, 5], [0, 2, 3, 5]], x, repeats=1)
+    both = measure_partitions(layers, [[0, 5], [0, 2, 3, 5]], x, repeats=1)
     assert [len(t) for t in both] == [1, 3] and big.weight.grad is None
 
 

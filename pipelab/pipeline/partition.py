@@ -172,19 +172,6 @@ def profile_layers(layers: Sequence[Callable], sample: torch.Tensor, repeats: in
     return measure_partitions(layers, [list(range(len(layers) + 1))], sample, repeats, tries=tries)[0]
 
 
-def stage_times(layers: Sequence[Callable], parts: Sequence[int], sample: torch.Tensor,
-                repeats: int = 3) -> list[float]:
-    """Measured forward+backward seconds of each stage of a partition (its layers run together)."""
-    return compare_partitions(layers, [parts], sample, repeats)[0]
-
-
-def compare_partitions(layers: Sequence[Callable], partitions: Sequence[Sequence[int]], sample: torch.Tensor,
-                       repeats: int = 3, warmup: int = 1, tries: int = 1) -> list[list[float]]:
-    """Measured seconds per stage of each partition: the median of ``repeats`` rounds."""
-    return [[t.median for t in per_stage]
-            for per_stage in measure_partitions(layers, partitions, sample, repeats, warmup, tries)]
-
-
 def measure_partitions(layers: Sequence[Callable], partitions: Sequence[Sequence[int]], sample: torch.Tensor,
                        repeats: int = 3, warmup: int = 1, tries: int = 1) -> list[list[Measured]]:
     """Seconds per stage of each partition, every repeat kept, in round order. Within a round a
