@@ -209,3 +209,15 @@ def test_an_optimizer_sharding_does_not_support(name):
 def test_other_bad_input(kw, message):
     with pytest.raises(ValueError, match=message):
         config(kw.pop("world_size", 2), **kw)
+
+
+def test_race_alternates_ours_and_fully_shard():
+    torch.manual_seed(1)
+    cfg = sharding.RaceConfig(model=odd_model(), x=torch.randn(8, 6), y=torch.randn(8, 3), steps=2, rounds=2)
+    race = experiments.run(sharding.race_worker, cfg, sharding.race_gather)
+    assert race.variants == ("zero3", "fully_shard")
+    assert len(race.ratio.values) == 2 and all(len(race.step_time[v].values) == 4 for v in race.variants)
+    ideal = formula("zero3", cfg.psi, 2).total
+    assert all(ideal <= race.peak[v] < 3 * ideal for v in race.variants)  # shards, plus whole layers in flight
+    with pytest.raises(ValueError, match="a race needs two variants"):
+        sharding.RaceConfig(model=odd_model(), x=torch.randn(8, 6), y=torch.randn(8, 3), variants=("zero3",))

@@ -16,15 +16,17 @@ from dataclasses import dataclass, field
 from typing import Callable, Sequence
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from pipelab import experiments
 from pipelab.checks import divides, mean_loss, positive_number, same_batch, trainable, whole_number
 from pipelab.display import human_bytes
-from pipelab.measure import Measured, RankSteps, Steps, TimedSteps, compare_medians, gather_steps, time_steps
+from pipelab.measure import (Measured, RankSteps, Steps, TimedSteps, alternate, compare_medians, gather_steps, ratios,
+                             time_steps)
 from pipelab.sharding import (OPTIMIZERS, Collectives, DataParallel, Held, Zero1, Zero2, Zero3, formula,
-                              held_by, layers_of, make_optimizer)
+                              layers_of, make_optimizer)
+from pipelab.sharding.memory import PeakMeter
+from pipelab.sharding.torch_side import TorchFSDP, TorchZero1
 from pipelab.worker import RankContext
 
 OURS = ("dp", "zero1", "zero2", "zero3", "zero3_no_prefetch")
@@ -119,65 +121,6 @@ def layers_fit(model: nn.Module, world_size: int) -> None:
 # ---------------------------------------------------------------------------------------------
 # On each rank
 # ---------------------------------------------------------------------------------------------
-
-
-class TorchZero1:
-    """torch's ZeRO-1: DDP all-reduces the gradients; `ZeroRedundancyOptimizer` keeps each
-    parameter's optimizer state on one rank (whole tensors, not flat pieces) and broadcasts the
-    updated parameters."""
-
-    def __init__(self, ctx: RankContext, model: nn.Module, optimizer: str, lr: float):
-        from torch.distributed.optim import ZeroRedundancyOptimizer
-
-        self.model, self.rec = nn.parallel.DistributedDataParallel(model), ctx.rec
-        kind = {"adam": torch.optim.Adam, "adamw": torch.optim.AdamW, "sgd": torch.optim.SGD}[optimizer]
-        self.optimizer = ZeroRedundancyOptimizer(model.parameters(), optimizer_class=kind, lr=lr, foreach=False)
-
-    def step(self, x, y, loss_fn) -> float:
-        self.optimizer.zero_grad(set_to_none=False)
-        return _black_box_step(self.rec, self.model, self.optimizer, x, y, loss_fn)
-
-    def full_parameters(self) -> dict[str, torch.Tensor]:
-        return {n: p.detach().clone() for n, p in self.model.module.named_parameters()}
-
-    def held(self) -> Held:
-        return held_by(self.model.module, self.optimizer)
-
-
-class TorchFSDP:
-    """torch's FSDP2: `fully_shard` on every layer and on the whole model, one device mesh."""
-
-    def __init__(self, ctx: RankContext, model: nn.Module, optimizer: str, lr: float, reshard_after_forward: bool):
-        from torch.distributed.device_mesh import init_device_mesh
-        from torch.distributed.fsdp import fully_shard
-
-        mesh = init_device_mesh(ctx.device.type, (ctx.world_size,))
-        for layer in layers_of(model, ctx.world_size):
-            fully_shard(layer.module, mesh=mesh, reshard_after_forward=reshard_after_forward)
-        fully_shard(model, mesh=mesh, reshard_after_forward=reshard_after_forward)
-        self.model, self.rec = model, ctx.rec
-        self.optimizer = make_optimizer(optimizer, model.parameters(), lr)
-
-    def step(self, x, y, loss_fn) -> float:
-        self.optimizer.zero_grad(set_to_none=True)
-        return _black_box_step(self.rec, self.model, self.optimizer, x, y, loss_fn)
-
-    def full_parameters(self) -> dict[str, torch.Tensor]:
-        return {n: p.full_tensor().detach().clone() for n, p in self.model.named_parameters()}
-
-    def held(self) -> Held:
-        return held_by(self.model, self.optimizer)
-
-
-def _black_box_step(rec, model, optimizer, x, y, loss_fn) -> float:
-    """A step of torch's wrappers: their communication is inside, so the spans are F, B, optimizer."""
-    with rec.span("F"):
-        loss = loss_fn(model(x), y)
-    with rec.span("B"):
-        loss.backward()
-    with rec.span("optimizer"):
-        optimizer.step()
-    return loss.item()
 
 
 def trainer(ctx: RankContext, cfg: Config, variant: str, model: nn.Module):
@@ -399,13 +342,89 @@ def prefetch_verdict(run: Run) -> tuple:
     exposed = compare_medians(on.exposed_comm, off.exposed_comm)
     peak_on, peak_off = max(on.peak_gathered), max(off.peak_gathered)
     verdict = f"step {step}; exposed communication {exposed}"
-    said = {"lower": "lower than", "higher": "higher than", "within noise": "within run-to-run noise of"}
-    text = (f"with prefetch ZeRO-3's step took {on.step_time.scaled(1e3):.2f} ms, without "
-            f"{off.step_time.scaled(1e3):.2f} ms (median, min-max): {said[step]} it. Communication no compute hid: "
-            f"{on.exposed_comm.scaled(1e3):.2f} ms with prefetch, {off.exposed_comm.scaled(1e3):.2f} ms without, "
-            f"{said[exposed]} it. Prefetch held up to {human_bytes(peak_on)} of whole-layer parameters at once, "
-            f"against {human_bytes(peak_off)} without: the next layer's parameters arrive while this one computes.")
+    steps = {"lower": "prefetch made it faster, by more than the run-to-run noise.",
+             "higher": "prefetch made it slower, by more than the run-to-run noise: here the early all-gather "
+                       "competes with compute for the same cores.",
+             "within noise": "no difference beyond the run-to-run noise."}
+    hidden = {"lower": "less with prefetch", "higher": "more with prefetch", "within noise": "no difference beyond noise"}
+    text = (f"ZeRO-3's step took {on.step_time.scaled(1e3):.2f} ms with prefetch and {off.step_time.scaled(1e3):.2f} "
+            f"ms without (median, min-max over the timed steps): {steps[step]} Communication no compute hid: "
+            f"{on.exposed_comm.scaled(1e3):.2f} ms with prefetch, {off.exposed_comm.scaled(1e3):.2f} ms without "
+            f"({hidden[exposed]}). The cost does not depend on the machine: prefetch held up to "
+            f"{human_bytes(peak_on)} of whole-layer parameters at once, without it {human_bytes(peak_off)}.")
     return ("11.prefetch", verdict, text,
             dict(step_ms_prefetch=on.step_time.scaled(1e3), step_ms_no_prefetch=off.step_time.scaled(1e3),
                  exposed_ms_prefetch=on.exposed_comm.scaled(1e3), exposed_ms_no_prefetch=off.exposed_comm.scaled(1e3),
                  peak_gathered_prefetch=peak_on, peak_gathered_no_prefetch=peak_off))
+
+
+# ---------------------------------------------------------------------------------------------
+# Ours against torch's, in turn (benchmarks/sharding.py)
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, kw_only=True)
+class RaceConfig(Config):
+    """Two variants trained in turn in one set of processes, `steps` timed steps each per round."""
+
+    variants: tuple[str, ...] = ("zero3", "fully_shard")
+    rounds: int = 5
+
+    def check(self) -> None:
+        super().check()
+        whole_number("rounds", self.rounds, example="rounds=5")
+        if len(self.variants) != 2:
+            raise ValueError(f"a race needs two variants, got {self.variants!r}; e.g. ('zero3', 'fully_shard')")
+
+
+@dataclass
+class RaceResult:
+    """One rank: each variant's median step per round (seconds) and its sampled peak bytes."""
+
+    rounds: dict[str, list[float]]
+    seconds: dict[str, list[float]]
+    peak: dict[str, float]
+
+
+def race_worker(ctx: RankContext, cfg: RaceConfig) -> RaceResult:
+    """Worker: both variants built side by side, a warm-up step each, then `rounds` rounds of
+    `steps` timed steps of each in turn (`measure.alternate`), so a load that comes and goes hits
+    both alike; a `PeakMeter` samples each one's bytes at every layer boundary."""
+    x = cfg.x.chunk(ctx.world_size)[ctx.rank].to(ctx.device)
+    y = cfg.y.chunk(ctx.world_size)[ctx.rank].to(ctx.device)
+    trainers = {v: trainer(ctx, cfg, v, cfg.build().to(ctx.device)) for v in cfg.variants}
+    meters = {v: PeakMeter(t.model, t.optimizer, getattr(t, "full", ())) for v, t in trainers.items()}
+    seconds: dict[str, list[float]] = {v: [] for v in cfg.variants}
+
+    def step(v: str) -> float:
+        loss = trainers[v].step(x, y, cfg.loss_fn)
+        meters[v].sample()  # after the step too: gradients and optimizer state all there
+        return loss
+
+    def one_round(v: str) -> float:
+        got = time_steps(ctx, lambda i: step(v), cfg.steps, warmup=0)
+        seconds[v] += got.seconds
+        return statistics.median(got.seconds)
+
+    per_round = alternate({v: (lambda v=v: one_round(v)) for v in cfg.variants}, cfg.rounds, warmup=1)
+    for v in cfg.variants:
+        seconds[v] = seconds[v][-cfg.rounds * cfg.steps:]  # the warm-up round's steps go
+    return RaceResult(per_round, seconds, {v: m.peak for v, m in meters.items()})
+
+
+@dataclass
+class Race:
+    """Ours against torch's: step times, the per-round ratio, and peak bytes per rank."""
+
+    variants: tuple[str, str]
+    step_time: dict[str, Measured]  # seconds, every timed step (the slowest rank's)
+    ratio: Measured  # first / second, one per round (each round's median steps, slowest rank)
+    peak: dict[str, float]  # bytes, the fullest rank
+
+
+def race_gather(cfg: RaceConfig, results: Sequence[RaceResult]) -> Race:
+    a, b = cfg.variants
+    slowest = {v: [max(r) for r in zip(*(res.rounds[v] for res in results))] for v in cfg.variants}
+    steps = {v: Measured.of(max(s) for s in zip(*(res.seconds[v] for res in results))) for v in cfg.variants}
+    return Race((a, b), steps, ratios(slowest[a], slowest[b]), {v: max(r.peak[v] for r in results)
+                                                                for v in cfg.variants})

@@ -51,7 +51,6 @@ class Zero3(Trainer):
             self.full.append(full)
         self.optimizer = make_optimizer(optimizer, self.shards, lr)
         self.gathering: dict[int, Pending] = {}  # layer -> its all-gather in flight
-        self.in_flight: list = []  # reduce-scatters of this backward, with the gradient each reads
         self.started: dict[int, float] = {}  # layer -> when its F or B began
         self.peak_gathered = 0  # most bytes of whole-layer parameters held at once
 
@@ -119,13 +118,7 @@ class Zero3(Trainer):
     def step(self, x, y, loss_fn) -> float:
         loss = loss_fn(self.model(x), y)  # the hooks gather, compute and free layer by layer
         loss.backward()
-        for pending, _ in self.in_flight:
-            pending.wait()
-        self.in_flight.clear()
-        for shard in self.shards:
-            shard.grad.div_(self.world_size)
-        with self.rec.span("optimizer"):
-            self.optimizer.step()  # on the shards: the parameters stay sharded until the next forward
+        self.step_shards(self.shards)  # the parameters stay sharded until the next forward
         return loss.item()
 
     def full_parameters(self) -> dict[str, torch.Tensor]:

@@ -82,3 +82,31 @@ def formula(stage: str, psi: float, world_size: int, param_bytes: float = 4, gra
     n = world_size
     shard = {"dp": (1, 1, 1), "zero1": (1, 1, n), "zero2": (1, n, n), "zero3": (n, n, n)}[stage]
     return Held(param_bytes * psi / shard[0], grad_bytes * psi / shard[1], state_bytes * psi / shard[2])
+
+
+class PeakMeter:
+    """The most bytes `held_by` counts at any layer boundary of a step: sampled before and after
+    each layer's forward, and when the gradient of its output arrives in backward (module and
+    tensor hooks, so it reads our trainers and torch's the same way). Samples, not every
+    allocation: a peak between two samples goes unseen."""
+
+    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, extra: Iterable[torch.Tensor] = ()):
+        self.model, self.optimizer, self.extra = model, optimizer, list(extra)
+        self.peak = 0.0
+        self.handles = []
+        for m in model.modules():
+            if m is model or not list(m.children()):
+                self.handles += [m.register_forward_pre_hook(lambda *a: self.sample()),
+                                 m.register_forward_hook(self.after_forward, prepend=True)]
+
+    def after_forward(self, module, args, out) -> None:
+        self.sample()
+        if isinstance(out, torch.Tensor) and out.requires_grad:
+            out.register_hook(lambda grad: self.sample())
+
+    def sample(self) -> None:
+        self.peak = max(self.peak, held_by(self.model, self.optimizer, self.extra).total)
+
+    def remove(self) -> None:
+        for h in self.handles:
+            h.remove()

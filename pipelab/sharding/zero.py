@@ -46,6 +46,7 @@ class Trainer:
         self.model, self.comm, self.rec = model, comm, comm.rec
         self.rank, self.world_size = dist.get_rank(comm.group), comm.world_size
         self.layers = layers_of(model, self.world_size)
+        self.in_flight: list = []  # reduce-scatters issued during backward, each with the vector it reads
 
     def step(self, x: torch.Tensor, y: torch.Tensor, loss_fn: Callable) -> float:
         """One training step on this rank's slice of the batch; returns this rank's loss."""
@@ -57,6 +58,17 @@ class Trainer:
         with self.rec.span("B"):
             loss.backward()
         return loss.item()
+
+    def step_shards(self, shards: list[torch.Tensor]) -> None:
+        """Wait for the gradients' reduce-scatters still in flight, turn each summed gradient
+        shard into the average, and step the optimizer on this rank's shards only."""
+        for pending, _ in self.in_flight:
+            pending.wait()
+        self.in_flight.clear()
+        for shard in shards:
+            shard.grad.div_(self.world_size)
+        with self.rec.span("optimizer"):
+            self.optimizer.step()
 
     def flat_parameters(self, layer: Layer) -> torch.Tensor:
         """Move the layer's parameters into one flat vector; they become views into it, so what
@@ -130,9 +142,7 @@ class Zero1(Trainer):
         loss = self.forward_backward(x, y, loss_fn)
         for layer, grad, shard in zip(self.layers, self.grads, self.shards):
             self.comm.reduce_scatter(shard.grad, grad, layer=layer.name)  # into its own piece of grad
-            shard.grad.div_(self.world_size)
-        with self.rec.span("optimizer"):
-            self.optimizer.step()  # updates this rank's shards, in place in self.params
+        self.step_shards(self.shards)  # updates this rank's shards, in place in self.params
         for layer, params, shard in zip(self.layers, self.params, self.shards):
             self.comm.all_gather(params, shard, layer=layer.name)  # every rank's updated shard
         return loss
@@ -153,7 +163,6 @@ class Zero2(Trainer):
             shard.grad = torch.zeros_like(shard)  # the only gradients this rank keeps
             self.shards.append(shard)
         self.optimizer = make_optimizer(optimizer, self.shards, lr)
-        self.in_flight: list = []  # (reduce-scatter, the flat gradient it reads) per layer this backward
         self.waiting = {}  # layer index -> gradients it still waits for in this backward
         for i, layer in enumerate(self.layers):
             for name in layer.layout.names:
@@ -174,13 +183,7 @@ class Zero2(Trainer):
     def step(self, x, y, loss_fn) -> float:
         self.waiting.clear()
         loss = self.forward_backward(x, y, loss_fn)  # the hooks issue the reduce-scatters
-        for pending, _ in self.in_flight:
-            pending.wait()
-        self.in_flight.clear()
-        for shard in self.shards:
-            shard.grad.div_(self.world_size)
-        with self.rec.span("optimizer"):
-            self.optimizer.step()
+        self.step_shards(self.shards)
         for layer, params, shard in zip(self.layers, self.params, self.shards):
             self.comm.all_gather(params, shard, layer=layer.name)
         return loss
