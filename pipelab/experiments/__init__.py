@@ -32,6 +32,7 @@ class Config:
     world_size: int = 2
     backend: str = "auto"
     timeout: float = 120.0
+    emulate: str | None = None  # e.g. "4xH100-nvlink": run on an emulated node (`pipelab.emulate`)
 
     def __post_init__(self) -> None:
         self.check()
@@ -42,6 +43,14 @@ class Config:
         if self.backend not in BACKENDS:
             raise ValueError(f"backend must be one of {BACKENDS}, got {self.backend!r}")
         positive_number("timeout", self.timeout, example="timeout=120", unit="seconds")
+        if self.emulate is not None:
+            from pipelab.emulate.specs import parse_node
+
+            node = parse_node(self.emulate)  # a bad name lists the known devices and links
+            if node.count < self.world_size:
+                raise ValueError(f"emulate={self.emulate!r} has {node.count} devices for world_size="
+                                 f"{self.world_size} ranks; name a node with at least {self.world_size}, "
+                                 f"e.g. emulate=\"{self.world_size}x{self.emulate.split('x', 1)[-1]}\"")
 
 
 def run(worker: Callable[..., Any], cfg: Config, gather: Callable[[Any, Sequence[Any]], R] | None = None) -> R:
@@ -49,5 +58,6 @@ def run(worker: Callable[..., Any], cfg: Config, gather: Callable[[Any, Sequence
     to `gather(cfg, results)`; without a gather, return the results as they are."""
     from pipelab.launch import spawn
 
-    results = spawn(worker, cfg.world_size, cfg, backend=cfg.backend, timeout=cfg.timeout)
+    emulated = {"emulate": cfg.emulate} if cfg.emulate is not None else {}
+    results = spawn(worker, cfg.world_size, cfg, backend=cfg.backend, timeout=cfg.timeout, **emulated)
     return gather(cfg, results) if gather is not None else results

@@ -80,7 +80,7 @@ class ScheduleZBV(VSchedule):
     I and one W of each of the rank's two stages; cool down with the I's first and the W's last.
     torch plans it for at least 2p-1 micro-batches and drops those past m."""
 
-    name = "zb-v"
+    name = "ZB-V"
 
     def rank_actions(self, rank: int) -> list[Action]:
         p, m = self.num_ranks, self.num_microbatches
@@ -122,7 +122,7 @@ class ScheduleDualPipeV(VSchedule):
     the backward of the other, both ways); the drain, with I/W split for the second half of the
     backwards; the last weight gradients."""
 
-    name = "dualpipev"
+    name = "DualPipeV"
 
     def __init__(self, num_ranks: int, num_microbatches: int, stages_per_rank: int = 2,
                  actions: list | None = None, name: str | None = None):
@@ -190,7 +190,7 @@ class ScheduleLoopedBFS(Schedule):
     through the rank's first stage, then its next stage, ...; then every backward, last stage
     first, micro-batches in reverse."""
 
-    name = "looped-bfs"
+    name = "Looped BFS"
 
     def rank_actions(self, rank: int) -> list[Action]:
         stages, mbs = self.stages_of(rank), range(self.num_microbatches)
