@@ -22,6 +22,7 @@ from pipelab.pipeline.schedules import B, F, I, W, make_schedule
 from pipelab.reference import assert_same, reference_run
 from pipelab.streams import devices
 from pipelab.timeline import Span, Timeline
+from pipelab.worker import RankContext
 
 
 def toy_problem(batch: int = 16):
@@ -188,7 +189,7 @@ def test_bucketed_timeline_has_both_devices_and_the_all_reduce_lane(toy_runs, sp
 # The pipe x data grid, on real processes
 # ---------------------------------------------------------------------------------------------
 
-def groups_worker(ctx, pipe, data):
+def groups_worker(ctx: RankContext, pipe: int, data: int):
     place = grid_place(ctx, check_grid(pipe, data, ctx.world_size))
     group = place.groups["data"]
     data_ranks = dist.get_process_group_ranks(group) if group is not None else None

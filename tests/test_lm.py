@@ -15,6 +15,7 @@ from pipelab.lm import TransformerLM, check_fits, clip_grad_norm_, generate, lm_
 from pipelab.pipeline.partition import partition_layers
 from pipelab.pipeline.schedules import make_schedule
 from pipelab.progress import ProgressFile, progress_bar
+from pipelab.worker import RankContext
 
 
 def test_a_token_sees_only_the_tokens_before_it():
@@ -37,7 +38,7 @@ def test_stages_keep_the_layer_names_and_compute_the_model():
     assert names == {n for n, _ in model.named_parameters()}
 
 
-def _clip_worker(ctx, model, parts, x, max_norm):
+def _clip_worker(ctx: RankContext, model, parts, x, max_norm):
     import torch.distributed as dist
     loss = lm_loss(model(x), x)
     loss.backward()  # every rank computes the whole gradient, then keeps its stage's
