@@ -346,6 +346,16 @@ def test_bad_grid_input_is_refused(no_spawn):
         replace(cfg, schedule="1f1b ")
 
 
+def test_the_groups_verdict_reads_the_topology(capsys):
+    from pipelab.pipeline.topology import ProcessTopology
+
+    assert grid_experiment.groups_verdict(check_grid(2, 2)) == "as predicted"
+    assert grid_experiment.groups_verdict(check_grid(4, 1)) == "as predicted"
+    # pipe fastest: the numbering no longer gives the groups the lesson predicts
+    assert grid_experiment.groups_verdict(ProcessTopology(["data", "pipe"], [2, 2])) == "not as predicted"
+    assert "are not the ones the numbering predicts" in capsys.readouterr().out
+
+
 def test_predicted_step_of_a_layout():
     assert layouts_of(2, 2, 4) == (Layout(4, 1, 4), Layout(2, 2, 4), Layout(1, 4, 1))
     assert grid_experiment.ideal_fraction(Layout(4, 1, 4)) == pytest.approx(7 / 16)

@@ -181,3 +181,16 @@ def test_progress_bar_in_a_notebook_is_one_output_updated_in_place(monkeypatch):
     assert [kind for kind, _ in shown].count("display") == 1  # one output
     final = shown[-1][1].splitlines()
     assert final[0] == "| epoch   1 |    20/   30 batches" and "30/30" in final[1] and "loss=2.9" in final[1]
+
+
+def test_verdicts_are_read_off_the_figures(capsys):
+    from pipelab.experiments import capstone
+
+    # ln(3000) = 8.006: the loss of guessing evenly among 3,000 words
+    assert capstone.loss_at_step_0_verdict(8.1, 0.4, 3000) == "near ln(vocab)"
+    assert capstone.loss_at_step_0_verdict(14.0, 3.7, 3000) == "far from ln(vocab)"
+    late_high, late_low = [20.0, 9.0, 9.5, 9.1], [8.5, 7.0, 6.9, 7.2]  # the verdict reads the last half
+    assert capstone.lr_verdict({5.0: late_high, 1.0: late_low}, 3000, 64) == "tutorial's rate above, ours below"
+    assert capstone.lr_verdict({5.0: late_low, 1.0: late_low}, 3000, 64) == "tutorial's rate below, ours below"
+    assert capstone.evaluate_verdict(right=110.0, wrong=3.9, windows_summed=165, bptt=35, rows=5747) == "tutorial's too low"
+    assert "On this run:" in capsys.readouterr().out
