@@ -175,7 +175,7 @@ def check_fits(rows: list[dict], available: int, where: str = "a device") -> Non
     if worst["total"] > available:
         raise ValueError(f"stage {worst['stage']} needs about {worst['total'] / 2**30:.2f} GiB and {where} has "
                          f"{available / 2**30:.2f} GiB: use more stages (pipe), fewer micro-batch tokens "
-                         "(batch_size, bptt, more microbatches) or a smaller model (emsize, nhid, nlayers)")
+                         "(batch_size, bptt, a larger num_microbatches) or a smaller model (emsize, nhid, nlayers)")
 
 
 @torch.no_grad()
