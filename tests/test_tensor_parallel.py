@@ -119,3 +119,47 @@ def test_the_lessons_config_refuses_what_cannot_run(bad, match):
 
     with pytest.raises(ValueError, match=match):
         tpx.Config(**bad)
+
+
+def encoder_worker(ctx, model, ids, targets):
+    from pipelab import lm
+    from pipelab.tensor_parallel.encoder import parallel_stage
+
+    stage = parallel_stage(model, TensorParallelGroup.world())
+    loss = lm.lm_loss(stage(ids), targets)
+    loss.backward()
+    return loss.item(), {n: p.grad for n, p in stage.named_parameters()}
+
+
+def test_lesson_10s_encoder_layer_cut_over_2_ranks_equals_the_whole_one():
+    from pipelab import lm
+
+    torch.manual_seed(0)
+    model = lm.TransformerLM(50, emsize=16, nhead=4, nhid=32, nlayers=2)
+    ids, targets = torch.randint(0, 50, (4, 12)), torch.randint(0, 50, (4, 12))
+    ref = copy.deepcopy(model)
+    loss = lm.lm_loss(ref(ids), targets)
+    loss.backward()
+    for rank, (got, grads) in enumerate(spawn(encoder_worker, 2, model, ids, targets)):
+        assert got == pytest.approx(loss.item(), abs=1e-6)
+        torch.testing.assert_close(grads["2.fc2.weight"], ref[2].linear2.weight.grad.chunk(2, 1)[rank], atol=1e-6, rtol=1e-5)
+        torch.testing.assert_close(grads["0.embedding.weight"], ref[0].embedding.weight.grad, atol=1e-6, rtol=1e-5)
+
+
+def test_the_3d_grid_has_the_topologys_groups_and_one_process_losses():
+    from pipelab.experiments import grid3d
+
+    run = grid3d.run(grid3d.Config(steps=2))
+    assert run.groups() == {"pipe": [[0, 4], [1, 5], [2, 6], [3, 7]], "data": [[0, 2], [1, 3], [4, 6], [5, 7]],
+                            "model": [[0, 1], [2, 3], [4, 5], [6, 7]]}
+    assert grid3d.same_losses(run)[1] == "same"
+    assert {s.lane for s in run.timeline} >= {"compute", "comm", "tensor"}  # each axis on its own lane
+
+
+@pytest.mark.parametrize("bad,match", [(dict(pipe=2, data=2, tensor=1), "holds 4 processes, not world_size=8"),
+                                       (dict(nhead=2, tensor=4, data=1), "nhead=2 does not divide evenly by tensor=4")])
+def test_the_3d_grid_refuses_what_cannot_run(bad, match):
+    from pipelab.experiments import grid3d
+
+    with pytest.raises(ValueError, match=match):
+        grid3d.Config(**bad)

@@ -15,6 +15,7 @@ messages, not a formula.
 
 from __future__ import annotations
 
+from contextlib import nullcontext
 from dataclasses import dataclass, field
 
 import torch
@@ -64,6 +65,10 @@ class TensorParallelGroup:
     rank: int
     size: int
     meter: CommMeter = field(default_factory=CommMeter)
+    rec: object = None  # a timeline Recorder: each collective becomes a span on the "tensor" lane
+
+    def _span(self, kind: str):
+        return self.rec.span(kind, lane="tensor") if self.rec is not None else nullcontext()
 
     @classmethod
     def world(cls) -> "TensorParallelGroup":
@@ -73,7 +78,8 @@ class TensorParallelGroup:
     def all_reduce(self, t: torch.Tensor, direction: str) -> torch.Tensor:
         t = t.contiguous().clone()
         self.meter.add("all_reduce", direction, ring_bytes("all_reduce", _nbytes(t), self.size))
-        dist.all_reduce(t, group=self.group)
+        with self._span("allreduce"):
+            dist.all_reduce(t, group=self.group)
         return t
 
     def all_gather(self, t: torch.Tensor, dim: int, direction: str) -> torch.Tensor:
@@ -81,7 +87,8 @@ class TensorParallelGroup:
         moved = t.movedim(dim, 0).contiguous()
         out = torch.empty((self.size * moved.shape[0], *moved.shape[1:]), dtype=t.dtype, device=t.device)
         self.meter.add("all_gather", direction, ring_bytes("all_gather", _nbytes(out), self.size))
-        dist.all_gather_single(out, moved, group=self.group)
+        with self._span("allgather"):
+            dist.all_gather_single(out, moved, group=self.group)
         return out.movedim(0, dim)
 
     def reduce_scatter(self, t: torch.Tensor, dim: int, direction: str) -> torch.Tensor:
@@ -92,7 +99,8 @@ class TensorParallelGroup:
                              f"divisible by the tensor-parallel size {self.size}")
         out = torch.empty((moved.shape[0] // self.size, *moved.shape[1:]), dtype=t.dtype, device=t.device)
         self.meter.add("reduce_scatter", direction, ring_bytes("reduce_scatter", _nbytes(moved), self.size))
-        dist.reduce_scatter_single(out, moved, group=self.group)
+        with self._span("reducescatter"):
+            dist.reduce_scatter_single(out, moved, group=self.group)
         return out.movedim(0, dim)
 
     def slice(self, t: torch.Tensor, dim: int) -> torch.Tensor:

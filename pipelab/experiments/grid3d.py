@@ -1,0 +1,184 @@
+"""Lesson 12, part 4: lesson 10's language model over pipe x data x tensor processes.
+
+The processes are laid out by lesson 08's `PipeModelDataParallelTopology`: each belongs to one
+pipeline (the "pipe" group: it holds one stage), one set of replicas of that stage's shard (the
+"data" group: they average its gradients) and one tensor-parallel group (the "model" group: they
+share every matrix of the stage). A process runs lesson 05's grid step (`hybrid.run_grid_step`)
+over its pipeline, with its stage's encoder layers cut over its tensor-parallel group; the messages
+between stages go to the process of the next stage with the same data and tensor coordinates.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+
+import torch
+
+from pipelab import experiments, lm
+from pipelab.checks import divides, whole_number
+from pipelab.data import batchify, get_batch, load_corpus
+from pipelab.hybrid import microbatch_losses, run_grid_step
+from pipelab.pipeline.p2p import message_specs
+from pipelab.pipeline.partition import partition_uniform
+from pipelab.pipeline.schedules import Schedule1F1B
+from pipelab.pipeline.topology import PipeModelDataParallelTopology, axis_groups
+from pipelab.tensor_parallel.comm import TensorParallelGroup
+from pipelab.tensor_parallel.encoder import parallel_stage
+from pipelab.timeline import Timeline
+from pipelab.worker import RankContext
+
+AXES = ("pipe", "data", "model")
+
+
+@dataclass(frozen=True, kw_only=True)
+class Config(experiments.Config):
+    """A small lesson-10 model (`emsize`, `nhead`, `nhid`, `nlayers`) on `batch` columns of
+    `seq_len` tokens of the built-in text, trained `steps` SGD steps over `pipe` x `data` x `tensor`
+    processes with 1F1B on `num_microbatches` micro-batches per pipeline."""
+
+    world_size: int = 8
+    pipe: int = 2
+    data: int = 2
+    tensor: int = 2
+    emsize: int = 32
+    nhead: int = 4
+    nhid: int = 64
+    nlayers: int = 2
+    seq_len: int = 16
+    batch: int = 8
+    num_microbatches: int = 2
+    steps: int = 3
+    lr: float = 0.5
+    max_lines: int = 400
+
+    def check(self) -> None:
+        super().check()
+        for name in ("pipe", "data", "tensor", "emsize", "nhead", "nhid", "nlayers", "seq_len", "batch",
+                     "num_microbatches", "steps", "max_lines"):
+            whole_number(name, getattr(self, name))
+        if self.pipe * self.data * self.tensor != self.world_size:
+            raise ValueError(f"a grid of pipe={self.pipe} x data={self.data} x tensor={self.tensor} holds "
+                             f"{self.pipe * self.data * self.tensor} processes, not world_size={self.world_size}; "
+                             f"pick axes whose product is {self.world_size}, e.g. 2 x 2 x 2 for 8")
+        divides("emsize", self.emsize, "nhead", self.nhead)
+        divides("nhead", self.nhead, "tensor", self.tensor)
+        divides("nhid", self.nhid, "tensor", self.tensor)
+        divides("batch", self.batch, "data x num_microbatches", self.data * self.num_microbatches)
+        if self.nlayers + 3 < self.pipe:
+            raise ValueError(f"{self.nlayers + 3} layers (embedding, positions, {self.nlayers} encoder layers, "
+                             f"decoder) cannot fill pipe={self.pipe} stages; use pipe <= {self.nlayers + 3}")
+
+    def corpus(self):
+        return load_corpus(max_lines=self.max_lines)
+
+    def model(self, ntoken: int) -> torch.nn.Sequential:
+        torch.manual_seed(0)
+        return lm.TransformerLM(ntoken, self.emsize, self.nhead, self.nhid, self.nlayers)
+
+    def batches(self) -> tuple[int, list[tuple[torch.Tensor, torch.Tensor]]]:
+        """The vocabulary size and `steps` (inputs, targets) windows of the training text."""
+        corpus = self.corpus()
+        source = batchify(corpus.train, self.batch)
+        return len(corpus.vocab), [get_batch(source, i * self.seq_len, self.seq_len) for i in range(self.steps)]
+
+    def topology(self) -> PipeModelDataParallelTopology:
+        return PipeModelDataParallelTopology(num_pp=self.pipe, num_mp=self.tensor, num_dp=self.data)
+
+
+@dataclass
+class Result:
+    rank: int
+    coord: tuple[int, int, int]  # (pipe, data, model)
+    losses: list[float]  # per step, the mean of this pipeline's micro-batch losses (last stage only)
+    tensor_bytes: int  # what this process's tensor-parallel collectives sent, all steps
+    timeline: Timeline = field(repr=False)  # the last step
+
+
+def place(ctx: RankContext, cfg: Config) -> tuple[RankContext, TensorParallelGroup]:
+    """This process's pipeline (as lesson 06's runner sees it: its pipe coordinate is its rank),
+    its groups, and its tensor-parallel group. Every process creates every group (collective)."""
+    topo = cfg.topology()
+    coord = topo.get_coord(ctx.rank)
+    groups = {axis: axis_groups(topo, axis, ctx.rank) for axis in AXES}
+    pipeline = replace(ctx, rank=coord.pipe, world_size=cfg.pipe,
+                       groups={"pipe": groups["pipe"], "data": groups["data"] if cfg.data > 1 else None,
+                               "model": groups["model"]})
+    return pipeline, TensorParallelGroup(groups["model"], coord.model, cfg.tensor, rec=ctx.rec)
+
+
+def worker(ctx: RankContext, cfg: Config) -> Result:
+    pipeline, tp = place(ctx, cfg)
+    coord = cfg.topology().get_coord(ctx.rank)
+    ntoken, batches = cfg.batches()
+    model = cfg.model(ntoken)
+    stages = lm.stages_of(model, partition_uniform(len(model), cfg.pipe))
+    stage = parallel_stage(stages[coord.pipe], tp)
+    optimizer = torch.optim.SGD(stage.parameters(), lr=cfg.lr)
+    schedule = Schedule1F1B(cfg.pipe, cfg.num_microbatches)
+    losses = []
+    for x, y in batches:
+        x, y = (t.chunk(cfg.data)[coord.data] for t in (x, y))  # this replica's columns
+        optimizer.zero_grad(set_to_none=True)
+        ctx.rec.clear()
+        runner = run_grid_step(pipeline, schedule, {coord.pipe: stage}, lm.lm_loss, x, y,
+                               message_specs(stages, x, cfg.num_microbatches))
+        optimizer.step()
+        mb = microbatch_losses(runner)
+        losses.append(sum(mb) / len(mb) if mb else float("nan"))
+    return Result(ctx.rank, (coord.pipe, coord.data, coord.model), losses, tp.meter.total_bytes(), ctx.rec.timeline())
+
+
+@dataclass
+class GridRun:
+    cfg: Config
+    results: list[Result]
+    one_process_losses: list[float]
+
+    @property
+    def losses(self) -> list[float]:
+        """Per step, the batch's loss: the mean over the data replicas' last stages."""
+        last = [r for r in self.results if r.coord[0] == self.cfg.pipe - 1 and r.coord[2] == 0]
+        return [sum(r.losses[i] for r in last) / len(last) for i in range(self.cfg.steps)]
+
+    @property
+    def timeline(self) -> Timeline:
+        return Timeline.merge(r.timeline for r in self.results)
+
+    def groups(self) -> dict[str, list[list[int]]]:
+        """Which processes talk in which group, per axis."""
+        topo = self.cfg.topology()
+        return {axis: topo.get_axis_comm_lists(axis) for axis in AXES}
+
+
+def run(cfg: Config) -> GridRun:
+    return experiments.run(worker, cfg, gather)
+
+
+def gather(cfg: Config, results: list[Result]) -> GridRun:
+    return GridRun(cfg, results, one_process(cfg))
+
+
+def one_process(cfg: Config) -> list[float]:
+    """The same model, batches and SGD steps in this process."""
+    ntoken, batches = cfg.batches()
+    model = cfg.model(ntoken)
+    optimizer = torch.optim.SGD(model.parameters(), lr=cfg.lr)
+    losses = []
+    for x, y in batches:
+        optimizer.zero_grad()
+        loss = lm.lm_loss(model(x), y)
+        loss.backward()
+        optimizer.step()
+        losses.append(loss.item())
+    return losses
+
+
+def same_losses(run: GridRun, tolerance: float = 1e-5) -> tuple[str, str, str, dict]:
+    grid, one = run.losses, run.one_process_losses
+    worst = max(abs(a - b) for a, b in zip(grid, one))
+    verdict = "same" if worst <= tolerance else "different"
+    c = run.cfg
+    text = (f"over {c.pipe} x {c.data} x {c.tensor} processes the first {len(grid)} losses were "
+            f"{', '.join(f'{v:.5f}' for v in grid)}; one process: {', '.join(f'{v:.5f}' for v in one)} "
+            f"(largest difference {worst:.1e})")
+    return "12.grid3d_losses", verdict, text, {"grid": grid, "one_process": one}
