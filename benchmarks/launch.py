@@ -12,9 +12,10 @@ import time
 
 from pipelab.launch import spawn
 from pipelab.measure import median_spread
+from pipelab.worker import RankContext
 
 
-def empty_worker(ctx):
+def empty_worker(ctx: RankContext) -> int:
     return ctx.rank
 
 

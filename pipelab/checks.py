@@ -62,7 +62,9 @@ def mean_loss(loss_fn) -> None:
 
 def trainable(model) -> list:
     """The parameters of `model` that require gradients; refuses a model with none."""
-    params = [p for p in model.parameters() if p.requires_grad]
+    from pipelab.models import trainable_parameters
+
+    params = [p for _, p in trainable_parameters(model)]
     if not params:
         raise ValueError("the model has no parameters that require gradients: there is nothing to "
                          "train; pass the model you train (e.g. pipelab.models.mlp([8, 16, 4]))")

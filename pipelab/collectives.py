@@ -8,6 +8,7 @@ the world size and its device, and `ctx.rec` records what it did on the timeline
 from __future__ import annotations
 
 import statistics
+from dataclasses import dataclass
 from typing import Sequence
 
 import torch
@@ -15,23 +16,36 @@ import torch.distributed as dist
 
 from pipelab.hardware import synchronize
 from pipelab.measure import Measured
-from pipelab.timeline import now
+from pipelab.timeline import Timeline, now
+from pipelab.worker import RankContext
 
 
-def allreduce_demo(ctx) -> dict:
+@dataclass
+class BeforeAfter:
+    """What one rank held before and after a collective."""
+
+    rank: int
+    before: torch.Tensor
+    after: torch.Tensor
+
+    def __str__(self) -> str:
+        return f"rank {self.rank}: before {self.before.tolist()}  after {self.after.tolist()}"
+
+
+def allreduce_demo(ctx: RankContext) -> BeforeAfter:
     """Every rank holds [rank+1, rank+1, rank+1]; after all_reduce(SUM) every rank holds the sum."""
     t = torch.full((3,), float(ctx.rank + 1), device=ctx.device)
     before = t.clone().cpu()
     dist.all_reduce(t, op=dist.ReduceOp.SUM)
-    return {"rank": ctx.rank, "before": before, "after": t.cpu()}
+    return BeforeAfter(ctx.rank, before, t.cpu())
 
 
-def broadcast_demo(ctx, src: int = 0) -> dict:
+def broadcast_demo(ctx: RankContext, src: int = 0) -> BeforeAfter:
     """Only rank `src` starts with real values; after broadcast every rank holds them."""
     t = torch.arange(3.0, device=ctx.device) + 10 if ctx.rank == src else torch.zeros(3, device=ctx.device)
     before = t.clone().cpu()
     dist.broadcast(t, src=src)
-    return {"rank": ctx.rank, "before": before, "after": t.cpu()}
+    return BeforeAfter(ctx.rank, before, t.cpu())
 
 
 # ---------------------------------------------------------------------------------------------
@@ -39,7 +53,7 @@ def broadcast_demo(ctx, src: int = 0) -> dict:
 # ---------------------------------------------------------------------------------------------
 
 
-def round_trip(ctx, msg: torch.Tensor, peer: int) -> float:
+def round_trip(ctx: RankContext, msg: torch.Tensor, peer: int) -> float:
     """Seconds for `msg` to go from rank 0 to `peer` and back (rank `peer` echoes it)."""
     synchronize(ctx.device)
     start = now()
@@ -53,7 +67,17 @@ def round_trip(ctx, msg: torch.Tensor, peer: int) -> float:
     return now() - start
 
 
-def ping_pong(ctx, sizes_bytes: Sequence[int], rounds: int = 5, trips: int = 4, warmup: int = 1) -> list[dict] | None:
+@dataclass
+class MessageTime:
+    """One message size of a ping-pong: its one-way time and bandwidth, one figure per round."""
+
+    bytes: int
+    one_way: Measured  # seconds
+    bandwidth: Measured  # bytes per second
+
+
+def ping_pong(ctx: RankContext, sizes_bytes: Sequence[int], rounds: int = 5, trips: int = 4,
+              warmup: int = 1) -> list[MessageTime] | None:
     """Rank 0 sends a message to rank 1, which sends it straight back; half the round trip is the
     one-way time of a message. Other ranks sit this one out.
 
@@ -73,33 +97,33 @@ def ping_pong(ctx, sizes_bytes: Sequence[int], rounds: int = 5, trips: int = 4, 
                 one_way[i].append(statistics.median(times) / 2)
     if ctx.rank != 0:
         return None
-    return [{"bytes": msg.nbytes, "one_way": Measured.of(t), "bandwidth": Measured.of(msg.nbytes / s for s in t)}
+    return [MessageTime(msg.nbytes, Measured.of(t), Measured.of(msg.nbytes / s for s in t))
             for msg, t in zip(msgs, one_way)]
 
 
-def small_message_latency(rows: list[dict], small_bytes: int = 4096) -> Measured:
+def small_message_latency(rows: list[MessageTime], small_bytes: int = 4096) -> Measured:
     """The latency of a message: per round, the median one-way time over the sizes up to
     `small_bytes` (at least the smallest size), where the bytes themselves cost next to nothing.
     A median over several sizes, so one disturbed size cannot become the figure."""
-    small = [r for r in rows if r["bytes"] <= small_bytes] or [min(rows, key=lambda r: r["bytes"])]
-    rounds = len(small[0]["one_way"].values)
-    return Measured.of(statistics.median(r["one_way"].values[k] for r in small) for k in range(rounds))
+    small = [r for r in rows if r.bytes <= small_bytes] or [min(rows, key=lambda r: r.bytes)]
+    rounds = len(small[0].one_way.values)
+    return Measured.of(statistics.median(r.one_way.values[k] for r in small) for k in range(rounds))
 
 
-def fit_latency_bandwidth(rows: list[dict], small_bytes: int = 4096, large: int = 2) -> tuple[float, float]:
+def fit_latency_bandwidth(rows: list[MessageTime], small_bytes: int = 4096, large: int = 2) -> tuple[float, float]:
     """(latency in s, bandwidth in bytes/s) of the model `time = latency + bytes / bandwidth`,
     fitted to a ping-pong sweep: the latency from the small messages (`small_message_latency`),
     the bandwidth from the `large` largest ones, as their bytes over the time left once the
     latency is paid (median over those sizes)."""
     latency = small_message_latency(rows, small_bytes).median
-    biggest = sorted(rows, key=lambda r: r["bytes"])[-large:]
+    biggest = sorted(rows, key=lambda r: r.bytes)[-large:]
     rates = []
     for row in biggest:
-        seconds = row["one_way"].median
+        seconds = row.one_way.median
         # A message barely slower than the latency (too small to show the bandwidth, or noise)
         # would give a near-infinite bandwidth: count its whole time as bytes instead.
         moving = seconds - latency if seconds > 1.5 * latency else seconds
-        rates.append(row["bytes"] / moving)
+        rates.append(row.bytes / moving)
     return latency, statistics.median(rates)
 
 
@@ -185,7 +209,7 @@ def ring_all_reduce_time(nbytes: float, world_size: int, bandwidth: float, laten
     return 2 * (n - 1) * latency + 2 * (n - 1) / n * nbytes / bandwidth
 
 
-def back_to_back(ctx, all_reduce, tensors: Sequence[torch.Tensor]) -> float:
+def back_to_back(ctx: RankContext, all_reduce, tensors: Sequence[torch.Tensor]) -> float:
     """Median seconds of one `all_reduce(t)` over `tensors`, called back to back after a barrier."""
     ctx.barrier()
     times = []
@@ -197,7 +221,19 @@ def back_to_back(ctx, all_reduce, tensors: Sequence[torch.Tensor]) -> float:
     return statistics.median(times)
 
 
-def all_reduce_sweep(ctx, sizes_bytes: Sequence[int], rounds: int = 3, trips: int = 3) -> list[dict] | None:
+@dataclass
+class AllReduceTime:
+    """One tensor size of the all-reduce sweep: torch's and our ring's seconds, one figure per
+    round, and the largest difference between their sums."""
+
+    bytes: int
+    torch: Measured  # seconds
+    ring: Measured  # seconds
+    max_difference: float
+
+
+def all_reduce_sweep(ctx: RankContext, sizes_bytes: Sequence[int], rounds: int = 3,
+                     trips: int = 3) -> list[AllReduceTime] | None:
     """Time torch's `dist.all_reduce` and our `ring_all_reduce` at each size, call by call in turn
     (torch, ours, torch, ours ...) so that a busy moment of the machine hits both, and check that
     they give the same sums.
@@ -222,8 +258,8 @@ def all_reduce_sweep(ctx, sizes_bytes: Sequence[int], rounds: int = 3, trips: in
             worst[i] = max(worst[i], (sums["torch"][0] - sums["ring"][0]).abs().max().item())
     if ctx.rank != 0:
         return None
-    return [{"bytes": t.nbytes, "torch": Measured.of(figures["torch"][i]), "ring": Measured.of(figures["ring"][i]),
-             "max_difference": worst[i]} for i, t in enumerate(tensors)]
+    return [AllReduceTime(t.nbytes, Measured.of(figures["torch"][i]), Measured.of(figures["ring"][i]), worst[i])
+            for i, t in enumerate(tensors)]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -231,7 +267,7 @@ def all_reduce_sweep(ctx, sizes_bytes: Sequence[int], rounds: int = 3, trips: in
 # ---------------------------------------------------------------------------------------------
 
 
-def compute_then_communicate(ctx, n: int = 256, steps: int = 3) -> object:
+def compute_then_communicate(ctx: RankContext, n: int = 256, steps: int = 3) -> Timeline:
     """A toy training step, `steps` times: compute (a few matmuls, like forward and backward), then
     all-reduce the result (like gradients). Nothing overlaps yet: while a rank communicates, it
     does not compute. Returns this rank's timeline."""

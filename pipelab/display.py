@@ -41,16 +41,18 @@ def headline(name: str, value, unit: str = "") -> None:
     display({HEADLINE_MIME: data, "text/plain": text}, raw=True)
 
 
-def conclude(key: str, verdict: str, text: str, **figures) -> None:
+def conclude(key: str, verdict: str, text: str, figures: dict | None = None, **more) -> None:
     """State a conclusion this run supports, computed from its figures.
 
     `verdict` is the conclusion in a word or two ('lower', 'within noise', 'fits', ...): the part
     that must not change from run to run. `text` is the sentence the student reads, written from
-    the figures; `figures` are the numbers behind it. `benchmarks/conclusions.py` runs the course
-    several times and lists every `key` whose verdict changed."""
+    the figures; `figures` (a dict, and/or keyword arguments) are the numbers behind it. A lesson's
+    verdict function returns (key, verdict, text, figures), so a cell writes `conclude(*verdict)`.
+    `benchmarks/conclusions.py` runs the course several times and lists every `key` whose verdict
+    changed."""
     from IPython.display import display
 
-    data = {"key": key, "verdict": verdict, "text": text, "figures": _plain(figures)}
+    data = {"key": key, "verdict": verdict, "text": text, "figures": _plain({**(figures or {}), **more})}
     display({CONCLUSION_MIME: data, "text/markdown": f"**On this run:** {text}",
              "text/plain": f"On this run: {text}"}, raw=True)
 

@@ -10,6 +10,11 @@ import torch
 from torch import nn
 
 
+def trainable_parameters(module: nn.Module) -> list[tuple[str, nn.Parameter]]:
+    """(name, parameter) of every parameter of `module` that gets a gradient, in registration order."""
+    return [(n, p) for n, p in module.named_parameters() if p.requires_grad]
+
+
 def mlp(widths: list[int], activation: type[nn.Module] = nn.ReLU) -> nn.Sequential:
     """A stack of Linear layers with `activation` between them: widths [8, 16, 4] -> 8->16->4."""
     if len(widths) < 2:

@@ -53,6 +53,16 @@ def reference_run(model: nn.Module, x, y, loss_fn: Callable, steps: int = 1,
     return Reference(losses, grads, weights)
 
 
+def perturb(module: nn.Module, seed: int) -> None:
+    """Give this replica other weights, as if its rank had built the model with its own seed (add
+    noise drawn from `seed`): a data-parallel wrapper's broadcast must then make the replicas equal,
+    and a run that skipped it fails `assert_same`."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in module.parameters():
+            p.add_(torch.randn(p.shape, generator=g).to(p.device))
+
+
 def _holders(tensors: Tensors | Sequence[Tensors]) -> list[Tensors]:
     """A run's tensors as a list of holders (a rank or a stage each); one dict is one holder."""
     return [tensors] if isinstance(tensors, Mapping) else list(tensors)

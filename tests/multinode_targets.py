@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 from pipelab import models
-from pipelab.experiments.ddp import ddp_worker
+from pipelab.experiments import ddp as ddp_experiment
 from pipelab.pipeline.partition import split_model
 from pipelab.experiments import pipeline as pipeline_experiment
 from pipelab.pipeline.schedules import Schedule, make_schedule
@@ -34,6 +34,13 @@ def ddp_inputs() -> tuple[nn.Module, torch.Tensor, torch.Tensor]:
     return model, torch.randn(16, 32), torch.randn(16, 32)
 
 
+def ddp_config(world_size: int, backend: str = "auto") -> ddp_experiment.Config:
+    """Lesson 01's Config for that step: one checked SGD step of each variant (naive, bucketed, torch)."""
+    model, x, y = ddp_inputs()
+    return ddp_experiment.Config(model=model, x=x, y=y, world_size=world_size, backend=backend,
+                                 bucket_cap_mb=DDP_BUCKET_CAP_MB, lr=DDP_LR, steps=1)
+
+
 def gpipe_inputs() -> tuple[list[nn.Module], Schedule, torch.Tensor, torch.Tensor]:
     """Lesson 06's step, small: an MLP cut into 2 stages, GPipe with 4 micro-batches."""
     torch.manual_seed(0)
@@ -42,9 +49,8 @@ def gpipe_inputs() -> tuple[list[nn.Module], Schedule, torch.Tensor, torch.Tenso
 
 
 def ddp_step(ctx) -> str:
-    """Lesson 01's `ddp_worker`: one checked SGD step of each variant (naive, bucketed, torch)."""
-    model, x, y = ddp_inputs()
-    result = ddp_worker(ctx, model, x, y, nn.MSELoss(), bucket_cap_mb=DDP_BUCKET_CAP_MB, lr=DDP_LR, steps=1)
+    """Lesson 01's worker: one checked SGD step of each variant (naive, bucketed, torch)."""
+    result = ddp_experiment.worker(ctx, ddp_config(ctx.world_size))
     return _save(ctx, "ddp_step", result)
 
 

@@ -5,10 +5,13 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from pipelab.collectives import (all_reduce_sweep, fit_latency_bandwidth, ping_pong, ring_all_reduce,
-                                 ring_all_reduce_time, ring_schedule, small_message_latency)
+from pipelab import experiments
+from pipelab.collectives import (AllReduceTime, MessageTime, all_reduce_sweep, fit_latency_bandwidth, ping_pong,
+                                 ring_all_reduce, ring_all_reduce_time, ring_schedule, small_message_latency)
+from pipelab.experiments import collectives as lesson
 from pipelab.launch import spawn
 from pipelab.measure import Measured
+from pipelab.timeline import Span, Timeline
 
 NUMELS = [1, 2, 3, 5, 8, 1000, 1001]  # fewer elements than ranks, N dividing the length, and not
 
@@ -98,7 +101,7 @@ def fake_sweep(latency, bandwidth, sizes, hiccup=None):
     for size in sizes:
         t = latency + size / bandwidth
         values = [t * 100, t * 100, t * 100] if size == hiccup else [t * 0.9, t, t * 1.1]
-        rows.append({"bytes": size, "one_way": Measured.of(values)})
+        rows.append(MessageTime(size, Measured.of(values), Measured.of(size / t for t in values)))
     return rows
 
 
@@ -113,12 +116,12 @@ def test_fit_recovers_latency_and_bandwidth_and_ignores_one_bad_small_size():
 
 def test_ping_pong_and_all_reduce_sweep_return_one_measured_row_per_size():
     rows = spawn(ping_pong, 2, [8, 4096], 2, 2)[0]
-    assert [r["bytes"] for r in rows] == [8, 4096]
-    assert all(len(r["one_way"].values) == 2 and r["one_way"].low > 0 for r in rows)
+    assert [r.bytes for r in rows] == [8, 4096]
+    assert all(len(r.one_way.values) == 2 and r.one_way.low > 0 for r in rows)
     sweep = spawn(all_reduce_sweep, 2, [8, 40000], 2, 2)[0]
-    assert [r["bytes"] for r in sweep] == [8, 40000]
-    assert all(len(r["torch"].values) == len(r["ring"].values) == 2 for r in sweep)
-    assert all(r["max_difference"] < 1e-5 for r in sweep)
+    assert [r.bytes for r in sweep] == [8, 40000]
+    assert all(len(r.torch.values) == len(r.ring.values) == 2 for r in sweep)
+    assert all(r.max_difference < 1e-5 for r in sweep)
 
 
 def test_pictures_draw_medians_and_the_ring_ends_with_every_chunk_summed():
@@ -129,16 +132,78 @@ def test_pictures_draw_medians_and_the_ring_ends_with_every_chunk_summed():
     from pipelab.plots.collectives import draw_ring, plot_all_reduce, plot_ping_pong
 
     rows = fake_sweep(40e-6, 3e9, [8, 2048, 2**20])
-    for r in rows:
-        r["bandwidth"] = Measured.of(r["bytes"] / t for t in r["one_way"].values)
     left, _ = plot_ping_pong(rows, 40e-6, 3e9)
     medians = left.containers[0].lines[0].get_ydata()  # the error bars' line goes through the medians
-    assert list(medians) == pytest.approx([r["one_way"].median * 1e6 for r in rows])
-    sweep = [{"bytes": r["bytes"], "torch": r["one_way"], "ring": r["one_way"].scaled(2)} for r in rows]
+    assert list(medians) == pytest.approx([r.one_way.median * 1e6 for r in rows])
+    sweep = [AllReduceTime(r.bytes, r.one_way, r.one_way.scaled(2), 0.0) for r in rows]
     ax = plot_all_reduce(sweep, 2, 40e-6, 3e9)
-    assert list(ax.containers[1].lines[0].get_ydata()) == pytest.approx([2e6 * r["one_way"].median for r in rows])
+    assert list(ax.containers[1].lines[0].get_ydata()) == pytest.approx([2e6 * r.one_way.median for r in rows])
     ax = draw_ring(3)
     labels = [t.get_text() for t in ax.texts if t.get_text() == "Σ" or t.get_text().replace("+", "").isdigit()]
     assert labels[-9:] == ["Σ"] * 9  # after the last all-gather step: 3 ranks x 3 chunks, all summed
     assert labels[:9] == ["0", "0", "0", "1", "1", "1", "2", "2", "2"]  # at the start: each rank its own
     plt.close("all")
+
+
+# ---------------------------------------------------------------------------------------------
+# Lesson 00's Config, its runs and its verdicts
+# ---------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("world_size, message", [
+    (1, r"world_size=1: a ping-pong, a ring and a collective need a peer.*world_size=2 or more"),
+    (0, r"world_size must be a whole number >= 1, got 0"),
+    (64, r"world_size=64 ranks on \d+ CPU core\(s\) is over 8 ranks per core"),
+    (2.0, r"world_size must be a whole number >= 1, got 2.0"),
+])
+def test_lesson_config_refuses_a_world_it_cannot_run_before_any_rank_starts(monkeypatch, world_size, message):
+    """world_size 1 used to end in a ZeroDivisionError in the ring model after 12-16 s of work, and
+    64 ranks on 2 cores took 9 GB on their way to 14.5 GB: both are refused when the Config is built."""
+    monkeypatch.setattr("pipelab.hardware.cpu_cores", lambda: 2)
+    monkeypatch.setattr("pipelab.hardware.gpu_count", lambda: 0)
+    with pytest.raises(ValueError, match=message):
+        lesson.Config(world_size=world_size)
+
+
+@pytest.mark.parametrize("field, value, message", [
+    ("sizes_bytes", [], "sizes_bytes must be a list of one or more sizes"),
+    ("sizes_bytes", 1024, "sizes_bytes must be a list"),
+    ("allreduce_sizes", [8, -4], r"each of allreduce_sizes must be a whole number >= 1, got -4"),
+    ("rounds", 0, "rounds must be a whole number >= 1, got 0; pass e.g. rounds=5"),
+    ("trips", 1.5, "trips must be a whole number"),
+    ("steps", None, "steps must be a whole number"),
+    ("matrix_size", 0, "matrix_size must be a whole number"),
+])
+def test_lesson_config_refuses_each_bad_parameter(field, value, message):
+    with pytest.raises(ValueError, match=message):
+        lesson.Config(**{field: value})
+
+
+def test_lesson_runs_give_typed_results_and_verdicts_from_them():
+    cfg = lesson.Config(sizes_bytes=[8, 512, 2**20], rounds=2, trips=2, allreduce_sizes=[8, 2**16],
+                        allreduce_rounds=2, matrix_size=32, steps=2)
+    pp = experiments.run(lesson.ping_pong_worker, cfg, lesson.gather_ping_pong)
+    assert [r.bytes for r in pp.rows] == [8, 512, 2**20] and len(pp.latency.values) == 2 and pp.bandwidth > 0
+    key, verdict, text, figures = lesson.bytes_verdict(pp)
+    assert key == "00.bytes_cost_time" and verdict in ("higher", "lower", "within noise") and "1.00 MiB" in text
+    sweep = lesson.all_reduce_run(cfg, pp)
+    assert sweep.max_difference < 1e-5 and len(sweep.predicted) == 2
+    assert sweep.predicted[0] == pytest.approx(ring_all_reduce_time(8, 2, pp.bandwidth, pp.latency.median))
+    assert lesson.ring_model_verdict(sweep)[0] == "00.ring_model"
+    timeline = experiments.run(lesson.step_worker, cfg, lesson.gather_timeline)
+    assert {s.rank for s in timeline} == {0, 1} and len(timeline.filter(kind="allreduce")) == 4
+
+
+def step_timeline(boxes: dict[int, list[float]]) -> Timeline:
+    """A made-up timeline: each rank's all-reduce box of each step, in seconds."""
+    spans = [Span(rank, "comm", "allreduce", float(step), float(step) + seconds, mb=step)
+             for rank, durations in boxes.items() for step, seconds in enumerate(durations)]
+    return Timeline(spans)
+
+
+def test_waiting_verdict_reads_the_sign_of_the_step_by_step_differences():
+    waits = lesson.waiting_verdict(step_timeline({0: [0.03, 0.04, 0.05], 1: [0.01, 0.01, 0.01]}))
+    assert waits[:2] == ("00.fast_rank_waits", "higher") and "in every step rank 0" in waits[2]
+    typical = lesson.waiting_verdict(step_timeline({0: [0.03, 0.04, 0.001], 1: [0.01, 0.01, 0.01]}))
+    assert typical[1] == "higher" and "in the typical step rank 0" in typical[2]
+    assert lesson.waiting_verdict(step_timeline({0: [0.01, 0.01, 0.03], 1: [0.02, 0.02, 0.01]}))[1] == "lower"
+    assert waits[3]["steps"] == 3

@@ -9,11 +9,23 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from pipelab import experiments
 from pipelab.ddp import MIB, Bucket, BucketedDDP, NaiveDDP, module_bucket_plan, plan_buckets
 from pipelab.display import format_bucket_plan
-from pipelab.experiments.ddp import VARIANTS, DDPRun, bucket_sweep, replica_spread, run_ddp
+from pipelab.experiments import bucket_sweep as sweep
+from pipelab.experiments import ddp
+from pipelab.experiments.ddp import VARIANTS, DDPRun, replica_spread
 from pipelab.launch import spawn
 from pipelab.reference import assert_same, reference_run
+
+
+def run_ddp(model, x, y, **kwargs) -> dict[str, DDPRun]:
+    """Each variant's run on real processes (`ddp.Config` refuses bad input before any starts)."""
+    return experiments.run(ddp.worker, ddp.Config(model=model, x=x, y=y, **kwargs), ddp.gather)
+
+
+def bucket_sweep(model, x, y, caps_mb, **kwargs) -> list[sweep.SweepPoint]:
+    return experiments.run(sweep.worker, sweep.Config(model=model, x=x, y=y, caps_mb=caps_mb, **kwargs), sweep.gather)
 
 
 def uneven_model() -> nn.Sequential:
@@ -122,7 +134,7 @@ def test_wrappers_need_a_process_group():
 def test_bad_input_is_refused_before_any_process_starts():
     x, y = batch(12, 7, 3)
     model = uneven_model()
-    with pytest.raises(ValueError, match=r"12 samples does not split evenly over world_size=5.*\[1, 2, 3, 4, 6, 12\]"):
+    with pytest.raises(ValueError, match=r"batch=12 does not divide evenly by world_size=5.*\[1, 2, 3, 4, 6, 12\]"):
         run_ddp(model, x, y, world_size=5)
     with pytest.raises(ValueError, match="no parameters that require gradients"):
         run_ddp(nn.ReLU(), x, y)
@@ -134,6 +146,26 @@ def test_bad_input_is_refused_before_any_process_starts():
         bucket_sweep(model, x, y, caps_mb=[1, 0])
     with pytest.raises(ValueError, match=r"different bucket sizes, got caps_mb=\[1, 1\]"):
         bucket_sweep(model, x, y, caps_mb=[1, 1])
+    with pytest.raises(ValueError, match="rounds must be a whole number"):
+        bucket_sweep(model, x, y, caps_mb=[1], rounds=0)
+    with pytest.raises(ValueError, match="steps must be a whole number"):
+        run_ddp(model, x, y, steps=0)
+
+
+@pytest.mark.parametrize("reduction", ["sum", "none"])
+def test_a_loss_that_is_not_a_mean_is_refused_before_any_rank_starts(monkeypatch, reduction):
+    """With reduction='sum' every variant's gradients would be the reference's divided by the world
+    size, and nothing would look wrong: DDP averages over ranks, which matches one process only for
+    a mean loss. So the Config refuses it, and no process is started."""
+    def spawn(*args, **kwargs):
+        raise AssertionError("a process was started: the summed loss was not refused before")
+
+    monkeypatch.setattr("pipelab.launch.spawn", spawn)
+    x, y = batch(12, 7, 3)
+    for make in (lambda: run_ddp(uneven_model(), x, y, loss_fn=nn.MSELoss(reduction=reduction)),
+                 lambda: bucket_sweep(uneven_model(), x, y, caps_mb=[1], loss_fn=nn.MSELoss(reduction=reduction))):
+        with pytest.raises(ValueError, match=f"reduction='{reduction}'.*use reduction='mean'"):
+            make()
 
 
 def reference(model: nn.Module, x, y):
@@ -185,10 +217,9 @@ def test_timelines_show_each_layer_and_each_all_reduce(uneven_runs, world_size):
         assert len(mine.filter(kind="F")) == 1 and len(mine.filter(kind="copy")) == 3
         comm = naive.timeline.filter(rank=rank, lane="comm")
         assert [s.meta["param"] for s in comm] == ["4.bias", "4.weight", "2.bias", "2.weight", "0.bias", "0.weight"]
-    assert naive.overlap == 0.0  # naive sends only after backward
-    assert 0.0 <= bucketed.overlap <= 1.0
-    assert naive.overlaps.values == (0.0,) and bucketed.overlaps.median == bucketed.overlap
-    assert bucketed.step_times.median == bucketed.step_time
+    assert naive.overlap.values == (0.0,)  # naive sends only after backward (one timed step)
+    assert 0.0 <= bucketed.overlap.low <= bucketed.overlap.high <= 1.0
+    assert bucketed.step_time.values == tuple(bucketed.steps.seconds) and bucketed.step_time.low > 0
     per_bucket = bucketed.bucket_all_reduce_times()
     assert [len(m.values) for m in per_bucket] == [world_size] * 3  # one timed step, every rank
     assert all(m.low > 0 for m in per_bucket)
@@ -301,14 +332,13 @@ def test_bucket_sweep_runs_every_size_in_one_set_of_processes():
     points = bucket_sweep(uneven_model(), x, y, caps_mb=[1e-9, UNEVEN_CAP_MB, 1.0], steps=2, rounds=2)
     assert [p.num_buckets for p in points] == [6, 3, 1]
     for p in points:
-        assert p.step_time > 0 and p.torch_step_time > 0 and 0.0 <= p.overlap <= 1.0
+        assert p.step_time.low > 0 and p.torch_step_time.low > 0 and 0.0 <= p.overlap.low <= p.overlap.high <= 1.0
         assert len(p.timeline.filter(lane="comm", rank=0)) == p.num_buckets
         # every timed step of both rounds, and one ours / torch ratio per round
-        assert len(p.times.values) == len(p.torch_times.values) == len(p.overlaps.values) == 4
-        assert p.times.median == p.step_time and p.torch_times.median == p.torch_step_time
+        assert len(p.step_time.values) == len(p.torch_step_time.values) == len(p.overlap.values) == 4
         assert len(p.ratio.values) == 2 and p.ratio.low > 0
     alone = bucket_sweep(uneven_model(), x, y, caps_mb=[1.0], steps=1, rounds=1, with_torch=False)
-    assert alone[0].torch_times is None and alone[0].ratio is None
+    assert alone[0].torch_step_time is None and alone[0].ratio is None
 
 
 def buffers_worker(ctx):
@@ -346,3 +376,47 @@ def test_buffers_follow_rank_0_before_each_forward_as_in_torch():
         # Without the broadcast, each rank keeps its own statistics, further apart.
         assert seen["bucketed, broadcast_buffers=False"]["spread_in_next_forward"] > 0.1
         assert seen["bucketed, broadcast_buffers=False"]["spread"] > seen["torch"]["spread"]
+
+
+# ---------------------------------------------------------------------------------------------
+# Verdicts: computed from the measured figures, never stated ahead of them
+# ---------------------------------------------------------------------------------------------
+
+def fake_run(variant: str, overlaps: list[float], buckets=None) -> DDPRun:
+    """A run whose timed steps hid the given fractions of their all-reduce time (1 s each)."""
+    from pipelab.measure import Steps
+    from pipelab.timeline import Span, Timeline
+
+    timelines = [Timeline([Span(0, "compute", "B", 0.0, hidden), Span(0, "comm", "allreduce", 0.0, 1.0)])
+                 for hidden in overlaps]
+    return DDPRun(variant, [1.0], {}, {}, 0.0, Steps([1.0] * len(overlaps), timelines), buckets)
+
+
+def test_overlap_verdict_follows_the_steps_and_the_plan():
+    buckets = [Bucket(0, ("a",), (300,)), Bucket(1, ("b",), (100,))]  # estimate: 75 % hidden
+    runs = {"naive": fake_run("naive", [0.0, 0.0]), "bucketed": fake_run("bucketed", [0.4, 0.5, 0.6], buckets)}
+    key, verdict, text, figures = ddp.overlap_verdict(runs)
+    assert (key, verdict) == ("01.overlap_of_reversed_buckets", "higher") and "were below it" in text
+    assert figures["estimate"] == pytest.approx(0.75) and runs["bucketed"].overlap.median == pytest.approx(0.5)
+    runs["bucketed"] = fake_run("bucketed", [0.0, 0.9], buckets)
+    assert ddp.overlap_verdict(runs)[1] == "within noise"
+
+
+def point(cap: float, buckets: int, ms: list[float], ratio: list[float] | None = None) -> sweep.SweepPoint:
+    from pipelab.measure import Measured
+    from pipelab.timeline import Timeline
+
+    seconds = Measured.of(m / 1e3 for m in ms)
+    return sweep.SweepPoint(cap, buckets, seconds, Measured.of([0.5]), Timeline(), seconds,
+                            Measured.of(ratio or [1.0]))
+
+
+def test_sweep_and_torch_verdicts_claim_only_what_beats_the_noise():
+    points = [point(0.001, 16, [200, 210, 220]), point(2, 4, [100, 101, 102], [1.2, 1.3]), point(8, 1, [110, 120, 130])]
+    key, verdict, text, _ = sweep.sweep_verdict(points)
+    assert key == "01.bucket_sweep" and verdict == "one bucket per parameter: slower; one bucket for the model: within noise"
+    assert "bucket_cap_mb=2 (4 buckets" in text and "and in every step" in text
+    assert sweep.torch_verdict(points, 2)[1] == "ours slower"
+    assert sweep.torch_verdict(points, 5)[2].startswith("at bucket_cap_mb=2,")  # not swept: the fastest size
+    points[1] = point(2, 4, [100, 101, 102], [0.95, 1.3])
+    assert sweep.torch_verdict(points, 2)[1] == "within noise"

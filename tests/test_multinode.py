@@ -8,21 +8,22 @@ The targets live in tests/multinode_targets.py; the torchrun processes find it o
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import signal
 import socket
-import statistics
 import subprocess
 import sys
 import time
-from types import SimpleNamespace
 
 import pytest
 import torch
 from torch import nn
 
 import multinode_targets as targets
-from pipelab.experiments.ddp import VARIANTS, run_ddp
+from pipelab import experiments
+from pipelab.experiments import ddp as ddp_experiment
+from pipelab.experiments.ddp import VARIANTS
 from pipelab.experiments import pipeline as pipeline_experiment
 from pipelab.reference import assert_same, reference_run
 
@@ -142,25 +143,21 @@ def _assert_ranks_on_both_nodes(logs: list[str], target: str) -> None:
 
 def test_ddp_step_on_two_nodes_equals_spawn(tmp_path):
     """Lesson 01: each DDP variant's loss, gradients, updated weights and replica spread over two
-    torchrun nodes equal those of `run_ddp` (spawn) on the same model and batch."""
+    torchrun nodes equal those of `experiments.run` (spawn) on the same model and batch."""
     per_rank, logs = run_two_nodes("ddp_step", tmp_path)
     _assert_ranks_on_both_nodes(logs, "ddp_step")
-    model, x, y = targets.ddp_inputs()
-    spawned = run_ddp(model, x, y, world_size=NODES, bucket_cap_mb=targets.DDP_BUCKET_CAP_MB,
-                      lr=targets.DDP_LR, steps=1, backend="gloo")
-    reference = reference_run(model, x, y, nn.MSELoss(), steps=1, lr=targets.DDP_LR)
+    cfg = targets.ddp_config(NODES, backend="gloo")
+    spawned = experiments.run(ddp_experiment.worker, cfg, ddp_experiment.gather)
+    reference = reference_run(cfg.model, cfg.x, cfg.y, nn.MSELoss(), steps=1, lr=targets.DDP_LR)
+    on_two_nodes = ddp_experiment.gather(cfg, per_rank)
     for variant in VARIANTS:
-        ranks = [r[variant] for r in per_rank]
-        two_nodes = SimpleNamespace(name=f"{variant} on two nodes",
-                                    losses=[statistics.mean(r["steps"].results[0] for r in ranks)],
-                                    grads=ranks[0]["grads"], weights=ranks[0]["weights"],
-                                    replica_spread=max(r["spread"] for r in ranks))
+        two_nodes = dataclasses.replace(on_two_nodes[variant], variant=f"{variant} on two nodes")
         run = spawned[variant]
         torch.testing.assert_close(two_nodes.losses, run.losses, msg=lambda m: f"{variant} losses: {m}")
         torch.testing.assert_close(two_nodes.grads, run.grads, msg=lambda m: f"{variant} gradients: {m}")
         torch.testing.assert_close(two_nodes.weights, run.weights, msg=lambda m: f"{variant} weights: {m}")
         assert_same(two_nodes, reference)  # and both equal one process (replicas in step included)
-    assert len(per_rank[0]["bucketed"]["buckets"]) > 1  # several buckets: the overlapping path ran
+    assert len(on_two_nodes["bucketed"].buckets) > 1  # several buckets: the overlapping path ran
 
 
 def test_gpipe_step_on_two_nodes_equals_spawn(tmp_path):

@@ -13,25 +13,16 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from pipelab.ddp.buckets import parameter_devices, trainable_parameters
+from pipelab.ddp.buckets import parameter_devices
 from pipelab.ddp.replicas import broadcast_from_rank0, check_replicas
+from pipelab.models import trainable_parameters
+from pipelab.streams.base import tensors_in
 from pipelab.timeline import Recorder, now
 
 
 def _layer_name(param_name: str) -> str:
     """'net.3.weight' -> 'net.3': the module a parameter belongs to."""
     return param_name.rpartition(".")[0] or "(root)"
-
-
-def _output_tensors(out) -> list[torch.Tensor]:
-    """The tensors in a forward's output (a tensor, or tuples, lists and dicts of them)."""
-    if isinstance(out, torch.Tensor):
-        return [out]
-    if isinstance(out, dict):
-        out = list(out.values())
-    if isinstance(out, (list, tuple)):
-        return [t for item in out for t in _output_tensors(item)]
-    return []
 
 
 class DDPBase(nn.Module):
@@ -87,7 +78,7 @@ class DDPBase(nn.Module):
             self.sync_buffers()
         with self.rec.span("F", lane="compute") if not self.spread else nullcontext():
             out = self.module(*inputs, **kwargs)
-        for t in _output_tensors(out):
+        for t in tensors_in(out):
             if t.requires_grad:  # its gradient arrives first in backward: the start of our B spans
                 t.register_hook(self.on_output_grad)
         return out

@@ -16,6 +16,7 @@ from typing import Mapping, Sequence
 from torch import nn
 
 from pipelab.checks import positive_number
+from pipelab.models import trainable_parameters
 
 MIB = 1024 * 1024  # torch's bucket_cap_mb counts MiB: 25 "MB" are 25 * 2**20 bytes
 
@@ -98,11 +99,6 @@ def _check_devices(devices: Sequence[str] | None, count: int) -> list[str | None
         raise ValueError(f"got {len(devices)} devices for {count} parameters; give one device per "
                          "parameter, in the same order")
     return devices
-
-
-def trainable_parameters(module: nn.Module) -> list[tuple[str, nn.Parameter]]:
-    """(name, parameter) of every parameter that gets a gradient, in registration order."""
-    return [(n, p) for n, p in module.named_parameters() if p.requires_grad]
 
 
 def module_bucket_plan(module: nn.Module, bucket_cap_mb: float = 25.0,

@@ -11,7 +11,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from pipelab.ddp.buckets import trainable_parameters
+from pipelab.models import trainable_parameters
 
 
 def _shapes(module: nn.Module) -> list[tuple[str, tuple[int, ...], str]]:

@@ -28,6 +28,7 @@ from torch import nn
 
 from pipelab.ddp.base import DDPBase
 from pipelab.ddp.buckets import check_bucket_cap, module_bucket_plan
+from pipelab.ddp.flat import FlatAllReduce, write_back
 from pipelab.display import format_bucket_plan
 from pipelab.timeline import Recorder, now
 
@@ -92,7 +93,8 @@ class BucketedDDP(DDPBase):
         self.find_unused_parameters = find_unused_parameters
         self.buckets = module_bucket_plan(module, bucket_cap_mb, device_of)
         self._slots, self._flat = self.allocate()  # one flat gradient buffer per bucket
-        self._members = [[i for i, slot in enumerate(self._slots) if slot[0] == b] for b in range(len(self.buckets))]
+        index_of = {name: i for i, (name, _) in enumerate(self.params)}
+        self._members = [[index_of[name] for name in b.names] for b in self.buckets]  # in slot order
         self.reset()
 
     def allocate(self):
@@ -125,7 +127,7 @@ class BucketedDDP(DDPBase):
         self._ready = [False] * len(self.params)  # which parameters have their gradient
         self._left = [len(b.names) for b in self.buckets]  # gradients each bucket still waits for
         self._next = 0  # the next bucket to send
-        self._inflight: list[tuple] = []  # (bucket, launch time, work, arrival time future or None)
+        self._inflight: list[FlatAllReduce] = []  # the buckets' all-reduces, in launch order
 
     def slot(self, index: int) -> torch.Tensor:
         """Parameter `index`'s place in its bucket's flat buffer (a view)."""
@@ -149,15 +151,7 @@ class BucketedDDP(DDPBase):
 
     def all_reduce_async(self, bucket: int) -> None:
         """Launch the bucket's all-reduce and return at once; backward goes on meanwhile."""
-        start = now()
-        work = dist.all_reduce(self._flat[bucket], group=self.process_group, async_op=True)
-        arrival = None
-        if self.rec.enabled:
-            # The callback runs on the communication thread when the all-reduce completes: its
-            # clock reading ends the bucket's span on the comm lane. It needs Python's GIL, so it
-            # costs a little per bucket and can be late by whatever Python runs at that moment.
-            arrival = work.get_future().then(lambda _: now())
-        self._inflight.append((bucket, start, work, arrival))
+        self._inflight.append(FlatAllReduce(self._flat[bucket], self.process_group, self.rec, bucket=bucket))
 
     # ---- at the end of backward -------------------------------------------------------------
     def finish_gradients(self) -> None:
@@ -177,33 +171,24 @@ class BucketedDDP(DDPBase):
             used = self.used_anywhere(missing)
             for i in missing:
                 if used[i]:  # another rank had a gradient for it: take the average too
-                    self.write_back(i)
+                    self.write_average(i)
 
     def wait_and_write_back(self) -> None:
         """Wait for the buckets in order; copy each one's averages into `.grad` as soon as it is
-        back, while the later buckets are still on their way."""
-        for bucket, start, work, arrival in self._inflight:
-            work.wait()
-            if arrival is not None:
-                # From launch to arrival: waiting for the peers to launch theirs, queueing behind
-                # earlier buckets and moving the bytes. So spans of one rank may overlap.
-                self.rec.add("allreduce", start, arrival.wait(), lane="comm", bucket=bucket,
-                             bytes=self._flat[bucket].nbytes)
+        back, while the later buckets are still on their way. (An all-reduce's span runs from launch
+        to arrival: waiting for the peers to launch theirs, queueing behind earlier buckets and
+        moving the bytes. So spans of one rank may overlap.)"""
+        for op in self._inflight:
+            bucket, flat = op.meta["bucket"], op.wait()
             copy_start = now()
-            for i in self._members[bucket]:
-                if self._ready[i]:
-                    self.write_back(i)
+            members = self._members[bucket]
+            write_back(flat, [self.params[i][1] for i in members], keep=[self._ready[i] for i in members])
             self.rec.add("copy", copy_start, now(), lane=self.buckets[bucket].device or "compute", bucket=bucket)
         self._inflight = []
 
-    def write_back(self, index: int) -> None:
+    def write_average(self, index: int) -> None:
         """Parameter `index`'s averaged gradient, from its slot into `.grad`."""
-        p = self.params[index][1]
-        average = self.slot(index).view_as(p)
-        if p.grad is None:
-            p.grad = average.clone()
-        else:
-            p.grad.copy_(average)
+        write_back(self.slot(index), [self.params[index][1]])
 
     def used_anywhere(self, missing: list[int]) -> list[bool]:
         """Which parameters had a gradient on at least one rank (one small all-reduce)."""

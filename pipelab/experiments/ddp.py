@@ -1,9 +1,14 @@
 """Lesson 01 from a notebook: train a replica with each data-parallel variant on real processes,
-check it against one process, time it, and sweep the bucket size beside torch's DDP.
+check it against one process, time it, and say what the measurements show.
 
-The wrappers themselves (`NaiveDDP`, `BucketedDDP`) live in `pipelab.ddp`; here are the workers
-that train with them (and with torch's `DistributedDataParallel`), `run_ddp` that starts and
-gathers them, and `bucket_sweep`. Check a run with `pipelab.reference.assert_same(run, reference)`.
+    cfg = ddp.Config(model=model, x=x, y=y, bucket_cap_mb=2.0)   # refuses bad input here
+    runs = experiments.run(ddp.worker, cfg, ddp.gather)          # {"naive": DDPRun, ...}
+    pipelab.conclude(*ddp.overlap_verdict(runs))
+
+The wrappers themselves (`NaiveDDP`, `BucketedDDP`) live in `pipelab.ddp`; here is the worker that
+trains with them (and with torch's `DistributedDataParallel`), its gather, and the verdicts on what
+it measured; the bucket-size sweep is `pipelab.experiments.bucket_sweep`. Check a run with
+`pipelab.reference.assert_same(run, reference)`.
 """
 
 from __future__ import annotations
@@ -12,20 +17,65 @@ import copy
 import statistics
 from contextlib import nullcontext
 from dataclasses import dataclass, field
-from functools import partial
 from typing import Callable, Sequence
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
-from pipelab.checks import divisors, whole_number
-from pipelab.ddp import Bucket, BucketedDDP, DDPBase, NaiveDDP, check_bucket_cap, trainable_parameters
-from pipelab.launch import spawn
-from pipelab.measure import Measured, TimedSteps, RankSteps, Steps, alternate, gather_steps, ratios, time_steps
+from pipelab import experiments
+from pipelab.checks import divides, mean_loss, positive_number, same_batch, trainable, whole_number
+from pipelab.collectives import ring_all_reduce_time
+from pipelab.ddp import Bucket, BucketedDDP, DDPBase, NaiveDDP, check_bucket_cap
+from pipelab.display import human_bytes
+from pipelab.measure import Measured, RankSteps, Steps, TimedSteps, compare, gather_steps, time_steps
+from pipelab.reference import perturb
 from pipelab.timeline import Recorder, Timeline
+from pipelab.worker import RankContext
 
 VARIANTS = ("naive", "bucketed", "torch")
+
+# ---------------------------------------------------------------------------------------------
+# What a run trains, checked before any rank starts
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, kw_only=True)
+class Training(experiments.Config):
+    """What every data-parallel run here trains: `model` on the batch (`x`, `y`), split evenly
+    over `world_size` ranks, with a mean loss, `steps` SGD steps of `lr`."""
+
+    model: nn.Module = field(repr=False)
+    x: torch.Tensor = field(repr=False)
+    y: torch.Tensor = field(repr=False)
+    loss_fn: Callable = field(default_factory=nn.MSELoss)
+    lr: float = 0.1
+    steps: int = 3
+
+    def check(self) -> None:
+        super().check()
+        trainable(self.model)
+        mean_loss(self.loss_fn)  # DDP averages over ranks: with a summed loss every gradient is world_size times too small
+        divides("batch", same_batch(self.x, self.y), "world_size", self.world_size)  # else the average is not the batch's
+        whole_number("steps", self.steps, example="steps=3")
+        positive_number("lr", self.lr, example="lr=0.1")
+
+
+@dataclass(frozen=True, kw_only=True)
+class Config(Training):
+    """One run of each of `variants` ("naive", "bucketed": ours, "torch": torch's DDP): the first
+    step is checked against one process and warms up, the other `steps` - 1 are timed."""
+
+    variants: Sequence[str] = VARIANTS
+    bucket_cap_mb: float = 25.0
+    find_unused_parameters: bool = False
+
+    def check(self) -> None:
+        super().check()
+        check_bucket_cap(self.bucket_cap_mb)
+        if not self.variants or isinstance(self.variants, str) or any(v not in VARIANTS for v in self.variants):
+            raise ValueError(f"variants must be some of {VARIANTS}, got {self.variants!r}; e.g. variants=['bucketed']")
+
 
 # ---------------------------------------------------------------------------------------------
 # On each rank: a replica, its slice of the batch, one training step
@@ -51,8 +101,8 @@ def wrap(variant: str, module: nn.Module, bucket_cap_mb: float = 25.0, recorder:
     raise ValueError(f"variant must be one of {VARIANTS}, got {variant!r}")
 
 
-def train_step(ctx, model: nn.Module, optimizer: torch.optim.Optimizer, x: torch.Tensor, y: torch.Tensor,
-               loss_fn: Callable) -> float:
+def train_step(ctx: RankContext, model: nn.Module, optimizer: torch.optim.Optimizer, x: torch.Tensor,
+               y: torch.Tensor, loss_fn: Callable) -> float:
     """One data-parallel training step on this rank's slice (forward, backward, optimizer step);
     returns this rank's loss. Zero the gradients before it (`time_steps`' `prepare`).
 
@@ -69,14 +119,6 @@ def train_step(ctx, model: nn.Module, optimizer: torch.optim.Optimizer, x: torch
     return loss.item()
 
 
-def _perturb(module: nn.Module, seed: int) -> None:
-    """Give this replica different weights, as if its rank had built the model with its own seed."""
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for p in module.parameters():
-            p.add_(torch.randn(p.shape, generator=g).to(p.device))
-
-
 def replica_spread(tensors, group=None) -> float:
     """Largest difference of any element of `tensors` (e.g. a replica's parameters) between any
     two ranks: 0.0 means every rank holds the same values."""
@@ -87,57 +129,63 @@ def replica_spread(tensors, group=None) -> float:
     return (hi - lo).abs().max().item()
 
 
-def _checked_step(ctx, replica: nn.Module) -> dict:
-    """After the first step: how far the replicas are apart, and rank 0's gradients and weights."""
-    checked: dict = {"spread": replica_spread(replica.parameters())}
-    if ctx.rank == 0:
-        checked["grads"] = {n: None if p.grad is None else p.grad.detach().cpu().clone()
-                            for n, p in replica.named_parameters()}
-        checked["weights"] = {n: p.detach().cpu().clone() for n, p in replica.named_parameters()}
-    return checked
+@dataclass
+class Result:
+    """What one rank did with one variant: its steps, and after the first (checked) step how far
+    the replicas were apart and, on rank 0, the gradients and weights."""
+
+    variant: str
+    steps: RankSteps
+    spread: float = 0.0
+    grads: dict[str, torch.Tensor | None] | None = None  # rank 0 only
+    weights: dict[str, torch.Tensor] | None = None  # rank 0 only
+    buckets: list[Bucket] | None = None  # BucketedDDP's plan
 
 
-def ddp_worker(ctx, model: nn.Module, x: torch.Tensor, y: torch.Tensor, loss_fn: Callable,
-               variants: Sequence[str] = VARIANTS, bucket_cap_mb: float = 25.0, lr: float = 0.1,
-               steps: int = 3, find_unused_parameters: bool = False) -> dict[str, dict]:
-    """Worker: train a replica of `model` with each variant on this rank's slice of (x, y).
+def worker(ctx: RankContext, cfg: Config) -> list[Result]:
+    """Train a replica of `cfg.model` with each variant on this rank's slice of the batch; one
+    `Result` per variant.
 
     Ranks other than 0 start from different weights, as if each had built its model with its own
     seed: the wrapper's broadcast must make them equal. The first step is the one checked against
     the reference (gradients, weights after the SGD step) and warms up; the others are timed."""
-    xs = shard(x, ctx.rank, ctx.world_size).to(ctx.device)
-    ys = shard(y, ctx.rank, ctx.world_size).to(ctx.device)
-    results = {}
-    for variant in variants:
-        replica = copy.deepcopy(model).to(ctx.device)
+    xs = shard(cfg.x, ctx.rank, ctx.world_size).to(ctx.device)
+    ys = shard(cfg.y, ctx.rank, ctx.world_size).to(ctx.device)
+    results = []
+    for variant in cfg.variants:
+        replica = copy.deepcopy(cfg.model).to(ctx.device)
         if ctx.rank != 0:
-            _perturb(replica, seed=ctx.rank)
-        wrapped = wrap(variant, replica, bucket_cap_mb, ctx.rec, find_unused_parameters, ctx.device)
-        optimizer = torch.optim.SGD(wrapped.parameters(), lr=lr)
-        checked: dict = {}
+            perturb(replica, seed=ctx.rank)
+        wrapped = wrap(variant, replica, cfg.bucket_cap_mb, ctx.rec, cfg.find_unused_parameters, ctx.device)
+        optimizer = torch.optim.SGD(wrapped.parameters(), lr=cfg.lr)
+        result = Result(variant, RankSteps([], [], []))
 
         def step(i: int) -> float:
-            loss = train_step(ctx, wrapped, optimizer, xs, ys, loss_fn)
-            if i == 0:  # the warm-up step: not timed, unless it is the only one
-                checked.update(_checked_step(ctx, replica))
+            loss = train_step(ctx, wrapped, optimizer, xs, ys, cfg.loss_fn)
+            if i == 0:  # the checked step
+                result.spread = replica_spread(replica.parameters())
+                if ctx.rank == 0:
+                    result.grads = {n: None if p.grad is None else p.grad.detach().cpu().clone()
+                                    for n, p in replica.named_parameters()}
+                    result.weights = {n: p.detach().cpu().clone() for n, p in replica.named_parameters()}
             return loss
 
-        measured = time_steps(ctx, step, steps, prepare=lambda i: optimizer.zero_grad(set_to_none=True))
-        buckets = wrapped.buckets if isinstance(wrapped, BucketedDDP) else None
+        result.steps = time_steps(ctx, step, cfg.steps, prepare=lambda i: optimizer.zero_grad(set_to_none=True))
+        result.buckets = wrapped.buckets if isinstance(wrapped, BucketedDDP) else None
         if isinstance(wrapped, DDPBase):
             wrapped.remove_hooks()
-        results[variant] = {"steps": measured, "buckets": buckets, **checked}
+        results.append(result)
     return results
 
 
 # ---------------------------------------------------------------------------------------------
-# The parent side: check, spawn, gather
+# The parent side: the ranks' results, gathered
 # ---------------------------------------------------------------------------------------------
 
 
-def _median_overlap(timelines: Sequence[Timeline]) -> float:
-    """Median over steps of the fraction of all-reduce time hidden behind computation."""
-    return statistics.median(tl.overlap("compute", "comm") for tl in timelines)
+def overlaps(timelines: Sequence[Timeline]) -> Measured:
+    """Per timed step, the fraction of all-reduce time hidden behind computation."""
+    return Measured.of(tl.overlap("compute", "comm") for tl in timelines)
 
 
 @dataclass
@@ -157,18 +205,9 @@ class DDPRun(TimedSteps):
         return self.variant
 
     @property
-    def loss(self) -> float:
-        return self.losses[0]
-
-    @property
-    def overlap(self) -> float:
-        """Fraction of the all-reduce time hidden behind computation (median over timed steps)."""
-        return _median_overlap(self.steps.timelines)
-
-    @property
-    def overlaps(self) -> Measured:
+    def overlap(self) -> Measured:
         """The fraction of all-reduce time hidden behind computation, step by step (timed steps)."""
-        return Measured.of(tl.overlap("compute", "comm") for tl in self.steps.timelines)
+        return overlaps(self.steps.timelines)
 
     def bucket_all_reduce_times(self) -> list[Measured]:
         """Seconds from launch to arrival of each bucket's all-reduce (BucketedDDP), one figure
@@ -180,142 +219,65 @@ class DDPRun(TimedSteps):
         return [Measured.of(s.duration for s in spans if s.meta["bucket"] == b.index) for b in self.buckets]
 
 
-def check_ddp_inputs(model: nn.Module, x: torch.Tensor, y: torch.Tensor, world_size: int,
-                     bucket_cap_mb: float = 25.0, variants: Sequence[str] = VARIANTS, steps: int = 1,
-                     loss_fn: Callable | None = None) -> None:
-    """Refuse what cannot run, before any worker starts."""
-    check_bucket_cap(bucket_cap_mb)
-    if getattr(loss_fn, "reduction", None) == "none":
-        raise ValueError(f"loss_fn {loss_fn} returns one loss per sample (reduction='none'); backward "
-                         "starts from one number: use reduction='mean', e.g. nn.MSELoss()")
-    if not trainable_parameters(model):
-        raise ValueError("the model has no parameters that require gradients: there is nothing to "
-                         "average; pass the model you train (e.g. pipelab.models.mlp([8, 16, 4]))")
-    bad = [v for v in variants if v not in VARIANTS]
-    if bad or not variants:
-        raise ValueError(f"variants must be some of {VARIANTS}, got {list(variants)!r}")
-    whole_number("world_size", world_size)
-    batch = x.shape[0]
-    if batch == 0:
-        raise ValueError(f"the batch is empty (0 samples); pass at least world_size={world_size} samples, "
-                         "one slice per rank")
-    if batch % world_size:
-        raise ValueError(f"a batch of {batch} samples does not split evenly over world_size={world_size} "
-                         f"ranks (the averaged gradient would then differ from the full batch's); use "
-                         f"world_size in {divisors(batch, 16)}, or a batch that is a multiple of {world_size}")
-    if y.shape[0] != batch:
-        raise ValueError(f"inputs have {batch} samples but targets have {y.shape[0]}; pass one target per input")
-    whole_number("steps", steps)
-
-
-def _gather(variant: str, per_rank: list[dict]) -> DDPRun:
-    first = per_rank[0]
-    loss = statistics.mean(r["steps"].results[0] for r in per_rank)
-    return DDPRun(variant, [loss], first["grads"], first["weights"], max(r["spread"] for r in per_rank),
-                  gather_steps([r["steps"] for r in per_rank]), first["buckets"])
-
-
-def run_ddp(model: nn.Module, x: torch.Tensor, y: torch.Tensor, loss_fn: Callable | None = None,
-            world_size: int = 2, variants: Sequence[str] = VARIANTS, bucket_cap_mb: float = 25.0,
-            lr: float = 0.1, steps: int = 3, find_unused_parameters: bool = False,
-            backend: str = "auto", timeout: float = 120.0) -> dict[str, DDPRun]:
-    """Train `model` one SGD step (plus `steps`-1 timed ones) with each variant on `world_size`
-    real processes, each on its slice of the batch; return each variant's `DDPRun`."""
-    loss_fn = loss_fn if loss_fn is not None else nn.MSELoss()
-    check_ddp_inputs(model, x, y, world_size, bucket_cap_mb, variants, steps, loss_fn)
-    per_rank = spawn(ddp_worker, world_size, model, x, y, loss_fn, list(variants), bucket_cap_mb, lr,
-                     steps, find_unused_parameters, backend=backend, timeout=timeout)
-    return {v: _gather(v, [r[v] for r in per_rank]) for v in variants}
+def gather(cfg: Config, results: Sequence[list[Result]]) -> dict[str, DDPRun]:
+    """Each variant's `DDPRun` from every rank's results: the mean loss, rank 0's gradients and
+    weights, the largest spread, and the steps lined up (slowest rank per step)."""
+    runs = {}
+    for variant in cfg.variants:
+        ranks = [next(r for r in per_rank if r.variant == variant) for per_rank in results]
+        loss = statistics.mean(r.steps.results[0] for r in ranks)
+        runs[variant] = DDPRun(variant, [loss], ranks[0].grads, ranks[0].weights, max(r.spread for r in ranks),
+                               gather_steps([r.steps for r in ranks]), ranks[0].buckets)
+    return runs
 
 
 # ---------------------------------------------------------------------------------------------
-# Bucket size: one set of processes, every size, ours beside torch's
+# What the measurements say: each returns (key, verdict, text, figures) for `pipelab.conclude`
 # ---------------------------------------------------------------------------------------------
 
-
-@dataclass
-class SweepPoint:
-    """BucketedDDP (and torch's DDP) at one bucket size."""
-
-    bucket_cap_mb: float
-    num_buckets: int
-    step_time: float  # seconds, ours: median over timed steps of the slowest rank
-    overlap: float  # ours: median fraction of all-reduce time hidden behind compute
-    torch_step_time: float | None  # torch's DDP with the same bucket_cap_mb
-    timeline: Timeline = field(repr=False)  # ours, a typical step
-    times: Measured | None = None  # seconds, ours: every timed step of every round (slowest rank)
-    overlaps: Measured | None = None  # ours: every timed step's overlap
-    torch_times: Measured | None = None  # seconds, torch's: every timed step of every round
-    ratio: Measured | None = None  # ours / torch, round by round (each round runs both in turn)
+Verdict = tuple[str, str, str, dict]
 
 
-def bucket_sweep_worker(ctx, model: nn.Module, x: torch.Tensor, y: torch.Tensor, loss_fn: Callable,
-                        caps_mb: Sequence[float], steps: int = 3, rounds: int = 2, with_torch: bool = True,
-                        lr: float = 0.01) -> dict:
-    """Worker: for each bucket size, our BucketedDDP and torch's DDP on the same replica weights,
-    `steps` timed steps each, in turn (`measure.alternate`) for `rounds` rounds, so that a busy
-    machine slows both alike. Each wrapper's first step warms up (torch's DDP also rebuilds its
-    buckets after it) and is not kept. Returns every timed step, and each wrapper's median step
-    per round on this rank."""
-    xs = shard(x, ctx.rank, ctx.world_size).to(ctx.device)
-    ys = shard(y, ctx.rank, ctx.world_size).to(ctx.device)
-    kinds = ["bucketed", "torch"] if with_torch else ["bucketed"]
-    wrappers = {}
-    for cap in caps_mb:
-        for kind in kinds:
-            wrapped = wrap(kind, copy.deepcopy(model).to(ctx.device), cap, ctx.rec, device=ctx.device)
-            wrappers[cap, kind] = (wrapped, torch.optim.SGD(wrapped.parameters(), lr=lr))
-    measured = {key: RankSteps([], [], []) for key in wrappers}
-
-    def run(key, count: int) -> RankSteps:
-        wrapped, optimizer = wrappers[key]
-        return time_steps(ctx, lambda i: train_step(ctx, wrapped, optimizer, xs, ys, loss_fn), count,
-                          prepare=lambda i: optimizer.zero_grad(set_to_none=True), warmup=0)
-
-    def one_round(key) -> float:
-        got = run(key, steps)
-        measured[key].results.extend(got.results)
-        measured[key].seconds.extend(got.seconds)
-        measured[key].timelines.extend(got.timelines)
-        return statistics.median(got.seconds)
-
-    for key in wrappers:  # the warm-up step of each wrapper, not kept
-        run(key, 1)
-    per_round = alternate({key: partial(one_round, key) for key in wrappers}, rounds, warmup=0)
-    buckets = {cap: len(wrappers[cap, "bucketed"][0].buckets) for cap in caps_mb}
-    return {"steps": measured, "rounds": per_round, "buckets": buckets}
+def overlap_estimate(buckets: Sequence[Bucket]) -> float:
+    """The overlap a bucket plan allows if an all-reduce lasts in proportion to its bytes: every
+    bucket but the last (the first layers, ready only at the end of backward) hidden."""
+    return 1 - buckets[-1].nbytes / sum(b.nbytes for b in buckets)
 
 
-def bucket_sweep(model: nn.Module, x: torch.Tensor, y: torch.Tensor, caps_mb: Sequence[float],
-                 loss_fn: Callable | None = None, world_size: int = 2, steps: int = 3, rounds: int = 2,
-                 with_torch: bool = True, backend: str = "auto", timeout: float = 300.0) -> list[SweepPoint]:
-    """Step time and overlap of BucketedDDP at each bucket size (and torch's DDP beside it), all
-    measured in one set of `world_size` processes."""
-    loss_fn = loss_fn if loss_fn is not None else nn.MSELoss()
-    if not caps_mb or len(set(caps_mb)) != len(caps_mb):
-        raise ValueError(f"give one or more different bucket sizes, got caps_mb={caps_mb!r}; "
-                         "e.g. caps_mb=[0.25, 1, 4, 25]")
-    for cap in caps_mb:
-        check_ddp_inputs(model, x, y, world_size, cap, steps=steps, loss_fn=loss_fn)
-    whole_number("rounds", rounds)
-    per_rank = spawn(bucket_sweep_worker, world_size, model, x, y, loss_fn, list(caps_mb), steps, rounds,
-                     with_torch, backend=backend, timeout=timeout)
-    points = []
-    for cap in caps_mb:
-        ours = gather_steps([r["steps"][cap, "bucketed"] for r in per_rank])
-        theirs = gather_steps([r["steps"][cap, "torch"] for r in per_rank]) if with_torch else None
-        point = SweepPoint(cap, per_rank[0]["buckets"][cap], ours.step_time, _median_overlap(ours.timelines),
-                           theirs.step_time if theirs is not None else None, ours.typical,
-                           times=Measured.of(ours.seconds),
-                           overlaps=Measured.of(tl.overlap("compute", "comm") for tl in ours.timelines))
-        if with_torch:
-            point.torch_times = Measured.of(theirs.seconds)
-            point.ratio = ratios(_slowest_per_round(per_rank, (cap, "bucketed")),
-                                 _slowest_per_round(per_rank, (cap, "torch")))
-        points.append(point)
-    return points
+def overlap_verdict(runs: dict[str, DDPRun]) -> Verdict:
+    """How much of BucketedDDP's all-reduce time was hidden, against naive's and the plan's estimate."""
+    bucketed, buckets = runs["bucketed"].overlap, runs["bucketed"].buckets
+    estimate, naive = overlap_estimate(buckets), runs["naive"].overlap
+    verdict = compare(bucketed, Measured.of([0.0]))
+    against = {"lower": "below", "higher": "above", "within noise": "on both sides of"}[
+        compare(bucketed, Measured.of([estimate]))]
+    text = (f"BucketedDDP hid {format(bucketed.scaled(100), '.0f')} % of its all-reduce time behind compute, naive "
+            f"{naive.median:.0%}: "
+            + {"higher": "in every step, the reversed buckets travelled while backward went on. ",
+               "within noise": "in some steps nothing was hidden at all. ",
+               "lower": "impossible: an overlap cannot be negative. "}[verdict]
+            + f"The plan's estimate is {estimate:.0%} (all but the last bucket, {human_bytes(buckets[-1].nbytes)} of "
+            f"{human_bytes(sum(b.nbytes for b in buckets))}); the steps were {against} it.")
+    return ("01.overlap_of_reversed_buckets", verdict, text,
+            {"bucketed_overlap": bucketed, "naive_overlap": naive, "estimate": estimate})
 
 
-def _slowest_per_round(per_rank: list[dict], key) -> list[float]:
-    """Per round, the slowest rank's median step of one wrapper."""
-    return [max(rounds) for rounds in zip(*(r["rounds"][key] for r in per_rank))]
+def bucket_predictions(run: DDPRun, world_size: int, latency: float, bandwidth: float) -> list[float]:
+    """Each bucket's all-reduce time, in seconds, as lesson 00's ring model predicts it."""
+    return [ring_all_reduce_time(b.nbytes, world_size, bandwidth, latency) for b in run.buckets]
+
+
+def bucket_model_verdict(run: DDPRun, predicted: Sequence[float], latency: float, bandwidth: float) -> Verdict:
+    """The buckets' measured all-reduces against the ring model's predictions."""
+    ratio = Measured.of(m.median / p for m, p in zip(run.bucket_all_reduce_times(), predicted))  # one per bucket
+    verdict = {"higher": "slower than the model", "lower": "faster than the model", "within noise": "mixed"}[
+        compare(ratio, Measured.of([1.0]))]
+    text = (f"the buckets' all-reduces took {ratio:.1f} times the model's prediction (median over buckets, min-max). "
+            + {"slower than the model": "Every bucket's median was slower than predicted: the boxes include waiting "
+                                        "for the other rank and for earlier buckets, and on this machine an "
+                                        "all-reduce shares the cores with backward (lesson 00 explains why the "
+                                        "model is a lower bound on a CPU machine).",
+               "faster than the model": "Every bucket's median was faster than predicted: the ping-pong "
+                                        "underestimated the bandwidth.",
+               "mixed": "Some buckets' medians came out above the prediction, some below."}[verdict])
+    return "01.bucket_model", verdict, text, {"ratio": ratio, "latency_s": latency, "bandwidth_Bps": bandwidth}

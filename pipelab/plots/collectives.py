@@ -7,25 +7,25 @@ import matplotlib.pyplot as plt
 import numpy as np
 from matplotlib.patches import Rectangle
 
-from pipelab.collectives import ring_all_reduce_time, ring_schedule
+from pipelab.collectives import AllReduceTime, MessageTime, ring_all_reduce_time, ring_schedule
 from pipelab.plots import sweep
 
 
-def plot_ping_pong(rows: list[dict], latency: float, bandwidth: float, axes=None):
+def plot_ping_pong(rows: list[MessageTime], latency: float, bandwidth: float, axes=None):
     """One-way time and bandwidth against message size (log-log; median and min-max over rounds),
     with the fitted model `latency + bytes / bandwidth` drawn through them."""
     if axes is None:
         _, axes = plt.subplots(1, 2, figsize=(12, 3.8))
-    sizes = [r["bytes"] for r in rows]
+    sizes = [r.bytes for r in rows]
     smooth = np.geomspace(min(sizes), max(sizes), 100)
     model = latency + smooth / bandwidth
     left, right = axes
-    sweep(sizes, {"measured (median, min-max over rounds)": [r["one_way"].scaled(1e6) for r in rows]},
+    sweep(sizes, {"measured (median, min-max over rounds)": [r.one_way.scaled(1e6) for r in rows]},
           "message size (bytes, log scale)", "one-way time (µs, log scale)", "Time of one message",
           ax=left, logx=True, logy=True)
     left.plot(smooth, model * 1e6, "--", color="black",
               label=f"model: {latency * 1e6:.0f} µs + bytes / {bandwidth / 1e6:.0f} MB/s")
-    sweep(sizes, {"measured: bytes / one-way time": [r["bandwidth"].scaled(1e-6) for r in rows]},
+    sweep(sizes, {"measured: bytes / one-way time": [r.bandwidth.scaled(1e-6) for r in rows]},
           "message size (bytes, log scale)", "bandwidth (MB/s, log scale)", "Bandwidth of one message",
           ax=right, logx=True, logy=True)
     right.plot(smooth, smooth / model / 1e6, "--", color="black", label="model")
@@ -87,15 +87,15 @@ def draw_ring(world_size: int = 4, ax=None):
     return ax
 
 
-def plot_all_reduce(rows: list[dict], world_size: int, latency: float, bandwidth: float, ax=None):
+def plot_all_reduce(rows: list[AllReduceTime], world_size: int, latency: float, bandwidth: float, ax=None):
     """Measured all-reduce times (torch's and our ring; median, min-max over rounds) beside the
     ring's cost model with the ping-pong's latency and bandwidth (log-log)."""
     if ax is None:
         _, ax = plt.subplots(figsize=(7, 4))
-    sizes = [r["bytes"] for r in rows]
+    sizes = [r.bytes for r in rows]
     smooth = np.geomspace(min(sizes), max(sizes), 100)
-    measured = {"measured: dist.all_reduce (median, min-max over rounds)": [r["torch"].scaled(1e6) for r in rows],
-                "measured: our ring_all_reduce": [r["ring"].scaled(1e6) for r in rows]}
+    measured = {"measured: dist.all_reduce (median, min-max over rounds)": [r.torch.scaled(1e6) for r in rows],
+                "measured: our ring_all_reduce": [r.ring.scaled(1e6) for r in rows]}
     sweep(sizes, measured, "tensor size (bytes, log scale)", "time of one all-reduce (µs, log scale)",
           f"All-reduce on {world_size} ranks: predicted and measured", ax=ax,
           logx=True, logy=True)

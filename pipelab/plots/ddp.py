@@ -13,7 +13,8 @@ from pipelab.display import human_bytes
 from pipelab.plots import gantt, kind_color, sweep
 
 if TYPE_CHECKING:
-    from pipelab.experiments.ddp import DDPRun, SweepPoint
+    from pipelab.experiments.bucket_sweep import SweepPoint
+    from pipelab.experiments.ddp import DDPRun
 
 
 def draw_idea(world_size: int = 2, axes=None):
@@ -83,7 +84,7 @@ def plot_timelines(runs: dict[str, DDPRun], variants: Sequence[str] = ("naive", 
     for ax, v in zip(axes, variants):
         run = runs[v]
         title = (f"{v}: a typical step, {run.timeline.makespan * 1e3:.1f} ms\n"
-                 f"median over steps: {run.overlap:.0%} of all-reduce time hidden behind compute")
+                 f"median over steps: {run.overlap.median:.0%} of all-reduce time hidden behind compute")
         gantt(run.timeline, ax=ax, title=title, legend=ax is axes[-1])
         ax.set_xlim(0, longest * 1.02)
     return axes
@@ -95,12 +96,12 @@ def plot_sweep(points: list[SweepPoint], axes=None):
     if axes is None:
         _, axes = plt.subplots(1, 2, figsize=(13, 3.8))
     caps = [p.bucket_cap_mb for p in points]
-    times = {"BucketedDDP (ours)": [p.times.scaled(1e3) for p in points]}
-    if all(p.torch_times is not None for p in points):
-        times["torch DistributedDataParallel"] = [p.torch_times.scaled(1e3) for p in points]
+    times = {"BucketedDDP (ours)": [p.step_time.scaled(1e3) for p in points]}
+    if all(p.torch_step_time is not None for p in points):
+        times["torch DistributedDataParallel"] = [p.torch_step_time.scaled(1e3) for p in points]
     sweep(caps, times, "bucket_cap_mb (MiB, log scale)", "step time (ms; median, min-max)",
           "Step time against bucket size", ax=axes[0], logx=True, mark_best="BucketedDDP (ours)")
-    sweep(caps, {"BucketedDDP (ours)": [p.overlaps.scaled(100) for p in points]}, "bucket_cap_mb (MiB, log scale)",
+    sweep(caps, {"BucketedDDP (ours)": [p.overlap.scaled(100) for p in points]}, "bucket_cap_mb (MiB, log scale)",
           "all-reduce time hidden behind compute (%)", "Overlap against bucket size", ax=axes[1], logx=True)
     axes[1].set_ylim(0, 100)
     for ax in axes:

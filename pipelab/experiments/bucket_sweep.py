@@ -1,0 +1,169 @@
+"""Lesson 01's bucket-size sweep: our BucketedDDP at every bucket size, torch's DDP beside it, all
+in one set of processes, and what the sweep says.
+
+    cfg = bucket_sweep.Config(model=model, x=x, y=y, caps_mb=[0.001, 1, 2, 4, 8])  # refuses bad input here
+    points = experiments.run(bucket_sweep.worker, cfg, bucket_sweep.gather)       # one SweepPoint per size
+    pipelab.conclude(*bucket_sweep.sweep_verdict(points))
+"""
+
+from __future__ import annotations
+
+import copy
+import statistics
+from dataclasses import dataclass, field
+from functools import partial
+from typing import Sequence
+
+import torch
+
+from pipelab.checks import whole_number
+from pipelab.ddp import check_bucket_cap
+from pipelab.experiments.ddp import Training, Verdict, overlaps, shard, train_step, wrap
+from pipelab.measure import Measured, RankSteps, alternate, compare, compare_medians, gather_steps, ratios, time_steps
+from pipelab.timeline import Timeline
+from pipelab.worker import RankContext
+
+
+@dataclass(frozen=True, kw_only=True)
+class Config(Training):
+    """BucketedDDP (and torch's DDP beside it, `with_torch`) at each bucket size of `caps_mb`, in
+    one set of processes: `steps` timed steps per size, wrapper and round, for `rounds` rounds."""
+
+    caps_mb: Sequence[float]
+    rounds: int = 2
+    with_torch: bool = True
+    lr: float = 0.01
+    timeout: float = 300.0
+
+    def check(self) -> None:
+        super().check()
+        if isinstance(self.caps_mb, (str, int, float)) or not self.caps_mb or len(set(self.caps_mb)) != len(self.caps_mb):
+            raise ValueError(f"give one or more different bucket sizes, got caps_mb={self.caps_mb!r}; "
+                             "e.g. caps_mb=[0.25, 1, 4, 25]")
+        for cap in self.caps_mb:
+            check_bucket_cap(cap)
+        whole_number("rounds", self.rounds, example="rounds=2")
+
+
+@dataclass
+class SweepResult:
+    """What one rank measured in the sweep, by (bucket size, "bucketed" or "torch")."""
+
+    steps: dict[tuple[float, str], RankSteps]  # every timed step of every round
+    rounds: dict[tuple[float, str], list[float]]  # the median step of each round
+    buckets: dict[float, int]  # how many buckets BucketedDDP made at each size
+
+
+def worker(ctx: RankContext, cfg: Config) -> SweepResult:
+    """For each bucket size, our BucketedDDP and torch's DDP on the same replica weights,
+    `cfg.steps` timed steps each, in turn (`measure.alternate`) for `cfg.rounds` rounds, so that a
+    busy machine slows both alike. Each wrapper's first step warms up (torch's DDP also rebuilds its
+    buckets after it) and is not kept."""
+    xs = shard(cfg.x, ctx.rank, ctx.world_size).to(ctx.device)
+    ys = shard(cfg.y, ctx.rank, ctx.world_size).to(ctx.device)
+    kinds = ["bucketed", "torch"] if cfg.with_torch else ["bucketed"]
+    wrappers = {}
+    for cap in cfg.caps_mb:
+        for kind in kinds:
+            wrapped = wrap(kind, copy.deepcopy(cfg.model).to(ctx.device), cap, ctx.rec, device=ctx.device)
+            wrappers[cap, kind] = (wrapped, torch.optim.SGD(wrapped.parameters(), lr=cfg.lr))
+    measured = {key: RankSteps([], [], []) for key in wrappers}
+
+    def run(key, count: int) -> RankSteps:
+        wrapped, optimizer = wrappers[key]
+        return time_steps(ctx, lambda i: train_step(ctx, wrapped, optimizer, xs, ys, cfg.loss_fn), count,
+                          prepare=lambda i: optimizer.zero_grad(set_to_none=True), warmup=0)
+
+    def one_round(key) -> float:
+        got = run(key, cfg.steps)
+        measured[key].results.extend(got.results)
+        measured[key].seconds.extend(got.seconds)
+        measured[key].timelines.extend(got.timelines)
+        return statistics.median(got.seconds)
+
+    for key in wrappers:  # the warm-up step of each wrapper, not kept
+        run(key, 1)
+    per_round = alternate({key: partial(one_round, key) for key in wrappers}, cfg.rounds, warmup=0)
+    return SweepResult(measured, per_round, {cap: len(wrappers[cap, "bucketed"][0].buckets) for cap in cfg.caps_mb})
+
+
+@dataclass
+class SweepPoint:
+    """BucketedDDP (and torch's DDP) at one bucket size: every timed step of every round."""
+
+    bucket_cap_mb: float
+    num_buckets: int
+    step_time: Measured  # seconds, ours (the slowest rank's)
+    overlap: Measured  # ours: per timed step, the fraction of all-reduce time hidden behind compute
+    timeline: Timeline = field(repr=False)  # ours, a typical step
+    torch_step_time: Measured | None = None  # seconds, torch's DDP with the same bucket_cap_mb
+    ratio: Measured | None = None  # ours / torch, round by round (each round runs both in turn)
+
+
+def gather(cfg: Config, results: Sequence[SweepResult]) -> list[SweepPoint]:
+    """One `SweepPoint` per bucket size, in the order of `cfg.caps_mb`."""
+    points = []
+    for cap in cfg.caps_mb:
+        ours = gather_steps([r.steps[cap, "bucketed"] for r in results])
+        point = SweepPoint(cap, results[0].buckets[cap], Measured.of(ours.seconds), overlaps(ours.timelines),
+                           ours.typical)
+        if cfg.with_torch:
+            point.torch_step_time = Measured.of(gather_steps([r.steps[cap, "torch"] for r in results]).seconds)
+            point.ratio = ratios(_slowest_per_round(results, (cap, "bucketed")),
+                                 _slowest_per_round(results, (cap, "torch")))
+        points.append(point)
+    return points
+
+
+def _slowest_per_round(results: Sequence[SweepResult], key) -> list[float]:
+    """Per round, the slowest rank's median step of one wrapper."""
+    return [max(rounds) for rounds in zip(*(r.rounds[key] for r in results))]
+
+
+# ---------------------------------------------------------------------------------------------
+# What the sweep says: each returns (key, verdict, text, figures) for `pipelab.conclude`
+# ---------------------------------------------------------------------------------------------
+
+SWEEP_ENDS = {"one bucket per parameter": "many small messages, each paying latency and a Python launch",
+              "one bucket for the model": "one message that can only leave after backward"}
+
+
+def sweep_verdict(points: Sequence[SweepPoint]) -> Verdict:
+    """Whether both ends of the sweep lost to its fastest size by more than a whole run's noise."""
+    best = min(points, key=lambda p: p.step_time.median)
+    ends = dict(zip(SWEEP_ENDS, (points[0], points[-1])))
+    # "slower" only when the typical step is slower by more than a whole run's noise (30 %)
+    slower = {name: compare_medians(p.step_time, best.step_time) == "higher" for name, p in ends.items()}
+    verdict = "; ".join(f"{name}: {'slower' if s else 'within noise'}" for name, s in slower.items())
+    sentences = []
+    for name, p in ends.items():
+        said = f"With {name} ({p.step_time.scaled(1e3):.1f} ms): "
+        if slower[name]:
+            every = "and in every step " if compare(p.step_time, best.step_time) == "higher" else ""
+            said += (f"slower, {p.step_time.median / best.step_time.median:.2f}x by the medians {every}"
+                     f"({SWEEP_ENDS[name]}).")
+        else:
+            said += "within the noise of the fastest; on this machine the cost of that end does not show."
+        sentences.append(said)
+    text = (f"the fastest median step was bucket_cap_mb={best.bucket_cap_mb:g} ({best.num_buckets} buckets, "
+            f"{best.step_time.scaled(1e3):.1f} ms). " + " ".join(sentences))
+    return "01.bucket_sweep", verdict, text, {
+        "best_cap_mb": best.bucket_cap_mb, "best_ms": best.step_time.scaled(1e3),
+        "smallest_ms": points[0].step_time.scaled(1e3), "largest_ms": points[-1].step_time.scaled(1e3)}
+
+
+def torch_verdict(points: Sequence[SweepPoint], bucket_cap_mb: float) -> Verdict:
+    """Ours against torch's DDP, round by round, at `bucket_cap_mb` (else at the fastest size)."""
+    ours = next((p for p in points if p.bucket_cap_mb == bucket_cap_mb), None) or \
+        min(points, key=lambda p: p.step_time.median)
+    # A direction is claimed only if every round's ratio lies beyond 10 % on one side: on 2 busy cores
+    # a round can move that much by itself.
+    verdict = {"higher": "ours slower", "lower": "ours faster", "within noise": "within noise"}[
+        compare(ours.ratio, Measured.of([0.9, 1.1]))]
+    text = (f"at bucket_cap_mb={ours.bucket_cap_mb:g}, ours took {ours.step_time.scaled(1e3):.1f} ms a step, torch "
+            f"{ours.torch_step_time.scaled(1e3):.1f} ms; ours / torch = {ours.ratio:.2f} round by round: "
+            + {"ours slower": "ours was more than 10 % slower in every round.",
+               "ours faster": "ours was more than 10 % faster in every round.",
+               "within noise": "within 10 % in some round, so this run does not say which is faster."}[verdict])
+    return "01.ours_vs_torch", verdict, text, {
+        "ratio": ours.ratio, "ours_ms": ours.step_time.scaled(1e3), "torch_ms": ours.torch_step_time.scaled(1e3)}
