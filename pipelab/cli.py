@@ -312,7 +312,9 @@ def cmd_run(ns: argparse.Namespace) -> int:
         write_summary(runs, os.path.join(ns.out, "summary.json"), profile=ns.profile)
     print()
     print(summary_table(runs))
-    print(f"\nexecuted notebooks and summary.json are in {os.path.abspath(ns.out)}/")
+    html = [os.path.relpath(r.html, ns.out) for r in runs if r.html]
+    copies = f", their HTML copies ({', '.join(html)})" if html else ""
+    print(f"\nexecuted notebooks{copies} and summary.json are in {os.path.abspath(ns.out)}/")
     return 0 if all(r.status in ("ok", "skipped") for r in runs) else 1
 
 

@@ -66,6 +66,19 @@ def test_run_reports_status_seconds_headline_summary_and_html(tmp_path, capsys):
     assert "lesson broke" in (out / "02_bad.html").read_text()
 
 
+def test_closing_message_names_the_html_copies_only_when_asked(tmp_path, capsys):
+    a = write_notebook(tmp_path / "a" / "01_one.ipynb", ["x = 1"])
+    b = write_notebook(tmp_path / "b" / "02_two.ipynb", ["x = 2"])
+    out = tmp_path / "build"
+    assert cli.main(["run", a, b, "--out", str(out), "--html"]) == 0
+    last = capsys.readouterr().out.strip().splitlines()[-1]
+    assert last == (f"executed notebooks, their HTML copies ({os.path.join('a', '01_one.html')}, "
+                     f"{os.path.join('b', '02_two.html')}) and summary.json are in {out}/")
+    assert (out / "a" / "01_one.html").exists() and (out / "b" / "02_two.html").exists()
+    assert cli.main(["run", a, "--out", str(out)]) == 0
+    assert capsys.readouterr().out.strip().splitlines()[-1] == f"executed notebooks and summary.json are in {out}/"
+
+
 def test_parameters_reach_the_notebook(tmp_path):
     nb = write_notebook(tmp_path / "03_params.ipynb", ["x = 1", headline_of("x")])
     run = cli.run_notebook(nb, str(tmp_path / "build"), parameters={"x": 7})
