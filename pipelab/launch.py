@@ -59,8 +59,14 @@ class WorkerError(RuntimeError):
 
 
 def spawn(fn: Callable, world_size: int, *args, backend: str = "auto", timeout: float = 120.0,
-          **kwargs) -> list:
+          emulate=None, nccl_rule: bool = False, **kwargs) -> list:
     """Run `fn(ctx, *args, **kwargs)` on `world_size` new processes; return their results by rank.
+
+    `emulate="4xH100-nvlink"` (a node name or `emulate.specs.Node`) runs the ranks on an emulated
+    node: real math and real gloo messages, each rank's time a logical clock moved by the device and
+    link models, its communication under NCCL's ordering rule (`pipelab.emulate`). `nccl_rule=True`
+    puts the communication under NCCL's rule alone, on the machine's own clock: a program that
+    would deadlock on GPUs then fails within seconds, naming the ranks and what each waits on.
 
     If a rank fails, every rank is stopped and one `WorkerError` names the cause (the rank that
     raised first, or one that died without a Python error) and lists its peers' errors as
@@ -68,12 +74,13 @@ def spawn(fn: Callable, world_size: int, *args, backend: str = "auto", timeout: 
     Nothing of the call outlives it: not the ranks, not processes they started, not its temp files,
     also when it is interrupted (Ctrl-C / the notebook's stop button) or its caller is killed.
     """
-    backend = _check_arguments(world_size, backend, timeout)
+    backend = _check_arguments(world_size, "gloo" if emulate is not None and backend == "auto" else backend, timeout)
+    extra_env = _emulation_environment(emulate, nccl_rule, world_size, backend)
     payload = _pickle_payload(fn, args, kwargs)
     with _ctrl_c_held() as ctrl_c:
         for attempt in range(_RENDEZVOUS_ATTEMPTS):
             try:
-                return _run_once(payload, world_size, backend, timeout, ctrl_c)
+                return _run_once(payload, world_size, backend, timeout, ctrl_c, extra_env)
             except WorkerError as e:
                 # The free port we picked can be taken by another program before rank 0 binds it;
                 # nothing of `fn` has run yet, so starting again on a new port is safe.
@@ -82,7 +89,20 @@ def spawn(fn: Callable, world_size: int, *args, backend: str = "auto", timeout: 
                 ctrl_c.check()
 
 
-def _run_once(payload: bytes, world_size: int, backend: str, timeout: float, ctrl_c) -> list:
+def _emulation_environment(emulate, nccl_rule: bool, world_size: int, backend: str) -> dict[str, str]:
+    """What tells the ranks to emulate a node or obey NCCL's rule, checked before any process starts."""
+    from pipelab.emulate import environment
+
+    if emulate is not None and backend != "gloo":
+        raise ValueError(f"emulate={emulate!r} runs the ranks on gloo (real CPU tensors, modelled time), "
+                         f"not on backend={backend!r}; leave backend='auto' or pass backend='gloo'")
+    if not isinstance(nccl_rule, bool):
+        raise ValueError(f"nccl_rule must be True or False, got {nccl_rule!r}")
+    return environment(emulate, nccl_rule, world_size)
+
+
+def _run_once(payload: bytes, world_size: int, backend: str, timeout: float, ctrl_c,
+              extra_env: dict[str, str] | None = None) -> list:
     """Start the ranks on a fresh port, wait for them, collect their results. Whatever happens,
     every rank's process group ends and the temp dir goes before this returns or raises."""
     workdir = tempfile.mkdtemp(prefix="pipelab-spawn-")
@@ -93,7 +113,7 @@ def _run_once(payload: bytes, world_size: int, backend: str, timeout: float, ctr
         port = _free_port()
         for rank in range(world_size):
             ctrl_c.check()  # Ctrl-C while starting: stop here, the finally ends those started
-            procs.append(_start_worker(rank, world_size, backend, port, timeout, workdir))
+            procs.append(_start_worker(rank, world_size, backend, port, timeout, workdir, extra_env))
             pumps.append(_pump_output(procs[-1], rank))
         _wait_for_workers(procs, workdir, timeout, ctrl_c)
         return [load_pickle(rank_path(workdir, "result", rank)) for rank in range(world_size)]
@@ -180,8 +200,9 @@ def _free_port() -> int:
 
 
 def _start_worker(rank: int, world_size: int, backend: str, port: int, timeout: float,
-                  workdir: str) -> subprocess.Popen:
-    env = dict(os.environ)
+                  workdir: str, extra_env: dict[str, str] | None = None) -> subprocess.Popen:
+    env = {k: v for k, v in os.environ.items() if k not in ("PIPELAB_EMULATE", "PIPELAB_NCCL_RULE")}
+    env.update(extra_env or {})
     env.update({
         "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "RANK": str(rank),
         "LOCAL_RANK": str(rank), "WORLD_SIZE": str(world_size), "LOCAL_WORLD_SIZE": str(world_size),

@@ -219,12 +219,16 @@ class Recorder:
 
     On CPU a span is timed with the shared clock around the block. On a CUDA device the block
     only *enqueues* kernels, so the span is timed with CUDA events recorded on the current stream
-    (or `stream`), and resolved to the shared clock when `timeline()` is called."""
+    (or `stream`), and resolved to the shared clock when `timeline()` is called. On an emulated
+    node `clock` is the rank's logical clock (`pipelab.emulate.clock`): a span runs from the
+    clock's time before the block to its time after, and a span given a `cost` (modelled seconds,
+    or FLOPs and bytes as `emulate.cost.Counts`) moves the clock by that cost's modelled duration."""
 
-    def __init__(self, rank: int | str = 0, device=None, enabled: bool = True):
+    def __init__(self, rank: int | str = 0, device=None, enabled: bool = True, clock=None):
         self.rank = rank
         self.device = device
         self.enabled = enabled
+        self.clock = clock  # None: the shared clock `now` (or CUDA events); else a logical clock
         self._spans: list[Span] = []
         self._pending: list[tuple] = []  # CUDA spans: (start_event, end_event, fields)
         self._cuda_ref = None  # (event, host time) pair mapping event times onto the clock
@@ -232,10 +236,23 @@ class Recorder:
     def _is_cuda(self) -> bool:
         return self.device is not None and getattr(self.device, "type", str(self.device)).startswith("cuda")
 
+    def now(self) -> float:
+        """This recorder's time: the logical clock on an emulated node, else the shared clock."""
+        return self.clock.now() if self.clock is not None else now()
+
     @contextmanager
     def span(self, kind: str, lane: str = "compute", mb: int | None = None, stream=None,
-             rank: int | str | None = None, **meta):
-        """Time the block as one span of `kind` on `lane`."""
+             rank: int | str | None = None, cost=None, **meta):
+        """Time the block as one span of `kind` on `lane`. `cost` is the block's modelled cost,
+        which only a logical clock uses: the span then lasts what the model gives for it."""
+        if self.clock is not None:
+            t0 = self.clock.now()
+            yield
+            if cost is not None:
+                self.clock.spend(cost)
+            if self.enabled:
+                self._spans.append(Span(self.rank if rank is None else rank, lane, kind, t0, self.clock.now(), mb, meta))
+            return
         if not self.enabled:
             yield
             return

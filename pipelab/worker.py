@@ -48,6 +48,11 @@ class RankContext:
     device: Any  # torch.device
     rec: Recorder = field(repr=False)
     groups: dict[str, Any] = field(default_factory=dict, repr=False)
+    emulator: Any = field(default=None, repr=False)  # pipelab.emulate.Emulator on an emulated node
+
+    def now(self) -> float:
+        """This rank's time: its logical clock on an emulated node, else the shared clock."""
+        return self.rec.now()
 
     def barrier(self, group: Any = None) -> None:
         """Wait until every rank of `group` (default: all ranks) reaches this point."""
@@ -83,7 +88,11 @@ def init_worker(backend: str | None = None, timeout: float = 1800.0) -> RankCont
     kwargs = {"device_id": device} if backend == "nccl" else {}
     dist.init_process_group(backend, rank=rank, world_size=world_size,
                             timeout=datetime.timedelta(seconds=timeout), **kwargs)
-    return RankContext(rank, world_size, local_rank, backend, device, Recorder(rank, device))
+    ctx = RankContext(rank, world_size, local_rank, backend, device, Recorder(rank, device))
+    from pipelab.emulate import install_from_environment
+
+    install_from_environment(ctx)  # an emulated node or NCCL's ordering rule, if spawn asked for one
+    return ctx
 
 
 def rank_path(workdir: str, kind: str, rank: int) -> str:
@@ -104,6 +113,9 @@ def run_spawned(workdir: str) -> None:
         ctx = init_worker(os.environ["PIPELAB_BACKEND"], float(os.environ["PIPELAB_TIMEOUT"]))
         phase = "run"
         result = fn(ctx, *args, **kwargs)
+        from pipelab.emulate import finished
+
+        finished()  # under NCCL's rule: the other ranks' watchdogs learn that this one waits for nobody
         dump_pickle(result, rank_path(workdir, "result", rank))
         phase = "leave"
         leave_together(ctx)

@@ -2,5 +2,95 @@
 
 `specs` holds the devices and links (every figure with its public source), `cost` counts an
 operation's FLOPs and bytes on the meta device and turns them into seconds, `memory` adds up what a
-rank would hold on the device.
+rank would hold on the device. `clock` is a rank's logical clock, `comm` the rank's communication
+under NCCL's ordering rule (and, on an emulated node, timed by the link model).
+
+A rank gets them from `spawn`: `spawn(fn, n, emulate="4xH100-nvlink")` runs the ranks on an
+emulated node (modelled time, NCCL's rule); `spawn(fn, n, nccl_rule=True)` only puts the ranks'
+communication under NCCL's rule, on the machine's own clock. The parent passes either by an
+environment variable (`PIPELAB_EMULATE`: the node as JSON; `PIPELAB_NCCL_RULE`) and
+`worker.init_worker` calls `install_from_environment` once the process group has formed.
 """
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from typing import Any
+
+from pipelab.emulate import comm
+from pipelab.emulate.clock import LogicalClock, RealClock
+
+ENV_NODE = "PIPELAB_EMULATE"
+ENV_RULE = "PIPELAB_NCCL_RULE"
+
+
+@dataclass
+class Emulator:
+    """What a rank on an emulated node has: the `node` (a `specs.Node`), its logical `clock`, its
+    communication `rule` and a `memory` meter at the emulated size. `dtype` and `efficiency` are
+    what a compute cost given as `cost.Counts` is turned into seconds with."""
+
+    node: Any
+    clock: LogicalClock
+    rule: comm.Rule
+    memory: Any
+    dtype: str = "float32"
+    efficiency: float = field(default=0.5)
+
+    def seconds(self, cost) -> float:
+        """Modelled seconds of a compute cost: seconds as they are, or `cost.Counts` on the device."""
+        if isinstance(cost, (int, float)):
+            return float(cost)
+        from pipelab.emulate.cost import compute_seconds
+
+        return compute_seconds(cost, self.node.device, self.dtype, self.efficiency)
+
+
+def node_of(emulate) -> Any:
+    """The `specs.Node` an `emulate=` argument names ("4xH100-nvlink" or a Node); a ValueError
+    listing the known devices and links for a bad name."""
+    from pipelab.emulate.specs import parse_node
+
+    return parse_node(emulate)
+
+
+def environment(emulate=None, nccl_rule: bool = False, world_size: int | None = None) -> dict[str, str]:
+    """The environment variables that tell spawned ranks to emulate `emulate` (a node name or
+    Node) or to run under NCCL's rule alone; checked here, before any process starts."""
+    if emulate is None:
+        return {ENV_RULE: "1"} if nccl_rule else {}
+    node = node_of(emulate)
+    if world_size is not None and world_size > node.count:
+        raise ValueError(f"world_size={world_size} ranks do not fit on the emulated node {node} "
+                         f"({node.count} devices): emulate at least {world_size}, e.g. "
+                         f"emulate='{world_size}xH100-nvlink'")
+    return {ENV_NODE: node.to_json(), ENV_RULE: "1"}
+
+
+def install_from_environment(ctx) -> None:
+    """Install what the environment asks for into the rank `ctx` (a `worker.RankContext`): on an
+    emulated node, the logical clock (the recorder reads it), the timed communication under NCCL's
+    rule, and `ctx.emulator`; with the rule alone, the rule on the rank's own clock."""
+    node_json, rule_wanted = os.environ.get(ENV_NODE), os.environ.get(ENV_RULE) == "1"
+    if not (node_json or rule_wanted) or ctx.backend != "gloo":  # on NCCL the rule is NCCL's own
+        return
+    if not node_json:
+        comm.install(ctx.rank, ctx.world_size, RealClock())
+        return
+    from pipelab.emulate.memory import MemoryMeter
+    from pipelab.emulate.specs import Node
+
+    node = Node.from_json(node_json)
+    clock = LogicalClock()
+    rule = comm.install(ctx.rank, ctx.world_size, clock, node.link)
+    ctx.emulator = Emulator(node, clock, rule, MemoryMeter(node.device))
+    clock.seconds_of = ctx.emulator.seconds
+    ctx.rec.clock = clock
+
+
+def finished() -> None:
+    """This rank's function returned: tell the other ranks' watchdogs it waits for nobody."""
+    rule = comm.active()
+    if rule is not None:
+        rule.watchdog.finish()
