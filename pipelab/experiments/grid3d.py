@@ -182,3 +182,18 @@ def same_losses(run: GridRun, tolerance: float = 1e-5) -> tuple[str, str, str, d
             f"{', '.join(f'{v:.5f}' for v in grid)}; one process: {', '.join(f'{v:.5f}' for v in one)} "
             f"(largest difference {worst:.1e})")
     return "12.grid3d_losses", verdict, text, {"grid": grid, "one_process": one}
+
+
+def axis_costs(run: GridRun) -> tuple[str, str, str, dict]:
+    """What each axis cost on the last step's timeline, summed over processes: compute, the
+    tensor-parallel collectives, and the pipeline's and data groups' messages (the comm lane)."""
+    tl = run.timeline
+    busy = {lane: sum(s.duration for s in tl.filter(lane=lane)) for lane in ("compute", "tensor", "comm")}
+    total = sum(busy.values()) or 1.0
+    shares = {lane: busy[lane] / total for lane in busy}
+    clock = f"on an emulated node ({run.cfg.emulate})" if run.cfg.emulate else "on this machine's CPU cores"
+    text = (f"{clock}, the processes spent {shares['compute']:.0%} of their busy time computing, "
+            f"{shares['tensor']:.0%} in tensor-parallel collectives (several per layer, each waited for before "
+            f"the next matrix product) and {shares['comm']:.0%} in pipeline messages and the data group's "
+            "gradient all-reduce (one message per stage boundary and micro-batch, one all-reduce per stage)")
+    return "12.grid3d_axis_costs", "shares", text, {k: round(v, 4) for k, v in shares.items()}
