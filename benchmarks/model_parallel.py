@@ -4,9 +4,9 @@ Times one forward of the SplitResNet on two devices: CUDA GPUs when the machine 
 otherwise two virtual CPU devices. The one-device forward and every pipelined and dual-stream
 split run in alternating rounds (`measure.alternate`: A B C ... A B C ...), so a load that comes
 and goes hits all alike; each speedup is the median of the round-by-round ratios, with its min
-and max. Also reports, from the median runs, how much of device 1's compute stream the copies
-take when they sit in it (pipelined) and how much of the copy time runs under compute when they
-have their own stream (dual stream).
+and max. Also reports, per round, how much of device 1's compute stream the copies take when they
+sit in it (pipelined) and how much of the copy time runs under compute when they have their own
+stream (dual stream).
 
     python benchmarks/model_parallel.py                      # lessons 02-03's model
     python benchmarks/model_parallel.py --channels 16 --blocks 1 2 --expansion 8 --batch 32 --size 32
@@ -18,13 +18,9 @@ Last line: one JSON object of the figures (a measured figure X comes with X_min 
 import argparse
 import json
 
-import torch
-
 from pipelab import hardware
-from pipelab import model_parallel as mp
-from pipelab.experiments.model_parallel import time_forwards
-from pipelab.measure import Measured, ratios
-from pipelab.models import SplitResNet
+from pipelab.experiments.model_parallel import Config, Forward, speedup, time_forwards
+from pipelab.measure import Measured
 from pipelab.streams import devices
 
 
@@ -36,23 +32,19 @@ def _figure(name: str, m: Measured, digits: int = 3) -> dict:
 def main(channels: int = 64, blocks: tuple[int, int] = (2, 2), batch: int = 64, size: int = 16,
          repeats: int = 5, expansion: int = 1) -> dict:
     devs = devices(2)
-    torch.manual_seed(0)
-    model = mp.place(SplitResNet(channels, tuple(blocks), expansion=expansion), devs)
-    x = torch.randn(batch, 3, size, size)
+    cfg = Config.resnet(devs, channels=channels, blocks=tuple(blocks), batch=batch, size=size, expansion=expansion,
+                        repeats=repeats)
     sizes = [s for s in (2, 4, 8, 16, 32, 64, 128, 256) if s <= batch]
-    cases = {"one_device": ("one_device", None), "naive": ("naive", None)}
-    cases.update({(v, s): (v, s) for v in ("pipelined", "dual_stream") for s in sizes})
-    runs = time_forwards(model, x, devs, cases, repeats)  # all of them in alternating rounds
+    forwards = {"one_device": Forward("one_device"), "naive": Forward("naive")}
+    forwards.update({(v, s): Forward(v, s) for v in ("pipelined", "dual_stream") for s in sizes})
+    runs = time_forwards(cfg, forwards)  # all of them in alternating rounds
     base = runs["one_device"]
-    speedup = {key: ratios(base.seconds, r.seconds) for key, r in runs.items()}  # round by round
-    best = max(sizes, key=lambda s: speedup[("pipelined", s)].median)
-    best_dual = max(sizes, key=lambda s: speedup[("dual_stream", s)].median)
-    naive_speedup = speedup["naive"]
-    dual_over_best = ratios(runs[("pipelined", best)].seconds, runs[("dual_stream", best_dual)].seconds)
-    tl_piped, tl_dual = runs[("pipelined", best)].typical, runs[("dual_stream", best_dual)].typical  # median runs
-    d1 = devs[1].label
-    copy_share = tl_piped.filter(kind="copy").busy_time(d1, "compute") / tl_piped.busy_time(d1, "compute")
-    overlap = tl_dual.overlap("compute", "copy", rank=d1)
+    gain = {key: speedup(base, r) for key, r in runs.items()}  # round by round
+    best = max(sizes, key=lambda s: gain[("pipelined", s)].median)
+    best_dual = max(sizes, key=lambda s: gain[("dual_stream", s)].median)
+    dual_over_best = speedup(runs[("pipelined", best)], runs[("dual_stream", best_dual)])
+    copy_share = runs[("pipelined", best)].copy_share  # per round
+    overlap = runs[("dual_stream", best_dual)].overlap  # per round
 
     print(hardware.describe_devices(2))
     print(f"SplitResNet(channels={channels}, blocks={tuple(blocks)}, expansion={expansion}), "
@@ -60,18 +52,18 @@ def main(channels: int = 64, blocks: tuple[int, int] = (2, 2), batch: int = 64, 
     print(f"{'variant':<26}{'forward ms':>24}{'speedup':>22}")
     for name, key in [("one device", "one_device"), ("naive (2 devices)", "naive"),
                       *((f"{v} split={s}", (v, s)) for v in ("pipelined", "dual_stream") for s in sizes)]:
-        ms = format(runs[key].measured.scaled(1e3), ".1f")
-        print(f"{name:<26}{ms:>24}{format(speedup[key], '.2f'):>22}")
+        ms = format(runs[key].seconds.scaled(1e3), ".1f")
+        print(f"{name:<26}{ms:>24}{format(gain[key], '.2f'):>22}")
     print(f"copy stream's best (split {best_dual}) over pipelined's best (split {best}): {dual_over_best:.2f}x")
-    print(f"copies take {copy_share:.0%} of device 1's compute stream when pipelined (split {best}); "
-          f"with a copy stream {overlap:.0%} of the copy time overlaps compute (split {best_dual}); median runs")
+    print(f"copies take {copy_share.scaled(100):.0f} % of device 1's compute stream when pipelined (split {best}); "
+          f"with a copy stream {overlap.scaled(100):.0f} % of the copy time overlaps compute (split {best_dual})")
     return {"device": devs[0].name.split(":")[0], "repeats": repeats,
-            **_figure("one_device_ms", base.measured.scaled(1e3), 2),
-            **_figure("naive_speedup", naive_speedup), "best_split": best,
-            **_figure("best_split_speedup", speedup[("pipelined", best)]),
-            "dual_stream_split": best_dual, **_figure("dual_stream_speedup", speedup[("dual_stream", best_dual)]),
+            **_figure("one_device_ms", base.seconds.scaled(1e3), 2),
+            **_figure("naive_speedup", gain["naive"]), "best_split": best,
+            **_figure("best_split_speedup", gain[("pipelined", best)]),
+            "dual_stream_split": best_dual, **_figure("dual_stream_speedup", gain[("dual_stream", best_dual)]),
             **_figure("dual_stream_over_best_split", dual_over_best),
-            "pipelined_copy_share": round(copy_share, 3), "dual_stream_overlap": round(overlap, 3)}
+            **_figure("pipelined_copy_share", copy_share), **_figure("dual_stream_overlap", overlap)}
 
 
 if __name__ == "__main__":

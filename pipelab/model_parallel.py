@@ -23,6 +23,8 @@ from pipelab.checks import whole_number
 from pipelab.streams import Device, Event
 from pipelab.timeline import Timeline
 
+HALVES = ("seq1", "seq2", "fc")  # seq1 runs on device 0, seq2 and fc on device 1
+
 # cut_shape's memory: seq1 module -> {input shape: output shape}
 _CUT_SHAPES: "weakref.WeakKeyDictionary[nn.Module, dict]" = weakref.WeakKeyDictionary()
 
@@ -35,6 +37,14 @@ def check_split_size(split_size: int, batch: int) -> None:
                          f"pick a split size between 1 and {batch}")
 
 
+def check_halves(model: nn.Module) -> None:
+    """Refuse a model that is not cut in the two halves the forwards run (`HALVES`)."""
+    missing = [h for h in HALVES if not isinstance(getattr(model, h, None), nn.Module)]
+    if missing:
+        raise ValueError(f"the model has no {', '.join(missing)}: a two-device model runs seq1 on device 0 "
+                         "and seq2, fc on device 1; use e.g. pipelab.models.ToyModel() or SplitResNet()")
+
+
 def check_devices(devs: list[Device], halves: int = 2) -> None:
     """Refuse a device list that does not match the model's halves."""
     if len(devs) != halves:
@@ -44,6 +54,7 @@ def check_devices(devs: list[Device], halves: int = 2) -> None:
 
 def place(model: nn.Module, devs: list[Device]) -> nn.Module:
     """Put `seq1` on device 0 and `seq2`, `fc` on device 1 (a no-op on virtual devices)."""
+    check_halves(model)
     check_devices(devs)
     model.seq1.to(devs[0].torch_device)
     model.seq2.to(devs[1].torch_device)

@@ -4,45 +4,39 @@ from __future__ import annotations
 
 import ipywidgets as widgets
 import matplotlib.pyplot as plt
-import torch
-from torch import nn
 
 from pipelab import plots
-from pipelab.experiments.model_parallel import time_forwards
-from pipelab.measure import ratios
+from pipelab.experiments.model_parallel import Config, Forward, SweepRun, speedup, time_forwards
 from pipelab.plots.model_parallel import speedup_curve
-from pipelab.streams import Device
 
 
-def split_size_explorer(model: nn.Module, x: torch.Tensor, devs: list[Device], sweep: dict,
-                        repeats: int = 3) -> widgets.VBox:
-    """A split-size slider: each move re-runs the pipelined forward `repeats` times, alternating
-    with the one-device forward, redraws the timeline of its median run and marks its speedup
-    (median, min-max of the round-by-round ratios) on the curve of
-    `experiments.model_parallel.split_sweep`."""
-    sizes = sorted(sweep["speedup"])
-    slider = widgets.SelectionSlider(options=sizes, value=sweep["best_split"], description="split_size")
+def split_size_explorer(cfg: Config, run: SweepRun, variant: str = "pipelined") -> widgets.VBox:
+    """A split-size slider: each move re-runs `variant` (`cfg.repeats` rounds, alternating with
+    the one-device forward), redraws the timeline of its median run and marks its speedup
+    (median, min-max of the round-by-round ratios) on that variant's curve in `run`
+    (`experiments.model_parallel.split_sweep`)."""
+    sweep = run[variant]
+    slider = widgets.SelectionSlider(options=run.split_sizes, value=sweep.best_split, description="split_size")
     out = widgets.Output()
 
     def redraw(split_size: int) -> None:
-        runs = time_forwards(model, x, devs, {"one": ("one_device", None), "piped": ("pipelined", split_size)},
-                             repeats)
-        speedup = ratios(runs["one"].seconds, runs["piped"].seconds)
+        runs = time_forwards(cfg, {"one": Forward("one_device"), "split": Forward(variant, split_size)})
+        gain = speedup(runs["one"], runs["split"])
         with out:
             out.clear_output(wait=True)
             fig, (ax_t, ax_s) = plt.subplots(1, 2, figsize=(13, 3.2), gridspec_kw={"width_ratios": [2, 1]})
-            plots.gantt(runs["piped"].typical, ax=ax_t,
-                        title=f"pipelined forward, split_size={split_size}: median of {repeats} runs")
-            speedup_curve({"sweep": sweep["speedup"]}, ax=ax_s, batch=x.shape[0], this_run=(split_size, speedup))
+            plots.gantt(runs["split"].typical, ax=ax_t,
+                        title=f"{variant} forward, split_size={split_size}: median of {cfg.repeats} runs")
+            speedup_curve(sweep, ax=ax_s, batch=cfg.batch, this_run=(split_size, gain))
             plt.show()
-            print(f"split_size={split_size}: speedup {speedup:.2f}x (median, min-max of {repeats} runs)")
+            print(f"split_size={split_size}: speedup {gain:.2f}x (median, min-max of {cfg.repeats} runs)")
 
     slider.observe(lambda change: redraw(change["new"]), names="value")
     redraw(slider.value)
     return widgets.VBox([slider, out])
 
 
-def schedule_explorer(schedule: str = "1f1b", ranks: int = 4, microbatches: int = 8):
+def schedule_explorer(name: str = "1f1b", num_ranks: int = 4, num_microbatches: int = 8):
     """A widget: pick a pipeline schedule, ranks, micro-batches and cost ratios; see its simulated
     timeline redrawn by `draw_schedule` on every change (makespan, bubble and peak stash in the
     title). Display the returned box (the last expression of a notebook cell)."""
@@ -50,9 +44,9 @@ def schedule_explorer(schedule: str = "1f1b", ranks: int = 4, microbatches: int 
     from pipelab.plots.schedules import draw_schedule
 
     controls = dict(
-        name=widgets.Dropdown(options=sorted(SCHEDULES), value=schedule, description="schedule"),
-        num_ranks=widgets.IntSlider(value=ranks, min=1, max=8, description="ranks p"),
-        num_microbatches=widgets.IntSlider(value=microbatches, min=1, max=32, description="micro-batches m"),
+        name=widgets.Dropdown(options=sorted(SCHEDULES), value=name, description="schedule"),
+        num_ranks=widgets.IntSlider(value=num_ranks, min=1, max=8, description="ranks p"),
+        num_microbatches=widgets.IntSlider(value=num_microbatches, min=1, max=32, description="micro-batches m"),
         stages_per_rank=widgets.IntSlider(value=2, min=1, max=4, description="v (interleaved)"),
         backward_ratio=widgets.FloatSlider(value=2.0, min=0.5, max=4.0, step=0.25, description="B / F"),
         weight_share=widgets.FloatSlider(value=0.5, min=0.0, max=0.9, step=0.05, description="W share of B"),

@@ -11,10 +11,10 @@ import torch
 
 from pipelab import launch
 from pipelab import model_parallel as mp
-from pipelab.experiments.model_parallel import hazard_report, train_step
+from pipelab.experiments.model_parallel import Config, Forward, hazard_report, train_step
 from pipelab.models import SplitResNet
 from pipelab.reference import reference_run
-from pipelab.streams import CudaStream, Device, Event, timeline
+from pipelab.streams import CudaDevice, CudaStream, Event, VirtualDevice, timeline
 from pipelab.timeline import Recorder
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
@@ -57,7 +57,7 @@ def test_spawn_with_nccl_one_rank_per_gpu():
 @pytest.fixture
 def gpu_devs():
     # two Device objects on one GPU: separate streams and recorders, the same code path as two GPUs
-    ds = [Device("cuda:0"), Device(f"cuda:{min(1, torch.cuda.device_count() - 1)}")]
+    ds = [CudaDevice("cuda:0"), CudaDevice(f"cuda:{min(1, torch.cuda.device_count() - 1)}")]
     yield ds
     for d in ds:
         d.close()
@@ -92,7 +92,7 @@ def test_model_parallel_variants_on_cuda_match_cpu_reference(gpu_devs, variant, 
         model.to(gpu_devs[0].torch_device)
     else:
         mp.place(model, gpu_devs)
-    loss, tl = train_step(model, x, y, gpu_devs, variant=variant, split_size=split)
+    loss, tl = train_step(Config(model=model, x=x, y=y, devs=gpu_devs), Forward(variant, split))
     torch.testing.assert_close(loss.cpu(), torch.tensor(ref.loss), atol=1e-4, rtol=1e-4)
     for name, p in model.named_parameters():
         torch.testing.assert_close(p.grad.cpu(), ref.grads[name], atol=1e-4, rtol=1e-4)
@@ -104,7 +104,7 @@ def test_model_parallel_variants_on_cuda_match_cpu_reference(gpu_devs, variant, 
 def test_cuda_device_gets_cuda_streams_and_refuses_a_virtual_event(gpu_devs):
     s = gpu_devs[0].stream("compute")
     assert isinstance(s, CudaStream)
-    cpu = Device("cpu:0")
+    cpu = VirtualDevice("cpu:0")
     gate = threading.Event()
     cpu.stream().submit(gate.wait, 5)
     pending = Event()
@@ -120,9 +120,9 @@ def test_cuda_device_gets_cuda_streams_and_refuses_a_virtual_event(gpu_devs):
 def test_race_demo_with_a_late_producer_on_cuda(gpu_devs):
     torch.manual_seed(0)
     model = mp.place(SplitResNet(channels=8, blocks_per_half=1, expansion=4), gpu_devs)
-    x = torch.randn(12, 3, 8, 8)
-    good = hazard_report(model, x, gpu_devs, 4, use_events=True)
-    assert good["wrong_splits"] == [] and good["raw_hazards"] == []
-    late = hazard_report(model, x, gpu_devs, 4, use_events=False, late_producer=True)
-    assert late["raw_hazards"] == [0, 1, 2]  # device 0 spun for a second: every read came first
-    assert len(late["timeline"].filter(kind="held")) == 1
+    cfg = Config(model=model, x=torch.randn(12, 3, 8, 8), y=torch.randint(0, 10, (12,)), devs=gpu_devs)
+    good = hazard_report(cfg, 4, use_events=True)
+    assert good.wrong_splits == [] and good.raw_hazards == []
+    late = hazard_report(cfg, 4, use_events=False, late_producer=True)
+    assert late.raw_hazards == [0, 1, 2]  # device 0 spun for a second: every read came first
+    assert len(late.timeline.filter(kind="held")) == 1

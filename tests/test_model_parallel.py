@@ -7,21 +7,30 @@ import pytest
 import torch
 
 from pipelab import model_parallel as mp
-from pipelab.experiments.model_parallel import (Timed, check_against_one_device, hazard_report, simulated_forwards,
-                                                speed_verdict, split_costs, split_sweep, split_sweeps,
-                                                time_forward, time_forwards, train_step)
+from pipelab.experiments.model_parallel import (Config, Forward, Timed, check_against_one_device, hazard_report,
+                                                simulated_forwards, speed_verdict, split_costs, split_sweep,
+                                                time_forwards, train_step)
 from pipelab.measure import Measured, best_of
 from pipelab.models import SplitResNet, ToyModel
 from pipelab.reference import reference_run
-from pipelab.streams import Device, timeline
+from pipelab.streams import VirtualDevice, timeline
 
 
 @pytest.fixture
 def devs():
-    ds = [Device("cpu:0"), Device("cpu:1")]
+    ds = [VirtualDevice("cpu:0"), VirtualDevice("cpu:1")]
     yield ds
     for d in ds:
         d.close()
+
+
+def _cfg(kind, devs, repeats=3):
+    model, x, y = _data(kind)
+    return Config(model=model, x=x, y=y, devs=devs, repeats=repeats)
+
+
+def _timed(cfg, f: Forward) -> Timed:
+    return time_forwards(cfg, {"it": f})["it"]
 
 
 def _reference(model, x, y):
@@ -45,7 +54,7 @@ def _data(kind):
 def test_variant_matches_one_device(devs, kind, variant, split):
     model, x, y = _data(kind)
     ref_loss, ref_grads = _reference(model, x, y)
-    loss, tl = train_step(model, x, y, devs, variant=variant, split_size=split)
+    loss, tl = train_step(Config(model=model, x=x, y=y, devs=devs), Forward(variant, split))
     torch.testing.assert_close(loss, ref_loss, atol=1e-5, rtol=1e-5)
     for n, p in model.named_parameters():
         torch.testing.assert_close(p.grad, ref_grads[n], atol=1e-5, rtol=1e-5)
@@ -58,9 +67,9 @@ def test_variant_matches_one_device(devs, kind, variant, split):
 
 def test_consecutive_training_steps_reuse_receive_buffers(devs):
     # the second step gets the first step's buffers back: no autograd history may come with them
-    model, x, y = _data("wide")
+    cfg = _cfg("wide", devs)
     for _ in range(2):
-        check_against_one_device(model, x, y, devs, "dual_stream", 4)
+        check_against_one_device(cfg, Forward("dual_stream", 4))
 
 
 def test_wide_cut_crosses_expansion_times_the_channels():
@@ -70,11 +79,10 @@ def test_wide_cut_crosses_expansion_times_the_channels():
 
 
 def test_dual_stream_compute_starts_after_its_copy_lands(devs):
-    model, x, _ = _data("resnet")
-    report = hazard_report(model, x, devs, 4, use_events=True)
-    assert report["wrong_splits"] == [] and report["raw_hazards"] == []
-    tl = report["timeline"].filter(rank="cpu:1")
-    for i in range(report["splits"]):
+    report = hazard_report(_cfg("resnet", devs), 4, use_events=True)
+    assert report.wrong_splits == [] and report.raw_hazards == [] and report.nan_rows == 0
+    tl = report.timeline.filter(rank="cpu:1")
+    for i in range(report.splits):
         copy_span = tl.filter(lane="copy", kind="copy").spans[i]
         compute_span = [s for s in tl.filter(lane="compute", kind="F") if s.mb == i][0]
         assert copy_span.mb == i and compute_span.start >= copy_span.end
@@ -110,19 +118,21 @@ def test_without_events_compute_reads_buffers_before_the_copies_land(devs):
 
 
 def test_hazard_report_with_a_late_producer_sees_every_read_too_early(devs):
-    model, x, _ = _data("wide")
-    report = hazard_report(model, x, devs, 4, use_events=False, late_producer=True)
-    assert report["raw_hazards"] == report["wrong_splits"] == [0, 1, 2]
-    assert report["output"].isnan().all()
-    assert len(report["timeline"].filter(rank="cpu:0", kind="held")) == 1  # the hold shows on device 0
+    cfg = _cfg("wide", devs)
+    report = hazard_report(cfg, 4, use_events=False, late_producer=True)
+    assert report.raw_hazards == report.wrong_splits == [0, 1, 2]
+    assert report.output.isnan().all() and report.nan_rows == 12
+    assert len(report.timeline.filter(rank="cpu:0", kind="held")) == 1  # the hold shows on device 0
     with pytest.raises(ValueError, match="late_producer=True with use_events=True"):
-        hazard_report(model, x, devs, 4, use_events=True, late_producer=True)
+        hazard_report(cfg, 4, use_events=True, late_producer=True)
+    with pytest.raises(ValueError, match="split_size=13"):
+        hazard_report(cfg, 13, use_events=False)
 
 
 def test_pipelined_copies_never_race(devs):
-    model, x, _ = _data("resnet")
-    tl = time_forward(model, x, devs, "pipelined", 4, repeats=1).typical
-    assert mp.raw_hazards(tl, "cpu:1") == []  # copy and compute share one in-order stream
+    timed = _timed(_cfg("resnet", devs, repeats=1), Forward("pipelined", 4))
+    assert mp.raw_hazards(timed.typical, "cpu:1") == []  # copy and compute share one in-order stream
+    assert timed.overlap.values == (0.0,) and 0 < timed.copy_share.median < 1  # the copies sit in compute
 
 
 def test_race_demo_refuses_autograd(devs):
@@ -132,50 +142,56 @@ def test_race_demo_refuses_autograd(devs):
 
 
 def test_split_sweep_variants(devs):
-    model, x, _ = _data("toy")
-    sweep = split_sweep(model, x, devs, [3, 6], repeats=1, variant="dual_stream")
-    assert set(sweep["seconds"]) == {3, 6} and sweep["best_split"] in (3, 6)
-    with pytest.raises(ValueError, match="variant='naive'"):
-        split_sweep(model, x, devs, [3], variant="naive")
+    cfg = _cfg("toy", devs, repeats=1)
+    run = split_sweep(cfg, [3, 6], variants=("dual_stream",))
+    assert set(run["dual_stream"].seconds) == {3, 6} and run["dual_stream"].best_split in (3, 6)
+    assert run.split_sizes == [3, 6] and run.repeats == 1 and run.sample_bytes == 10 * 4  # ToyModel: 10 floats cross
+    for bad in (("naive",), ()):
+        with pytest.raises(ValueError, match="variants=.*split_by_split, pipelined, dual_stream"):
+            split_sweep(cfg, [3], variants=bad)
+    with pytest.raises(ValueError, match="split_sizes is empty"):
+        split_sweep(cfg, [])
+    with pytest.raises(ValueError, match="split_size=13"):
+        split_sweep(cfg, [3, 13])  # refused before anything is timed
 
 
 def test_split_by_split_equals_one_device(devs):
-    model, x, y = _data("resnet")
+    cfg = _cfg("resnet", devs)
     with torch.no_grad():
-        torch.testing.assert_close(mp.forward_split_by_split(model, x, devs[0], 5), model(x))
-    check_against_one_device(model, x, y, devs, "split_by_split", 5)
+        torch.testing.assert_close(mp.forward_split_by_split(cfg.model, cfg.x, devs[0], 5), cfg.model(cfg.x))
+    check_against_one_device(cfg, Forward("split_by_split", 5))
 
 
 def test_time_forwards_alternates_and_keeps_every_round(devs, monkeypatch):
-    model, x, _ = _data("toy")
+    cfg = _cfg("toy", devs, repeats=3)
     calls = []
     real = mp.forward_pipelined
     monkeypatch.setattr(mp, "forward_pipelined", lambda m, x, d, s: calls.append(s) or real(m, x, d, s))
-    runs = time_forwards(model, x, devs, {"a": ("pipelined", 3), "b": ("pipelined", 6)}, repeats=3)
+    runs = time_forwards(cfg, {"a": Forward("pipelined", 3), "b": Forward("pipelined", 6)})
     assert calls == [3, 6] * 4  # one warm-up round, then three rounds, A B A B ...
     for r in runs.values():
-        assert len(r.seconds) == len(r.timelines) == 3 and r.measured.values == tuple(r.seconds)
+        assert len(r.seconds.values) == len(r.timelines) == 3 and r.devices == ("cpu:0", "cpu:1")
     with pytest.raises(ValueError, match="variant='sideways'"):
-        time_forwards(model, x, devs, {"a": ("sideways", 3)})
+        Forward("sideways", 3)
 
 
 def test_typical_is_the_median_round():
-    timed = Timed([0.3, 0.1, 0.5, 0.2], ["t0", "t1", "t2", "t3"])
+    timed = Timed(Measured.of([0.3, 0.1, 0.5, 0.2]), ["t0", "t1", "t2", "t3"])
     assert timed.typical_index == 3 and timed.typical == "t3"  # 0.2: the lower middle of four
-    assert Timed([0.3, 0.1, 0.5], ["a", "b", "c"]).typical == "a"
+    assert Timed(Measured.of([0.3, 0.1, 0.5]), ["a", "b", "c"]).typical == "a"
 
 
 def test_split_sweep_speedups_are_round_by_round_ratios(devs):
-    model, x, _ = _data("toy")
-    sweeps = split_sweeps(model, x, devs, [3, 12], ("split_by_split", "pipelined"), repeats=2)
-    piped = sweeps["pipelined"]
-    base = piped["one_device"].seconds
+    run = split_sweep(_cfg("toy", devs, repeats=2), [3, 12], ("split_by_split", "pipelined"))
+    piped, by_split = run["pipelined"], run["split_by_split"]
+    base = run.one_device.seconds.values  # one baseline for both variants
     for s in (3, 12):
-        expected = [b / t for b, t in zip(base, piped["timed"][s].seconds)]
-        assert piped["speedup"][s].values == pytest.approx(expected)
-        assert piped["seconds"][s].median == piped["timed"][s].measured.median
-    assert sweeps["split_by_split"]["one_device"] is piped["one_device"]  # one baseline for both
-    assert piped["best_split"] == max((3, 12), key=lambda s: piped["speedup"][s].median)
+        assert piped.speedup[s].values == pytest.approx([b / t for b, t in zip(base, piped.timed[s].seconds.values)])
+        assert piped.seconds[s] is piped.timed[s].seconds
+        gain = [b / p for b, p in zip(by_split.timed[s].seconds.values, piped.timed[s].seconds.values)]
+        assert run.overlap_gain(s).values == pytest.approx(gain)
+    assert piped.best_split == max((3, 12), key=lambda s: piped.speedup[s].median)
+    assert run.splits(3) == 4 and run.bound(12) == 1.0
 
 
 def test_ideal_speedup_and_pipeline_time():
@@ -198,10 +214,9 @@ def test_simulated_forwards_hide_the_copy_on_its_own_stream():
 
 
 def test_split_costs_reads_the_median_boxes(devs):
-    model, x, _ = _data("wide")
-    tl = time_forward(model, x, devs, "dual_stream", 4, repeats=1).typical
-    costs = split_costs(tl, devs)
-    copies = sorted(s.duration for s in tl.filter(rank="cpu:1", kind="copy"))
+    timed = _timed(_cfg("wide", devs, repeats=1), Forward("dual_stream", 4))
+    costs = split_costs(timed)
+    copies = sorted(s.duration for s in timed.typical.filter(rank="cpu:1", kind="copy"))
     assert len(copies) == 3 and costs["copy"] == copies[1]
     assert costs["device 0"] > 0 and costs["device 1"] > 0
 
@@ -213,20 +228,22 @@ def test_speed_verdict_claims_a_direction_only_when_every_round_agrees():
 
 
 def test_split_size_out_of_range(devs):
-    model, x, _ = _data("toy")
+    model, x, y = _data("toy")
     for bad in (0, -1, 13, 2.5, True):
         with pytest.raises(ValueError, match=f"split_size.*{bad}"):
             mp.forward_pipelined(model, x, devs, bad)
         with pytest.raises(ValueError, match=f"split_size.*{bad}"):
             mp.forward_dual_stream(model, x, devs, bad)
     with pytest.raises(ValueError, match="repeats"):
-        time_forward(model, x, devs, "pipelined", 4, repeats=0)
+        Config(model=model, x=x, y=y, devs=devs, repeats=0)
 
 
 def test_more_devices_than_halves(devs):
     model, x, _ = _data("toy")
     with pytest.raises(ValueError, match="3 devices"):
-        mp.forward_naive(model, x, devs + [Device("cpu:2")])
+        mp.forward_naive(model, x, devs + [VirtualDevice("cpu:2")])
+    with pytest.raises(ValueError, match="3 devices"):
+        Config(model=model, x=x, y=torch.zeros(12), devs=devs + [VirtualDevice("cpu:2")])
 
 
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA devices")
@@ -237,7 +254,7 @@ def test_dual_stream_on_two_gpus():
     model, x, y = _data("resnet")
     ref_loss, ref_grads = _reference(model, x, y)
     mp.place(model, ds)
-    loss, tl = train_step(model, x, y, ds, variant="dual_stream", split_size=4)
+    loss, tl = train_step(Config(model=model, x=x, y=y, devs=ds), Forward("dual_stream", 4))
     torch.testing.assert_close(loss.cpu(), ref_loss, atol=1e-4, rtol=1e-4)
     for n, p in model.named_parameters():
         torch.testing.assert_close(p.grad.cpu(), ref_grads[n], atol=1e-4, rtol=1e-4)
@@ -245,17 +262,17 @@ def test_dual_stream_on_two_gpus():
 
 
 def test_check_against_one_device_catches_a_wrong_gradient(devs, monkeypatch):
-    model, x, y = _data("toy")
+    cfg = _cfg("toy", devs)
     real = train_step
 
     def wrong_step(*args, **kwargs):
         loss, tl = real(*args, **kwargs)
-        model.seq2.weight.grad.mul_(1.01)  # one gradient off by 1 %
+        cfg.model.seq2.weight.grad.mul_(1.01)  # one gradient off by 1 %
         return loss, tl
 
     monkeypatch.setattr("pipelab.experiments.model_parallel.train_step", wrong_step)
     with pytest.raises(AssertionError, match="seq2.weight"):
-        check_against_one_device(model, x, y, devs, "naive")
+        check_against_one_device(cfg, Forward("naive"))
 
 
 def test_best_of_times_every_run_in_each_round():
@@ -271,11 +288,11 @@ def test_best_of_times_every_run_in_each_round():
 @pytest.mark.parametrize("bad", [0, True, -2, 13])
 def test_split_size_refused_by_train_step_and_check(devs, variant, bad):
     # 0 once read as "no split size" and ran as one split; True passed as 1
-    model, x, y = _data("toy")
+    cfg = _cfg("toy", devs)
     with pytest.raises(ValueError, match=f"split_size.*{bad!r}"):
-        train_step(model, x, y, devs, variant, bad)
+        train_step(cfg, Forward(variant, bad))
     with pytest.raises(ValueError, match=f"split_size.*{bad!r}"):
-        check_against_one_device(model, x, y, devs, variant, bad)
+        check_against_one_device(cfg, Forward(variant, bad))
 
 
 def test_speedup_curve_draws_medians_with_their_spread_and_the_bound():
@@ -290,4 +307,117 @@ def test_speedup_curve_draws_medians_with_their_spread_and_the_bound():
     assert list(medians.get_ydata()) == [0.5, 1.3]
     bound = [line for line in ax.get_lines() if line.get_linestyle() == "--"][0]
     assert list(bound.get_ydata()) == [mp.ideal_speedup(16), mp.ideal_speedup(2)]
+    plt.close("all")
+
+
+@pytest.mark.parametrize("bad,match", [
+    (dict(channels=0), "channels must be a whole number"), (dict(blocks=(1,)), "blocks must be a number"),
+    (dict(blocks=(1, 0)), "blocks must be a whole number"), (dict(blocks="2"), "blocks must be a number"),
+    (dict(batch=0), "batch must be"), (dict(size=2.5), "size must be"), (dict(expansion=True), "expansion must be"),
+    (dict(repeats=0), "repeats must be"), (dict(seed=-1), "seed must be")])
+def test_config_refuses_every_bad_parameter_before_anything_runs(devs, bad, match):
+    params = dict(channels=4, blocks=1, batch=8, size=8, repeats=1) | bad
+    with pytest.raises(ValueError, match=match):
+        Config.resnet(devs, **params)
+
+
+def test_config_builds_the_same_seeded_model_and_batch(devs):
+    a = Config.resnet(devs, channels=4, blocks=(1, 2), batch=6, size=8, expansion=2)
+    b = Config.resnet(devs, channels=4, blocks=(1, 2), batch=6, size=8, expansion=2)
+    assert a.batch == 6 and len(a.model.seq2) == 2 + 2 + 2  # narrow (conv, relu), two blocks, pool, flatten
+    torch.testing.assert_close(a.x, b.x)
+    for p, q in zip(a.model.parameters(), b.model.parameters()):
+        torch.testing.assert_close(p, q)
+
+
+def test_config_refuses_a_model_without_halves_and_a_mismatched_batch(devs):
+    model, x, y = _data("toy")
+    with pytest.raises(ValueError, match="no seq1, seq2, fc"):
+        Config(model=torch.nn.Linear(10, 5), x=x, y=y, devs=devs)
+    with pytest.raises(ValueError, match="inputs have 12 samples but targets have 11"):
+        Config(model=model, x=x, y=y[:11], devs=devs)
+
+
+def _timed_of(seconds) -> Timed:
+    """Made-up rounds, each with one split: device 0 1 ms, its copy 0.5 ms, device 1 1 ms."""
+    from pipelab.timeline import Span, Timeline
+
+    tl = Timeline([Span("cpu:0", "compute", "F", 0.0, 1e-3, 0), Span("cpu:1", "compute", "copy", 1e-3, 1.5e-3, 0),
+                   Span("cpu:1", "compute", "F", 1.5e-3, 2.5e-3, 0)])
+    return Timed(Measured.of(seconds), [tl] * len(seconds))
+
+
+def test_naive_verdict_claims_faster_only_when_every_round_was():
+    from pipelab.experiments.model_parallel import NaiveRun, naive_verdict
+
+    key, verdict, text, figures = naive_verdict(NaiveRun(_timed_of([1.0, 1.0, 1.0]), _timed_of([1.1, 0.9, 1.0])))
+    assert (key, verdict) == ("02.naive_speedup", "no faster") and "as predicted" in text
+    assert figures["repeats"] == 3 and figures["speedup"].median == pytest.approx(1.0)
+    assert naive_verdict(NaiveRun(_timed_of([1.0, 1.0]), _timed_of([0.8, 0.9])))[1] == "faster"
+
+
+def _sweep_run(one_device, variants: dict, batch=16, sample_bytes=1024):
+    """A SweepRun from made-up times: variant -> {split size: seconds per round}."""
+    from pipelab.experiments.model_parallel import SplitSweep, SweepRun, speedup
+
+    base = _timed_of(one_device)
+    sweeps = {}
+    for v, sizes in variants.items():
+        timed = {s: _timed_of(t) for s, t in sizes.items()}
+        speedups = {s: speedup(base, t) for s, t in timed.items()}
+        sweeps[v] = SplitSweep(v, timed, speedups, max(speedups, key=lambda s: speedups[s].median))
+    return SweepRun(base, sweeps, batch, sample_bytes)
+
+
+def test_curve_and_bound_verdicts_read_the_rounds():
+    from pipelab.experiments.model_parallel import bound_verdict, curve_verdict
+
+    run = _sweep_run([2.0, 2.0], {"pipelined": {1: [2.5, 2.6], 4: [1.2, 1.3], 16: [2.1, 2.2]},
+                                  "split_by_split": {1: [3.0, 3.0], 4: [2.0, 2.0], 16: [2.0, 2.0]}})
+    key, shape, text, figures = curve_verdict(run)
+    assert (key, shape, figures["best_split"]) == ("03.curve_shape", "rises then falls", 4)
+    assert "split_size=16 (one split: the naive forward)" in text
+    flat = _sweep_run([2.0, 2.0], {"pipelined": {1: [1.9, 2.1], 4: [1.8, 2.2]}})
+    assert curve_verdict(flat)[1] == "flat within noise"
+    key, verdict, text, figures = bound_verdict(run)
+    # split 4: k = 4 splits, bound 1.6; speedup 2/1.2..2/1.3 = 1.54-1.67; overlap 2/1.2..2/1.3 too
+    assert key == "03.bound" and figures["split_size"] == 4 and figures["bound"] == pytest.approx(1.6)
+    assert verdict == "overlap within the bound" and "no split beat its bound" in text
+    assert "Splitting alone did not make one device faster" in text
+    fast = _sweep_run([2.0, 2.0], {"pipelined": {4: [0.5, 0.6], 16: [2.0, 2.0]},
+                                   "split_by_split": {4: [1.0, 1.0], 16: [2.0, 2.0]}}, sample_bytes=2**16)
+    key, verdict, text, figures = bound_verdict(fast)
+    assert verdict == "overlap above the bound" and figures["above_in_every_round"] == [4]
+    assert "was 2.00 (2.00-2.00)x faster than on the whole batch" in text and "1.0 MiB for the batch of 16, 0.25 MiB for a split" in text
+
+
+def test_copy_stream_verdict_needs_every_round_and_more_than_run_to_run_noise():
+    from pipelab.experiments.model_parallel import copy_stream_speedup, copy_stream_verdict
+
+    def run(dual):
+        return _sweep_run([2.0, 2.0, 2.0], {"pipelined": {4: [1.0, 1.0, 1.0]}, "dual_stream": {4: dual}})
+    assert copy_stream_verdict(run([0.5, 0.6, 0.7]))[1] == "faster"
+    assert copy_stream_verdict(run([1.5, 1.6, 1.7]))[1] == "slower"
+    key, verdict, text, figures = copy_stream_verdict(run([0.9, 0.95, 0.97]))  # faster each round, but by < 30 %
+    assert (key, verdict) == ("04.copy_stream", "within noise") and "every round was faster" in text
+    assert copy_stream_speedup(run([0.5, 1.0, 2.0])).values == pytest.approx((2.0, 1.0, 0.5))
+    assert figures["split_03"] == figures["split_04"] == 4
+    # split 4 of a batch of 16: k = 4; (1 + 0.5 + 1) + 3 x 1.5 = 7 ms before, 2.5 + 3 x 1 = 5.5 ms after
+    assert "device 0 1.00 ms, copy 0.50 ms, device 1 1.00 ms" in text and "7.0 ms before and 5.5 ms after" in text
+
+
+def test_split_size_explorer_reruns_the_split_the_slider_picks(devs, monkeypatch):
+    import matplotlib.pyplot as plt
+
+    from pipelab import widgets
+
+    cfg = _cfg("toy", devs, repeats=1)
+    run = split_sweep(cfg, [3, 6], ("pipelined",))
+    picked = []
+    real = widgets.time_forwards
+    monkeypatch.setattr(widgets, "time_forwards", lambda c, fs: picked.append(fs["split"]) or real(c, fs))
+    slider = widgets.split_size_explorer(cfg, run).children[0]
+    assert list(slider.options) == [3, 6] and slider.value == run["pipelined"].best_split
+    slider.value = 9 - slider.value  # the other split size
+    assert picked == [Forward("pipelined", s) for s in (9 - slider.value, slider.value)]
     plt.close("all")

@@ -8,19 +8,20 @@ import time
 import pytest
 import torch
 
-from pipelab.streams import CudaStream, Device, Event, Stream, VirtualStream, chunk_rows, devices, timeline
+from pipelab.streams import (CudaDevice, CudaStream, Device, Event, Stream, VirtualDevice, VirtualStream, chunk_rows,
+                             device, devices, timeline)
 
 
 @pytest.fixture
 def two():
-    ds = [Device("cpu:0"), Device("cpu:1")]
+    ds = [VirtualDevice("cpu:0"), VirtualDevice("cpu:1")]
     yield ds
     for d in ds:
         d.close()
 
 
 def test_stream_runs_work_in_order():
-    dev = Device("cpu:0")
+    dev = VirtualDevice("cpu:0")
     order = []
     s = dev.stream("compute")
     futs = [s.submit(lambda i=i: order.append(i), kind="F", mb=i) for i in range(5)]
@@ -31,7 +32,7 @@ def test_stream_runs_work_in_order():
 
 
 def test_work_waits_for_event_recorded_on_another_stream():
-    dev = Device("cpu:0")
+    dev = VirtualDevice("cpu:0")
     a, b = dev.stream("compute"), dev.stream("copy")
     gate, log = threading.Event(), []
     a.submit(lambda: (gate.wait(5), log.append("a")))
@@ -48,7 +49,7 @@ def test_work_waits_for_event_recorded_on_another_stream():
 
 
 def test_waiting_for_an_event_never_recorded_returns_at_once():
-    dev = Device("cpu:0")
+    dev = VirtualDevice("cpu:0")
     s = dev.stream("compute")
     s.wait(Event())  # as on CUDA: nothing recorded, nothing to wait for
     assert s.submit(lambda: 7).result(timeout=5) == 7
@@ -159,7 +160,7 @@ def test_copy_into_a_bad_buffer(two):
 
 
 def test_device_label_names_its_timeline_rows():
-    a, b = Device("cpu:0"), Device("cpu:0", label="cpu:0/b")
+    a, b = VirtualDevice("cpu:0"), VirtualDevice("cpu:0", label="cpu:0/b")
     a.stream().submit(torch.ones, 2).result()
     b.stream().submit(torch.ones, 2).result()
     assert timeline([a, b]).ranks == ["cpu:0", "cpu:0/b"]
@@ -171,17 +172,40 @@ def test_devices_bad_count():
         devices(0)
 
 
-def test_device_picks_its_stream_class():
-    dev = Device("cpu:0")
+def test_device_picks_its_kind_by_name():
+    dev = device("cpu:0", label="here")
+    assert type(dev) is VirtualDevice and dev.label == "here"
     assert type(dev.stream("compute")) is VirtualStream and dev.stream("compute") is dev.stream()
     # both kinds implement the whole interface (no abstract method left over)
-    assert issubclass(CudaStream, Stream) and not CudaStream.__abstractmethods__
-    assert issubclass(VirtualStream, Stream) and not VirtualStream.__abstractmethods__
+    for kind, stream_kind in ((VirtualDevice, VirtualStream), (CudaDevice, CudaStream)):
+        assert issubclass(kind, Device) and not kind.__abstractmethods__ and kind.stream_class is stream_kind
+        assert issubclass(stream_kind, Stream) and not stream_kind.__abstractmethods__
+    with pytest.raises(ValueError, match="'tpu:0'.*'cuda:0' or 'cpu:0'"):
+        device("tpu:0")
+    with pytest.raises(TypeError):
+        Device("cpu:0")  # the interface: a device is one kind or the other
     dev.close()
 
 
+def test_each_kind_of_device_lives_in_its_own_module_without_an_import_circle():
+    # device.py chooses between the kinds; the kinds (and their streams) never import it back
+    import ast
+    import inspect
+
+    from pipelab.streams import base, cuda, virtual
+
+    for module in (base, cuda, virtual):
+        tree = ast.parse(inspect.getsource(module))
+        imported = {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)}
+        assert "pipelab.streams.device" not in imported, module.__name__
+        assert "is_cuda" not in {n.attr for n in ast.walk(tree) if isinstance(n, ast.Attribute)
+                                 and isinstance(n.value, ast.Name) and n.value.id == "self"}
+    assert VirtualDevice.__module__ == VirtualStream.__module__ == "pipelab.streams.virtual"
+    assert CudaDevice.__module__ == CudaStream.__module__ == "pipelab.streams.cuda"
+
+
 def test_hold_keeps_a_stream_busy_until_released():
-    dev = Device("cpu:0")
+    dev = VirtualDevice("cpu:0")
     s = dev.stream("compute")
     release = s.hold()
     later = s.submit(lambda: 7)
@@ -234,7 +258,7 @@ def test_devices_garbage_collected_stop_their_threads():
 
 
 def test_a_closed_device_finishes_its_work_then_refuses_more():
-    dev = Device("cpu:0")
+    dev = VirtualDevice("cpu:0")
     s = dev.stream("compute")
     release = s.hold()
     later = s.submit(lambda: 7)
@@ -250,7 +274,7 @@ def test_a_closed_device_finishes_its_work_then_refuses_more():
 
 
 def test_device_as_context_manager():
-    with Device("cpu:0") as dev:
+    with VirtualDevice("cpu:0") as dev:
         assert dev.stream().submit(lambda: 3).result() == 3
     assert dev.closed and not _stream_threads_of(dev)
 
@@ -287,4 +311,4 @@ def test_describe_devices_names_the_path_streams_devices_takes():
     line = hardware.describe_devices(2)
     assert "ranks" not in line and "gloo" not in line and "one process drives 2" in line
     with devices(2) as devs:
-        assert ("virtual CPU devices" in line) == (not devs[0].is_cuda)
+        assert ("virtual CPU devices" in line) == isinstance(devs[0], VirtualDevice)

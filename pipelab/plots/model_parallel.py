@@ -44,11 +44,11 @@ def measured_curves(curves: dict, ax=None, xlabel: str = "split size (samples)",
 
 def speedup_curve(curves: dict, ax=None, this_run: tuple | None = None, batch: int | None = None):
     """Speedup over one device against split size: one line per entry of `curves` (label ->
-    {split size: Measured}), or the curve of one `split_sweep` result. `this_run` (split size,
-    speedup) marks one more measurement. With `batch`, the bound 2k/(k+1) of k = batch / split
-    size splits on 2 devices is drawn dashed, and one device's 1x as a grey line."""
-    if "speedup" in curves:  # a split_sweep result
-        curves = {"sweep": curves["speedup"]}
+    {split size: Measured}), or the curve of one variant of a split sweep (a `SplitSweep`).
+    `this_run` (split size, speedup) marks one more measurement. With `batch`, the bound 2k/(k+1)
+    of k = batch / split size splits on 2 devices is drawn dashed, and one device's 1x as a grey line."""
+    if hasattr(curves, "speedup"):  # one variant of experiments.model_parallel.split_sweep
+        curves = {curves.variant: curves.speedup}
     ax = measured_curves(curves, ax, ylabel="speedup over one device (x)", title="speedup against split size")
     if batch is not None:
         sizes = sorted({s for points in curves.values() for s in points})

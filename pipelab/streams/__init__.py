@@ -5,8 +5,9 @@ order, exactly like a CUDA stream: `submit` returns at once, the work runs later
 the GIL inside its kernels, so two virtual devices really compute at the same time on two cores.
 Every kernel and copy is recorded as a Span (rank = device label, lane = stream name).
 
-Both kinds of stream have one interface, `Stream`: `VirtualStream` (a CPU worker thread) and
-`CudaStream` (a `torch.cuda.Stream`) implement it, and `Device` picks the one its device needs.
+Both kinds have one interface, `Device` with its `Stream`s: a `VirtualDevice` has `VirtualStream`s
+(CPU worker threads; `streams.virtual`), a `CudaDevice` has `CudaStream`s (a `torch.cuda.Stream`
+each; `streams.cuda`), and `device(name)` / `devices(n)` pick the kind (`streams.device`).
 
 A tensor goes from one stream to another in one of two ways:
 
@@ -17,10 +18,10 @@ A tensor goes from one stream to another in one of two ways:
   raw CUDA code. Forget the event and the reader may see the buffer before the copy lands.
 """
 
-from pipelab.streams.base import CHUNK_BYTES, Event, Stream, Work, chunk_rows
-from pipelab.streams.cuda import CudaStream, CudaWork
-from pipelab.streams.device import Device, Devices, devices, timeline
-from pipelab.streams.virtual import VirtualStream
+from pipelab.streams.base import CHUNK_BYTES, Device, Event, Stream, Work, chunk_rows
+from pipelab.streams.cuda import CudaDevice, CudaStream, CudaWork
+from pipelab.streams.device import Devices, device, devices, timeline
+from pipelab.streams.virtual import VirtualDevice, VirtualStream
 
-__all__ = ["CHUNK_BYTES", "CudaStream", "CudaWork", "Device", "Devices", "Event", "Stream", "VirtualStream", "Work",
-           "chunk_rows", "devices", "timeline"]
+__all__ = ["CHUNK_BYTES", "CudaDevice", "CudaStream", "CudaWork", "Device", "Devices", "Event", "Stream",
+           "VirtualDevice", "VirtualStream", "Work", "chunk_rows", "device", "devices", "timeline"]

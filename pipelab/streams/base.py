@@ -1,20 +1,22 @@
-"""What every stream offers, whatever runs it: submit work, copy tensors, place and wait for events.
+"""What every device and stream offers, whatever runs it: submit work, copy tensors, place and
+wait for events.
 
-`Stream` is the interface. It holds what both kinds share (which tensors a stream may touch, the
-checks of a copy, `synchronize`); `VirtualStream` and `CudaStream` fill in how work is queued, how
-a copy lands, how a marker is placed in the queue and how another stream waits for it.
+`Stream` and `Device` are the interfaces. They hold what both kinds share (which tensors a stream
+may touch, the checks of a copy, `synchronize`, a device's named streams and its recorder);
+`VirtualDevice`/`VirtualStream` (pipelab.streams.virtual) and `CudaDevice`/`CudaStream`
+(pipelab.streams.cuda) fill in how work is queued, how a copy lands, how a marker is placed in the
+queue, how another stream waits for it, and which tensors a device owns.
 """
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from concurrent.futures import Future
-from typing import TYPE_CHECKING, Any, Callable, Iterator
+from typing import Any, Callable, ClassVar, Iterator
 
 import torch
 
-if TYPE_CHECKING:
-    from pipelab.streams.device import Device
+from pipelab.timeline import Recorder, Timeline
 
 # A copy between virtual devices moves at most this many bytes per step, whole rows at a time.
 CHUNK_BYTES = 1 << 20
@@ -176,3 +178,63 @@ class Stream(ABC):
         if isinstance(src, torch.Tensor) and (src.shape != out.shape or src.dtype != out.dtype):
             raise ValueError(f"copy of a {src.dtype} tensor of shape {tuple(src.shape)} into a {out.dtype} "
                              f"buffer of shape {tuple(out.shape)}: allocate the buffer with the source's shape")
+
+
+class Device(ABC):
+    """One device driven by this process, with named streams: the interface of `VirtualDevice`
+    and `CudaDevice` (`pipelab.streams.device` picks one by name).
+
+    `label` names the device's rows on the timeline (default: its name). Two Device objects on
+    one GPU each have their own streams and recorder; give them different labels to tell their
+    rows apart. `close()` (or the end of a `with` block) stops taking work once the queued work
+    has run."""
+
+    stream_class: ClassVar[type[Stream]]  # the kind of stream this kind of device has
+    torch_device: torch.device  # where its tensors live for PyTorch
+
+    def __init__(self, name: str, rec: Recorder | None = None, label: str | None = None) -> None:
+        self.name = name
+        self.label = label or name
+        self.rec = rec or Recorder(rank=self.label)
+        self._streams: dict[str, Stream] = {}
+        self.closed = False
+
+    def stream(self, name: str = "compute") -> Stream:
+        """The stream called `name` on this device (created on first use)."""
+        if name not in self._streams:
+            if self.closed:
+                raise ValueError(f"{self!r} is closed: make new devices with streams.devices(n)")
+            self._streams[name] = self.stream_class(self, name)
+        return self._streams[name]
+
+    @abstractmethod
+    def owner(self, tensor: torch.Tensor) -> str | None:
+        """The name of the device `tensor` lives on (None: a host tensor no device owns)."""
+
+    @abstractmethod
+    def own(self, tensor: torch.Tensor) -> torch.Tensor:
+        """Place a host tensor on this device."""
+
+    def synchronize(self) -> None:
+        """Block until all work submitted to this device's streams has run."""
+        for s in self._streams.values():
+            s.synchronize()
+
+    def timeline(self) -> Timeline:
+        return self.rec.timeline()
+
+    def close(self) -> None:
+        """Run the work already queued, then stop the streams."""
+        self.closed = True
+        for s in self._streams.values():
+            s.close()
+
+    def __enter__(self) -> "Device":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        kind = type(self).__name__
+        return f"{kind}({self.name!r})" if self.label == self.name else f"{kind}({self.name!r}, label={self.label!r})"

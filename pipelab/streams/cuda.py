@@ -1,4 +1,4 @@
-"""A CUDA device's stream: the host queues kernels on a `torch.cuda.Stream` and returns at once.
+"""A CUDA device and its streams: the host queues kernels on a `torch.cuda.Stream` and returns at once.
 
 Ordering across streams is CUDA's own: a Future of a CUDA stream carries a CUDA event recorded
 after its work, and `wait` is `cudaStreamWaitEvent`. What a lesson must add by hand is memory
@@ -9,14 +9,12 @@ work while another stream still reads it.
 from __future__ import annotations
 
 from concurrent.futures import Future
-from typing import TYPE_CHECKING, Callable
+from typing import Callable
 
 import torch
 
-from pipelab.streams.base import Event, Stream, Work, tensors_in
-
-if TYPE_CHECKING:
-    from pipelab.streams.device import Device
+from pipelab.streams.base import Device, Event, Stream, Work, tensors_in
+from pipelab.timeline import Recorder
 
 _SIDE_STREAMS: dict[torch.device, torch.cuda.Stream] = {}
 
@@ -47,7 +45,7 @@ class CudaWork(Work):
 class CudaStream(Stream):
     """A stream of a CUDA device: work is queued on its own `torch.cuda.Stream` (`self.cuda`)."""
 
-    def __init__(self, device: "Device", name: str) -> None:
+    def __init__(self, device: "CudaDevice", name: str) -> None:
         super().__init__(device, name)
         self.cuda = torch.cuda.Stream(device.torch_device)
 
@@ -114,3 +112,29 @@ class CudaStream(Stream):
         marker = torch.cuda.Event()
         marker.record(self.cuda)
         return marker
+
+
+class CudaDevice(Device):
+    """A CUDA GPU ("cuda:0", or "cuda" for the current one): its streams are `CudaStream`s, its
+    spans are timed with CUDA events, and its tensors live in the GPU's memory."""
+
+    stream_class = CudaStream
+
+    def __init__(self, name: str, rec: Recorder | None = None, label: str | None = None) -> None:
+        torch_device = torch.device(name)
+        if torch_device.index is None:  # "cuda": the current GPU, named by its index
+            torch_device = torch.device("cuda", torch.cuda.current_device())
+        super().__init__(str(torch_device), rec or Recorder(rank=label or str(torch_device), device=torch_device),
+                         label)
+        self.torch_device = torch_device
+
+    def owner(self, tensor: torch.Tensor) -> str | None:
+        return str(tensor.device)
+
+    def own(self, tensor: torch.Tensor) -> torch.Tensor:
+        """A copy of a host tensor in this GPU's memory."""
+        return tensor.to(self.torch_device)
+
+    def synchronize(self) -> None:
+        super().synchronize()
+        torch.cuda.synchronize(self.torch_device)  # also the host-issued kernels (default stream)

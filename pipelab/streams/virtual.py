@@ -1,8 +1,9 @@
-"""A virtual device's stream: a worker thread that runs the work submitted to it, in order.
+"""A virtual CPU device: each of its streams is a worker thread that runs the work submitted to
+it, in order.
 
 All virtual devices share CPU memory, so a tag says which device a tensor lives on: that is what
-lets a stream refuse a tensor handed to the wrong device without a copy, as CUDA would. Freed
-buffers are kept for reuse, as CUDA's caching allocator does.
+lets a stream refuse a tensor handed to the wrong device without a copy, as CUDA would. Each
+device keeps freed buffers for reuse (`BufferCache`), as CUDA's caching allocator does.
 """
 
 from __future__ import annotations
@@ -12,16 +13,13 @@ import queue
 import threading
 import weakref
 from concurrent.futures import Future
-from typing import TYPE_CHECKING, Callable
+from typing import Callable
 
 import torch
 from torch.utils.weak import WeakTensorKeyDictionary
 
-from pipelab.streams.base import Event, Stream, Work, chunk_rows, tensors_in
-from pipelab.timeline import now
-
-if TYPE_CHECKING:
-    from pipelab.streams.device import Device
+from pipelab.streams.base import Device, Event, Stream, Work, chunk_rows, tensors_in
+from pipelab.timeline import Recorder, now
 
 _OWNER = WeakTensorKeyDictionary()  # tensor -> name of the virtual device it lives on
 _LIVE_STREAMS: "weakref.WeakSet[VirtualStream]" = weakref.WeakSet()
@@ -106,8 +104,9 @@ class VirtualStream(Stream):
 
     Each work item is timed on the shared clock; its tensor results are tagged as this device's."""
 
-    def __init__(self, device: "Device", name: str) -> None:
+    def __init__(self, device: "VirtualDevice", name: str) -> None:
         super().__init__(device, name)
+        self._cache = device.cache  # where its buffers come from: the device's freed blocks
         self._queue: queue.Queue = queue.Queue()
         self._thread = threading.Thread(target=_serve, args=(self._queue,), name=f"{device.label}/{name}",
                                         daemon=True)
@@ -118,7 +117,7 @@ class VirtualStream(Stream):
 
     def empty(self, shape: tuple[int, ...] | torch.Size, dtype: torch.dtype = torch.float32,
               fill: float | None = None) -> torch.Tensor:
-        buf = self.device.cached_empty(shape, dtype)
+        buf = self._cache.empty(shape, dtype)
         if fill is not None:
             buf.fill_(fill)  # done now, on the host: the buffer is filled before anyone can read it
         return buf
@@ -166,7 +165,7 @@ class VirtualStream(Stream):
         return fut
 
     def _land(self, src: torch.Tensor, out: torch.Tensor | None, chunk_bytes: int) -> torch.Tensor:
-        dst = self.device.cached_empty(src.shape, src.dtype) if out is None else out
+        dst = self._cache.empty(src.shape, src.dtype) if out is None else out
         if dst.dim() == 0:
             return dst.copy_(src)
         rows = chunk_rows(dst, chunk_bytes)
@@ -187,3 +186,30 @@ class VirtualStream(Stream):
         if self.closed:
             raise ValueError(f"{self!r} is closed (Device.close, or the end of `with devices(n) as devs:`): "
                              f"make new devices with streams.devices(n)")
+
+
+class VirtualDevice(Device):
+    """A virtual CPU device ("cpu:0", "cpu:1", ...): its streams are `VirtualStream`s, threads
+    of this process, and its tensors are host tensors tagged with its name.
+
+    Each device computes with one intra-op thread, so two devices use two cores. A device nobody
+    references any more stops its threads when it is garbage collected."""
+
+    stream_class = VirtualStream
+
+    def __init__(self, name: str, rec: Recorder | None = None, label: str | None = None) -> None:
+        super().__init__(name, rec, label)
+        self.torch_device = torch.device("cpu")
+        self.cache = BufferCache(self.name)
+        torch.set_num_threads(1)  # one intra-op thread per virtual device (process-wide)
+
+    def owner(self, tensor: torch.Tensor) -> str | None:
+        return owner_of(tensor)
+
+    def own(self, tensor: torch.Tensor) -> torch.Tensor:
+        """Tag a host tensor as this device's (no copy: all virtual devices share host memory)."""
+        owner = owner_of(tensor)
+        if owner is not None and owner != self.name:
+            raise ValueError(f"tensor already on {owner!r}: move it to {self.name!r} with "
+                             f"stream.copy(tensor), not own()")
+        return tag(tensor, self.name)
