@@ -1,9 +1,13 @@
 """The instruction-stream engine on real ranks gives the single-process losses, gradients and weights."""
+import dataclasses
+
 import pytest
 import torch
 import torch.nn as nn
 
-from pipelab.experiments.deepspeed import peak_in_flight, speedup_verdict, train, train_deepspeed
+from pipelab import experiments
+from pipelab.experiments import deepspeed
+from pipelab.experiments.deepspeed import Config, in_flight_verdict, peak_in_flight, speedup_verdict
 from pipelab.measure import Measured
 from pipelab.pipeline.module import LayerSpec, PipelineModule, TiedLayerSpec
 from pipelab.reference import assert_same, reference_run
@@ -23,6 +27,12 @@ def token_loss(logits, labels):
     return nn.functional.cross_entropy(logits.flatten(0, 1), labels.flatten())
 
 
+def train(module, x, y, num_microbatches, **kwargs):
+    """The engine's run on real ranks."""
+    cfg = Config(module=module, inputs=x, targets=y, num_microbatches=num_microbatches, **kwargs)
+    return experiments.run(deepspeed.worker, cfg, deepspeed.gather)
+
+
 def tied_specs():
     return [TiedLayerSpec("embed", nn.Embedding, 11, 8), LayerSpec(nn.Linear, 8, 16), LayerSpec(nn.Tanh),
             LayerSpec(nn.Linear, 16, 8), LayerSpec(nn.ReLU, inplace=True),
@@ -34,16 +44,22 @@ def test_two_stages_train_like_one_process():
     x, y = torch.randn(8, 8), torch.randn(8, 4)
     module = PipelineModule(mlp_specs(), num_stages=2, loss_fn=nn.MSELoss(), partition_method="uniform",
                             activation_checkpoint_interval=1, verbose=False)
-    run = train(module, x, y, micro_batches=4, steps=3, lr=0.1)
+    run = train(module, x, y, num_microbatches=4, steps=3, lr=0.1)
     ref = reference_run(module.build_reference(), x, y, module.loss_fn, steps=3, lr=0.1)
     assert_same(run, ref)
     assert run.losses[-1] < run.losses[0]
+    # Each micro-batch's loss as the last stage computed it: the first step's are one process's.
+    one_process = [module.loss_fn(module.build_reference()(xm), ym).item() for xm, ym in zip(x.chunk(4), y.chunk(4))]
+    assert run.mb_losses[0] == pytest.approx(one_process, abs=1e-6)
+    assert [sum(mbs) / 4 for mbs in run.mb_losses] == pytest.approx(run.losses, abs=1e-6)
+    assert isinstance(run.step_time, Measured) and len(run.step_time.values) == 2
     assert sorted(run.grads[0]) == ["0.bias", "0.weight", "2.bias", "2.weight"]
     tl = run.timeline
     assert {s.kind for s in tl.filter(rank=0)} >= {"F", "B", "send", "recv", "optimizer"}
     assert sorted(s.mb for s in tl.filter(rank=1, kind="F")) == [0, 1, 2, 3]
     # 1F1B: stage s holds at most S - s micro-batches between their forward and backward.
     assert peak_in_flight(tl) == {0: 2, 1: 1}
+    assert in_flight_verdict(run)[:2] == ("08.in_flight", "as predicted")
 
 
 def test_tied_embedding_across_three_stages_sums_its_gradient():
@@ -52,7 +68,7 @@ def test_tied_embedding_across_three_stages_sums_its_gradient():
     module = PipelineModule(tied_specs(), num_stages=3, loss_fn=token_loss, partition_method="uniform",
                             verbose=False)
     assert module.tied_stages() == {"embed": [0, 2]}
-    run = train(module, x, y, micro_batches=3, steps=2, lr=0.5)
+    run = train(module, x, y, num_microbatches=3, steps=2, lr=0.5)
     ref = reference_run(module.build_reference(), x, y, module.loss_fn, steps=2, lr=0.5)
     assert_same(run, ref)
     # Both copies got the summed gradient, so they are still one weight after the steps.
@@ -64,9 +80,12 @@ def test_pipe_by_data_grid_with_tied_weights():
     torch.manual_seed(0)
     x, y = torch.randint(0, 11, (8, 5)), torch.randint(0, 11, (8, 5))
     module = PipelineModule(tied_specs(), num_stages=2, loss_fn=token_loss, verbose=False)
-    run = train(module, x, y, micro_batches=2, steps=2, lr=0.5, world_size=4)
+    run = train(module, x, y, num_microbatches=2, steps=2, lr=0.5, world_size=4)
     assert run.topology.get_axis_comm_lists("data") == [[0, 1], [2, 3]]
     assert_same(run, reference_run(module.build_reference(), x, y, module.loss_fn, steps=2, lr=0.5))
+    # Replica 0's two micro-batches, then replica 1's: the batch's four quarters, in order.
+    assert len(run.mb_losses[0]) == 4
+    assert sum(run.mb_losses[0]) / 4 == pytest.approx(run.losses[0], abs=1e-6)
     assert {s.rank for s in run.timeline.filter(kind="allreduce")} == {0, 1, 2, 3}
 
 
@@ -79,23 +98,31 @@ def test_a_speedup_has_a_direction_only_when_every_round_agrees():
     assert "profile cut's" in speedup_verdict(Measured.of([2.0, 2.1, 2.2]), "profile cut")[1]
 
 
-def test_bad_runs_are_refused_before_any_worker_starts():
+def test_bad_runs_are_refused_when_the_config_is_built():
     x, y = torch.randn(8, 8), torch.randn(8, 4)
     module = PipelineModule(mlp_specs(), num_stages=2, loss_fn=nn.MSELoss(), verbose=False)
     with pytest.raises(ValueError, match="num_stages=2 does not divide world_size=3"):
-        train(module, x, y, micro_batches=2, world_size=3)
+        Config(module=module, inputs=x, targets=y, num_microbatches=2, world_size=3)
     with pytest.raises(ValueError, match="num_stages=2 does not divide world_size=1"):
-        train(module, x, y, micro_batches=2, world_size=1)
+        Config(module=module, inputs=x, targets=y, num_microbatches=2, world_size=1)
     with pytest.raises(ValueError, match="multiple of 3"):
-        train(module, x, y, micro_batches=3)
-    with pytest.raises(ValueError, match="2 data-parallel replica\\(s\\) x micro_batches=3.*multiple of 6"):
-        train(module, x, y, micro_batches=3, world_size=4)
+        Config(module=module, inputs=x, targets=y, num_microbatches=3)
+    with pytest.raises(ValueError, match="num_microbatches x 2 replicas=6.*multiple of 6"):
+        Config(module=module, inputs=x, targets=y, num_microbatches=3, world_size=4)
     with pytest.raises(ValueError, match="loss_fn="):
-        train(PipelineModule(mlp_specs(), num_stages=2, verbose=False), x, y, micro_batches=2)
+        Config(module=PipelineModule(mlp_specs(), num_stages=2, verbose=False), inputs=x, targets=y,
+               num_microbatches=2)
     with pytest.raises(ValueError, match="one target per input"):
-        train(module, x, y[:4], micro_batches=2)
+        Config(module=module, inputs=x, targets=y[:4], num_microbatches=2)
     with pytest.raises(ValueError, match="needs a PipelineModule"):
-        train(nn.Sequential(nn.Linear(8, 4)), x, y, micro_batches=2)
+        Config(module=nn.Sequential(nn.Linear(8, 4)), inputs=x, targets=y, num_microbatches=2)
+    with pytest.raises(ValueError, match="reduction='sum'"):
+        Config(module=PipelineModule(mlp_specs(), num_stages=2, loss_fn=nn.MSELoss(reduction="sum"), verbose=False),
+               inputs=x, targets=y, num_microbatches=2)
+    cfg = Config(module=module, inputs=x, targets=y, num_microbatches=2)
+    assert cfg.world_size == 2  # one rank per stage
+    with pytest.raises(ValueError, match="steps must be a whole number >= 1, got 0"):
+        dataclasses.replace(cfg, steps=0)
 
 
 def test_deepspeed_trains_the_same_layers_to_the_same_losses_and_weights():
@@ -103,23 +130,14 @@ def test_deepspeed_trains_the_same_layers_to_the_same_losses_and_weights():
     torch.manual_seed(0)
     x, y = torch.randint(0, 11, (8, 5)), torch.randint(0, 11, (8, 5))
     module = PipelineModule(tied_specs(), num_stages=2, loss_fn=token_loss, verbose=False)
-    ds = train_deepspeed(module, x, y, micro_batches=4, steps=2, lr=0.5)
+    cfg = deepspeed.DeepSpeedConfig(module=module, inputs=x, targets=y, num_microbatches=4, steps=2, lr=0.5)
+    ds = experiments.run(deepspeed.deepspeed_worker, cfg, deepspeed.gather_deepspeed)
     ref = reference_run(module.build_reference(), x, y, module.loss_fn, steps=2, lr=0.5)
     assert ds.parts == module.partitions()
     torch.testing.assert_close(torch.tensor(ds.losses), torch.tensor(ref.losses))
     for weights in ds.weights:
         for name, p in weights.items():
             torch.testing.assert_close(p, ref.weights[name], msg=name)
-
-
-def test_a_summed_loss_trains_like_one_process_on_a_pipe_by_data_grid():
-    torch.manual_seed(0)
-    x, y = torch.randn(8, 8), torch.randn(8, 4)
-    module = PipelineModule(mlp_specs(), num_stages=2, loss_fn=nn.MSELoss(reduction="sum"), verbose=False)
-    run = train(module, x, y, micro_batches=2, steps=2, lr=0.01, world_size=4)
-    # The batch's sum: not divided by the micro-batches, nor by the replicas.
-    ref = reference_run(module.build_reference(), x, y, module.loss_fn, steps=2, lr=0.01)
-    assert_same(run, ref, atol=1e-4, rtol=1e-4)
 
 
 class TrimPadding(nn.Module):
@@ -142,4 +160,20 @@ def test_an_output_that_changes_shape_between_micro_batches_fails_naming_the_sta
     module = PipelineModule(layers, num_stages=2, loss_fn=nn.MSELoss(), partition_method="uniform", verbose=False)
     with pytest.raises(Exception, match=r"stage 0 output \[2, 6, 8\] torch.float32 on micro-batch 1, but "
                                         r"\[2, 2, 8\] torch.float32 on the first"):
-        train(module, x, y, micro_batches=2, timeout=60)
+        train(module, x, y, num_microbatches=2, timeout=60)
+
+
+def test_cuts_are_timed_side_by_side_and_judged_round_by_round():
+    torch.manual_seed(0)
+    layers = [nn.Linear(16, 64), nn.ReLU(), nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 4)]
+    layer_ms = [1.0, 0.0, 3.0, 0.0, 3.0]  # the 'profile' weights, given
+    times = deepspeed.time_cuts(layers, torch.randn(8, 16), layer_ms, ["uniform", "parameters", "profile"],
+                                stage_counts=(2,), repeats=3)
+    assert times.cuts[2, "parameters"] == [0, 2, 5] and times.cuts[2, "profile"] == [0, 4, 5]
+    assert all(len(per_stage) == 2 and len(per_stage[0].values) == 3 for per_stage in times.stage_ms.values())
+    assert len(times.speedup(2).values) == 3
+    key, verdict, text, figures = deepspeed.profile_verdict(times, 2)
+    assert key == "08.profile_vs_parameters" and verdict in ("faster", "slower", "within noise")
+    assert figures["predicted"] == pytest.approx(6.0 / 4.0)  # slowest stage by the weights: 3+3 against 1+3
+    with pytest.raises(ValueError, match="repeats must be a whole number >= 1, got 0"):
+        deepspeed.time_cuts(layers, torch.randn(8, 16), layer_ms, ["uniform"], repeats=0)

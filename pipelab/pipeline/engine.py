@@ -11,21 +11,27 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from pipelab.ddp.flat import average_gradients, write_back
+from pipelab.models import trainable_parameters
 from pipelab.pipeline.instructions import (BackwardPass, ForwardPass, LoadMicroBatch, OptimizerStep,
                                            RecvActivation, RecvGrad, ReduceGrads, ReduceTiedGrads,
                                            SendActivation, SendGrad, TrainSchedule)
 from pipelab.pipeline.module import PipelineModule
-from pipelab.pipeline.stage import loss_divisor, sums_over_samples
 from pipelab.pipeline.topology import ProcessTopology, axis_groups
+from pipelab.worker import RankContext
 
 # The dtypes an activation may have; its index travels in the tensor meta message.
 _DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64, torch.int32]
 
 
 class PipelineEngine:
-    """One rank of the pipe x data grid: its stage's layers, its groups, and the instruction executors."""
+    """One rank of the pipe x data grid: its stage's layers, its groups, and the instruction executors.
 
-    def __init__(self, ctx, module: PipelineModule, topology: ProcessTopology, micro_batches: int,
+    The loss is a mean over its samples (``experiments.deepspeed.Config`` refuses any other), so, as
+    in DeepSpeed, each micro-batch's loss counts 1/``micro_batches`` and each replica's gradient
+    1/``dp_world_size``: together, the batch's mean."""
+
+    def __init__(self, ctx: RankContext, module: PipelineModule, topology: ProcessTopology, micro_batches: int,
                  lr: float):
         self.ctx, self.device, self.global_rank = ctx, ctx.device, ctx.rank
         coord = topology.get_coord(ctx.rank)
@@ -36,9 +42,6 @@ class PipelineEngine:
         self.prev_rank = topology.get_rank(pipe=self.stage_id - 1, data=coord.data) if not self.is_first_stage else None
         self.next_rank = topology.get_rank(pipe=self.stage_id + 1, data=coord.data) if not self.is_last_stage else None
         self.micro_batches, self.loss_fn = micro_batches, module.loss_fn
-        # A mean loss counts each micro-batch 1/M and each replica 1/dp; a summed loss adds them up.
-        self.loss_divisor = loss_divisor(module.loss_fn, micro_batches)
-        self.replica_divisor = 1 if sums_over_samples(module.loss_fn) else self.dp_world_size
 
         self.module = module.build_stage(self.stage_id).to(self.device)  # only this stage's layers
         # new_group is collective: every rank creates every group, in the same order.
@@ -46,24 +49,29 @@ class PipelineEngine:
         self.dp_group = axis_groups(topology, "data", ctx.rank) if self.dp_world_size > 1 else None
         self._synchronize_tied_weights()
         self._broadcast_model()
-        params = [p for p in self.module.parameters() if p.requires_grad]
+        params = [p for _, p in trainable_parameters(self.module)]
         self.optimizer = torch.optim.SGD(params, lr=lr) if params else None
 
         self.schedule = TrainSchedule(micro_batches, self.num_stages, self.stage_id)
         self.recv_meta = None  # shape and dtype of the activations this stage receives
         self.sent_meta = None  # ... and of those it sends
         self.step_grads: dict[str, torch.Tensor] | None = None  # gradients of the first step
+        # Each micro-batch's loss on the last stage (kept as tensors during a batch: reading one
+        # would wait for the device; made floats at its end).
+        self.micro_batch_losses: list = []
         self.pending_sends: list = []
 
     # ---- a batch ----------------------------------------------------------------------------
     def train_batch(self, data: list[tuple[torch.Tensor, torch.Tensor]]) -> float | None:
         """Run one batch (``micro_batches`` pairs of inputs and labels) through the schedule and
-        take the optimizer step. Returns the batch's mean loss on the last stage, else None."""
+        take the optimizer step. Returns the batch's mean loss on the last stage, else None; each
+        micro-batch's loss is then in ``micro_batch_losses``."""
         n = self.schedule.num_pipe_buffers()
         self.pipe_buffers = {"inputs": [None] * n, "labels": [None] * n, "outputs": [None] * n,
                              "grads": [None] * n, "mb": [None] * n}
         self.data, self.forwards = iter(data), 0
         self.total_loss = torch.zeros((), device=self.device)
+        self.micro_batch_losses = []
         for step_cmds in self.schedule.steps():
             for cmd in step_cmds:
                 self._INSTRUCTION_MAP[type(cmd)](self, **cmd.kwargs)
@@ -73,14 +81,14 @@ class PipelineEngine:
         return self._aggregate_total_loss()
 
     def _aggregate_total_loss(self) -> float | None:
-        """The batch's loss: over the micro-batches and the data-parallel replicas, the mean (or the sum,
-        for a loss with reduction='sum')."""
+        """The batch's loss: the mean over the micro-batches and the data-parallel replicas."""
         if not self.is_last_stage:
             return None
-        loss = self.total_loss / self.loss_divisor
+        self.micro_batch_losses = [float(loss) for loss in self.micro_batch_losses]
+        loss = self.total_loss / self.micro_batches
         if self.dp_group is not None:
             dist.all_reduce(loss, group=self.dp_group)
-            loss /= self.replica_divisor
+            loss /= self.dp_world_size
         return loss.item()
 
     # ---- the instruction executors ----------------------------------------------------------
@@ -103,6 +111,7 @@ class PipelineEngine:
             if self.is_last_stage:  # the last stage keeps the micro-batch loss as its output
                 outputs = self.loss_fn(outputs, self.pipe_buffers["labels"][buffer_id])
                 self.total_loss += outputs.detach()
+                self.micro_batch_losses.append(outputs.detach())
         self.pipe_buffers["outputs"][buffer_id] = outputs
 
     def _exec_backward_pass(self, buffer_id: int) -> None:
@@ -110,7 +119,7 @@ class PipelineEngine:
         with self.ctx.rec.span("B", lane="compute", mb=self.pipe_buffers["mb"][buffer_id], stage=self.stage_id):
             if self.is_last_stage:
                 # Each micro-batch loss counts 1/M (a mean loss), so the M backwards add up to the batch's.
-                (outputs / self.loss_divisor).backward()
+                (outputs / self.micro_batches).backward()
             elif outputs.requires_grad:
                 outputs.backward(self.pipe_buffers["grads"][buffer_id])
         self.pipe_buffers["outputs"][buffer_id] = self.pipe_buffers["grads"][buffer_id] = None
@@ -158,17 +167,12 @@ class PipelineEngine:
                     dist.all_reduce(weight.grad, group=group)
 
     def _exec_reduce_grads(self) -> None:
-        """Average every gradient over the data-parallel replicas of this stage (one flat message; a
-        summed loss adds them up)."""
+        """Average every gradient over the data-parallel replicas of this stage: one flat message
+        (`pipelab.ddp.flat`, as BucketedDDP's buckets), waited for at once, as DeepSpeed does."""
         if self.dp_group is None or self.optimizer is None:
             return
-        grads = [p.grad for p in self.module.parameters() if p.grad is not None]
-        with self.ctx.rec.span("allreduce", lane="comm"):
-            flat = torch.cat([g.flatten() for g in grads])
-            dist.all_reduce(flat, group=self.dp_group)
-            flat /= self.replica_divisor
-            for g, part in zip(grads, flat.split([g.numel() for g in grads])):
-                g.copy_(part.view_as(g))
+        params = [p for p in self.module.parameters() if p.grad is not None]
+        write_back(average_gradients(params, self.dp_group, rec=self.ctx.rec).wait(), params)
 
     def _exec_optimizer_step(self) -> None:
         if self.step_grads is None:  # keep the first step's gradients for the reference check
