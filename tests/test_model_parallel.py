@@ -176,9 +176,9 @@ def test_time_forwards_alternates_and_keeps_every_round(devs, monkeypatch):
 
 
 def test_typical_is_the_median_round():
-    timed = Timed(Measured.of([0.3, 0.1, 0.5, 0.2]), ["t0", "t1", "t2", "t3"])
+    timed = Timed(Measured.of([0.3, 0.1, 0.5, 0.2]), ["t0", "t1", "t2", "t3"], ("cpu:0", "cpu:1"))
     assert timed.typical_index == 3 and timed.typical == "t3"  # 0.2: the lower middle of four
-    assert Timed(Measured.of([0.3, 0.1, 0.5]), ["a", "b", "c"]).typical == "a"
+    assert Timed(Measured.of([0.3, 0.1, 0.5]), ["a", "b", "c"], ("cpu:0", "cpu:1")).typical == "a"
 
 
 def test_split_sweep_speedups_are_round_by_round_ratios(devs):
@@ -344,7 +344,7 @@ def _timed_of(seconds) -> Timed:
 
     tl = Timeline([Span("cpu:0", "compute", "F", 0.0, 1e-3, 0), Span("cpu:1", "compute", "copy", 1e-3, 1.5e-3, 0),
                    Span("cpu:1", "compute", "F", 1.5e-3, 2.5e-3, 0)])
-    return Timed(Measured.of(seconds), [tl] * len(seconds))
+    return Timed(Measured.of(seconds), [tl] * len(seconds), ("cpu:0", "cpu:1"))
 
 
 def test_naive_verdict_claims_faster_only_when_every_round_was():
@@ -388,7 +388,8 @@ def test_curve_and_bound_verdicts_read_the_rounds():
                                    "split_by_split": {4: [1.0, 1.0], 16: [2.0, 2.0]}}, sample_bytes=2**16)
     key, verdict, text, figures = bound_verdict(fast)
     assert verdict == "overlap above the bound" and figures["above_in_every_round"] == [4]
-    assert "was 2.00 (2.00-2.00)x faster than on the whole batch" in text and "1.0 MiB for the batch of 16, 0.25 MiB for a split" in text
+    assert "was 2.00 (2.00-2.00)x faster than on the whole batch" in text
+    assert "1.0 MiB for the batch of 16, 0.25 MiB for a split" in text
 
 
 def test_copy_stream_verdict_needs_every_round_and_more_than_run_to_run_noise():
@@ -401,6 +402,8 @@ def test_copy_stream_verdict_needs_every_round_and_more_than_run_to_run_noise():
     key, verdict, text, figures = copy_stream_verdict(run([0.9, 0.95, 0.97]))  # faster each round, but by < 30 %
     assert (key, verdict) == ("04.copy_stream", "within noise") and "every round was faster" in text
     assert copy_stream_speedup(run([0.5, 1.0, 2.0])).values == pytest.approx((2.0, 1.0, 0.5))
+    timed = _timed_of([1.0, 1.0])  # the copy sits in device 1's compute stream: 0.5 of its 1.5 ms, hidden by nothing
+    assert timed.copy_share.values == pytest.approx((1 / 3, 1 / 3)) and timed.overlap.values == (0.0, 0.0)
     assert figures["split_03"] == figures["split_04"] == 4
     # split 4 of a batch of 16: k = 4; (1 + 0.5 + 1) + 3 x 1.5 = 7 ms before, 2.5 + 3 x 1 = 5.5 ms after
     assert "device 0 1.00 ms, copy 0.50 ms, device 1 1.00 ms" in text and "7.0 ms before and 5.5 ms after" in text

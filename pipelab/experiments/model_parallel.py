@@ -192,7 +192,7 @@ class Timed:
 
     seconds: Measured
     timelines: list[Timeline] = field(repr=False)
-    devices: tuple[str, str] = ("cpu:0", "cpu:1")
+    devices: tuple[str, str]
 
     @property
     def typical_index(self) -> int:
@@ -404,7 +404,7 @@ def curve_verdict(run: SweepRun, variant: str = "pipelined") -> tuple[str, str, 
     shape = {(True, True): "rises then falls", (True, False): "tiny splits lose",
              (False, True): "one split loses", (False, False): "flat within noise"}[(small_loses, large_loses)]
     ends = [f"split_size={s}{' (one split: the naive forward)' if s == run.batch else ''} reached "
-            f"{sweep.speedup[s]:.2f}x, {'slower than the best in every round' if loses else 'not slower than the best in every round'}"
+            f"{sweep.speedup[s]:.2f}x, {'' if loses else 'not '}slower than the best in every round"
             for s, loses in ((small, small_loses), (large, large_loses)) if s != best]
     text = (f"the speedup curve: {shape}. The best split_size={best} reached {sweep.speedup[best]:.2f}x; "
             + "; ".join(ends) + ".")
@@ -422,7 +422,8 @@ def bound_verdict(run: SweepRun) -> tuple[str, str, str, dict]:
     s = max(above, key=lambda s: piped.speedup[s].median) if above else piped.best_split
     k, bound = run.splits(s), run.bound(s)
     if above:
-        parts = [f"at split_size={s} (k={k}) the speedup {piped.speedup[s]:.2f}x beat the bound {bound:.2f} in every round."]
+        parts = [f"at split_size={s} (k={k}) the speedup {piped.speedup[s]:.2f}x beat the bound {bound:.2f} "
+                 "in every round."]
     else:
         parts = [f"no split beat its bound 2k/(k+1) in every round; at the best, split_size={s} (k={k}): "
                  f"{piped.speedup[s]:.2f}x against {bound:.2f}."]
@@ -432,7 +433,8 @@ def bound_verdict(run: SweepRun) -> tuple[str, str, str, dict]:
                      f"did not: one device alone, running the same splits one after another, was "
                      f"{by_split.speedup[s]:.2f}x faster than on the whole batch, most likely because a split's "
                      f"activations stay in the core's caches and the batch's do not (one layer's activations: "
-                     f"{layer_mib:.1f} MiB for the batch of {run.batch}, {layer_mib * s / run.batch:.2f} MiB for a split).")
+                     f"{layer_mib:.1f} MiB for the batch of {run.batch}, {layer_mib * s / run.batch:.2f} MiB for a "
+                     f"split).")
     else:
         parts.append(f"Splitting alone did not make one device faster in every round (split by split: "
                      f"{by_split.speedup[s]:.2f}x).")
@@ -489,7 +491,8 @@ def copy_stream_verdict(run: SweepRun) -> tuple[str, str, str, dict]:
     best03, best04 = run["pipelined"].best_split, run["dual_stream"].best_split
     every_round = speed_verdict(gain)
     beyond_noise = compare_medians(gain, Measured.of([1.0]))
-    verdict = every_round if {"faster": "higher", "slower": "lower"}.get(every_round) == beyond_noise else "within noise"
+    agree = {"faster": "higher", "slower": "lower"}.get(every_round) == beyond_noise
+    verdict = every_round if agree else "within noise"
     costs = split_costs(run["pipelined"].timed[best03])  # per split, from lesson 03's median run
     sim = simulated_forwards(costs, run.splits(best03))
     simulated = (f"With this run's per-split costs at split_size={best03} "
@@ -508,8 +511,8 @@ def copy_stream_verdict(run: SweepRun) -> tuple[str, str, str, dict]:
         text = (f"the copy stream and lesson 03's best split were within noise of each other ({gain:.2f}x{lean}): "
                 f"2 CPU cores are too small for this effect to show, since the copy is a memory copy competing for "
                 f"the same cores as compute ({_load()} while this ran). " + simulated)
-    return ("04.copy_stream", verdict, text, {"speedup": gain, "simulated_speedup": sim["pipelined"] / sim["dual_stream"],
-                                              "split_03": best03, "split_04": best04})
+    return ("04.copy_stream", verdict, text, {"speedup": gain, "split_03": best03, "split_04": best04,
+                                              "simulated_speedup": sim["pipelined"] / sim["dual_stream"]})
 
 
 # ---------------------------------------------------------------------------------------------
