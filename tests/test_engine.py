@@ -119,6 +119,8 @@ def test_bad_runs_are_refused_when_the_config_is_built():
     with pytest.raises(ValueError, match="reduction='sum'"):
         Config(module=PipelineModule(mlp_specs(), num_stages=2, loss_fn=nn.MSELoss(reduction="sum"), verbose=False),
                inputs=x, targets=y, num_microbatches=2)
+    with pytest.raises(ValueError, match="inputs must be a tensor with one row per sample, got list"):
+        Config(module=module, inputs=x.tolist(), targets=y, num_microbatches=2)
     cfg = Config(module=module, inputs=x, targets=y, num_microbatches=2)
     assert cfg.world_size == 2  # one rank per stage
     with pytest.raises(ValueError, match="steps must be a whole number >= 1, got 0"):

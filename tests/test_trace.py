@@ -150,6 +150,8 @@ def test_errors_name_the_module_or_the_line():
     with pytest.raises(ValueError, match="world_size=3 stages but the model has 2 layers"):
         splitting.Config(model=Transformer(ModelArgs(dim=16, n_layers=2, n_heads=2, vocab_size=50)), x=x, y=y,
                          world_size=3)
+    with pytest.raises(ValueError, match="y must be a tensor of token ids.*got list"):
+        splitting.Config(model=model, x=x, y=y.tolist())
     with pytest.raises(ValueError, match="batch=4 does not divide evenly by num_microbatches=3"):
         splitting.Config(model=model, x=x, y=y, num_microbatches=3)
 

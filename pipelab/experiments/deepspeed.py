@@ -168,6 +168,9 @@ class Config(experiments.Config):
         whole_number("steps", self.steps, example="steps=2")
         positive_number("lr", self.lr, example="lr=0.1")
         dp, M = self.world_size // S, self.num_microbatches
+        for name, t in (("inputs", self.inputs), ("targets", self.targets)):
+            if not isinstance(t, torch.Tensor):
+                raise ValueError(f"{name} must be a tensor with one row per sample, got {type(t).__name__}")
         batch = same_batch(self.inputs, self.targets)
         divides("batch", batch, "num_microbatches" if dp == 1 else f"num_microbatches x {dp} replicas", dp * M)
 

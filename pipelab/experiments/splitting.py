@@ -131,6 +131,9 @@ class Config(experiments.Config):
                              f"most world_size={layers}")
         mean_loss(self.loss_fn)
         whole_number("num_microbatches", self.num_microbatches, example="num_microbatches=4")
+        for name, t in (("x", self.x), ("y", self.y)):
+            if not isinstance(t, torch.Tensor):
+                raise ValueError(f"{name} must be a tensor of token ids, one row per sequence, got {type(t).__name__}")
         divides("batch", same_batch(self.x, self.y), "num_microbatches", self.num_microbatches)
 
 
