@@ -173,7 +173,8 @@ def test_plots_draw():
 def test_more_ranks_than_parameters_in_a_layer():
     torch.manual_seed(0)
     model = models.mlp([4, 2, 1])  # the last layer: 2 weights and a bias
-    with pytest.raises(ValueError, match=r"layer '2' \(Linear\) has 3 parameters, fewer than world_size=4.*world_size <= 3"):
+    with pytest.raises(ValueError,
+                       match=r"layer '2' \(Linear\) has 3 parameters, fewer than world_size=4.*world_size <= 3"):
         sharding.Config(model=model, x=torch.randn(8, 4), y=torch.randn(8, 1), world_size=4)
 
 
@@ -221,3 +222,29 @@ def test_race_alternates_ours_and_fully_shard():
     assert all(ideal <= race.peak[v] < 3 * ideal for v in race.variants)  # shards, plus whole layers in flight
     with pytest.raises(ValueError, match="a race needs two variants"):
         sharding.RaceConfig(model=odd_model(), x=torch.randn(8, 6), y=torch.randn(8, 3), variants=("zero3",))
+
+
+def _emulation_available() -> bool:
+    import inspect
+
+    from pipelab.launch import spawn
+
+    return "emulate" in inspect.signature(spawn).parameters
+
+
+@pytest.mark.skipif(not _emulation_available(), reason="this checkout's spawn has no emulated nodes")
+def test_zero3_on_an_emulated_node_prefetch_hides_the_all_gathers():
+    cfg = config(4, variants=("zero3", "zero3_no_prefetch"), emulate="4xH100-nvlink4", emulated_batch=512)
+    run = experiments.run(sharding.worker, cfg, sharding.gather)
+    sharding.assert_same(run, sharding.reference(cfg))  # modelled time, real math
+    on, off = run["zero3"], run["zero3_no_prefetch"]
+    assert on.makespan.relative_spread < 1e-9 and off.makespan.relative_spread < 1e-9  # modelled: repeats
+    assert on.makespan.median < off.makespan.median and on.exposed_comm.median < off.exposed_comm.median
+    assert on.sent == off.sent  # the same messages, only issued earlier
+    key, verdict, text, _ = sharding.prefetch_verdict(run)
+    assert verdict == "step lower; exposed communication lower" and "emulated node" in text
+
+
+def test_emulated_batch_needs_an_emulated_node():
+    with pytest.raises(ValueError, match="emulated_batch=512 sizes the modelled compute"):
+        config(2, emulated_batch=512)

@@ -21,8 +21,8 @@ from torch import nn
 from pipelab import experiments
 from pipelab.checks import divides, mean_loss, positive_number, same_batch, trainable, whole_number
 from pipelab.display import human_bytes
-from pipelab.measure import (Measured, RankSteps, Steps, TimedSteps, alternate, compare_medians, gather_steps, ratios,
-                             time_steps)
+from pipelab.measure import (Measured, RankSteps, Steps, TimedSteps, alternate, compare, compare_medians, gather_steps,
+                             ratios, time_steps)
 from pipelab.sharding import (OPTIMIZERS, Collectives, DataParallel, Held, Zero1, Zero2, Zero3, formula,
                               layers_of, make_optimizer)
 from pipelab.sharding.memory import PeakMeter
@@ -60,6 +60,7 @@ class Config(experiments.Config):
     optimizer: str = "adam"
     lr: float = 1e-3
     steps: int = 4  # every step checked against one process; all but the first timed
+    emulated_batch: int | None = None  # on an emulated node: the per-rank batch compute is modelled at
 
     def check(self) -> None:
         super().check()
@@ -73,6 +74,11 @@ class Config(experiments.Config):
                 f"each value on its own ({', '.join(OPTIMIZERS)}). One that looks at a whole tensor or the whole "
                 f"gradient (LBFGS, Adafactor, LAMB's trust ratio, Muon) would see pieces; use optimizer='adam'")
         positive_number("lr", self.lr, example="lr=1e-3")
+        if self.emulated_batch is not None:
+            whole_number("emulated_batch", self.emulated_batch, example="emulated_batch=512")
+            if self.emulate is None:
+                raise ValueError(f"emulated_batch={self.emulated_batch} sizes the modelled compute of an emulated "
+                                 "node; name one (emulate='4xH100-nvlink4') or leave emulated_batch=None")
         whole_number("steps", self.steps, example="steps=4")
         divides("batch", same_batch(self.x, self.y), "world_size", self.world_size)
         mean_loss(self.loss_fn)
@@ -156,9 +162,33 @@ class Result:
     variants: dict[str, VariantResult]
 
 
+def layer_costs(model: nn.Module, x: torch.Tensor, batch: int) -> list[tuple]:
+    """Each layer's modelled (forward, backward) cost, FLOPs and bytes counted on the meta device
+    for a batch of `batch` rows (the emulated size; the real run stays small)."""
+    from pipelab.emulate.cost import forward_backward_counts
+
+    inputs = {}
+    hooks = [layer.module.register_forward_pre_hook(lambda m, args, name=layer.name: inputs.setdefault(name, args[0]))
+             for layer in layers_of(model, 1)]
+    with torch.no_grad():
+        model(x)
+    for h in hooks:
+        h.remove()
+    costs = []
+    for layer in layers_of(model, 1):
+        example = torch.empty(batch, *inputs[layer.name].shape[1:], dtype=inputs[layer.name].dtype)
+        forward, backward_input, backward_weight = forward_backward_counts(layer.module, example.requires_grad_())
+        costs.append((forward, backward_input + backward_weight))
+    return costs
+
+
 def train(ctx: RankContext, cfg: Config, variant: str, x: torch.Tensor, y: torch.Tensor) -> VariantResult:
     """Train this rank's model with `variant` for cfg.steps steps on its slice (x, y)."""
-    t = trainer(ctx, cfg, variant, cfg.build().to(ctx.device))
+    model = cfg.build().to(ctx.device)
+    emulated = getattr(ctx, "emulator", None) is not None  # on an emulated node: model each layer's compute
+    costs = layer_costs(model, x, cfg.emulated_batch or x.shape[0]) if emulated else None
+    t = trainer(ctx, cfg, variant, model)
+    t.costs = costs
     comm = getattr(t, "comm", None)
 
     def step(i: int) -> float:
@@ -212,6 +242,12 @@ class VariantRun(TimedSteps):
         return max(h.total for h in self.held)
 
     @property
+    def makespan(self) -> Measured:
+        """Seconds from the first span to the last of each timed step, all ranks: the step as its
+        timeline shows it (on an emulated node, modelled time)."""
+        return Measured.of(tl.makespan for tl in self.steps.timelines)
+
+    @property
     def exposed_comm(self) -> Measured:
         """Seconds per timed step during which a rank waited on communication with no compute to
         hide it (the slowest rank of each step)."""
@@ -227,6 +263,7 @@ class Run:
     psi: int
     moments: int  # optimizer state values per parameter (Adam: 2)
     variants: dict[str, VariantRun]
+    emulate: str | None = None  # the emulated node it ran on (modelled time), or None: this machine
 
     def __getitem__(self, variant: str) -> VariantRun:
         return self.variants[variant]
@@ -247,7 +284,7 @@ def gather(cfg: Config, results: Sequence[Result]) -> Run:
             [r.payload for r in per_rank] if ours else None, first.messages,
             [r.peak_gathered for r in per_rank] if first.peak_gathered is not None else None,
             gather_steps([r.steps for r in per_rank]))
-    return Run(cfg.world_size, cfg.psi, MOMENTS[cfg.optimizer], variants)
+    return Run(cfg.world_size, cfg.psi, MOMENTS[cfg.optimizer], variants, cfg.emulate)
 
 
 @dataclass
@@ -338,22 +375,28 @@ def prefetch_verdict(run: Run) -> tuple:
     """What prefetching did to ZeRO-3's step and its exposed communication on this run, and what it
     cost in memory. Returns conclude's (key, verdict, text, figures)."""
     on, off = run["zero3"], run["zero3_no_prefetch"]
-    step = compare_medians(on.step_time, off.step_time)
-    exposed = compare_medians(on.exposed_comm, off.exposed_comm)
+    # Modelled time (an emulated node) repeats exactly: any difference is real. Measured time moves
+    # from run to run: a direction only beyond that noise.
+    differ = compare if run.emulate is not None else compare_medians
+    step, exposed = differ(on.makespan, off.makespan), differ(on.exposed_comm, off.exposed_comm)
     peak_on, peak_off = max(on.peak_gathered), max(off.peak_gathered)
     verdict = f"step {step}; exposed communication {exposed}"
-    steps = {"lower": "prefetch made it faster, by more than the run-to-run noise.",
-             "higher": "prefetch made it slower, by more than the run-to-run noise: here the early all-gather "
-                       "competes with compute for the same cores.",
-             "within noise": "no difference beyond the run-to-run noise."}
-    hidden = {"lower": "less with prefetch", "higher": "more with prefetch", "within noise": "no difference beyond noise"}
-    text = (f"ZeRO-3's step took {on.step_time.scaled(1e3):.2f} ms with prefetch and {off.step_time.scaled(1e3):.2f} "
-            f"ms without (median, min-max over the timed steps): {steps[step]} Communication no compute hid: "
-            f"{on.exposed_comm.scaled(1e3):.2f} ms with prefetch, {off.exposed_comm.scaled(1e3):.2f} ms without "
-            f"({hidden[exposed]}). The cost does not depend on the machine: prefetch held up to "
-            f"{human_bytes(peak_on)} of whole-layer parameters at once, without it {human_bytes(peak_off)}.")
+    where = f"on the emulated node {run.emulate} (modelled time)" if run.emulate else "on this machine"
+    noise = "" if run.emulate else ", by more than the run-to-run noise"
+    steps = {"lower": f"prefetch made it faster{noise}.",
+             "higher": f"prefetch made it slower{noise}" + (" (the early all-gather waits in line with the others)."
+                       if run.emulate else ": here the early all-gather competes with compute for the cores."),
+             "within noise": "no difference" + ("." if run.emulate else " beyond the run-to-run noise.")}
+    hidden = {"lower": "less with prefetch", "higher": "more with prefetch", "within noise": "no difference"}
+    text = (f"{where}, ZeRO-3's step on {run.world_size} ranks took {on.makespan.scaled(1e3):.3g} ms with prefetch "
+            f"and {off.makespan.scaled(1e3):.3g} ms without (first to last span; median, min-max over the timed "
+            f"steps): {steps[step]} "
+            f"Communication no compute hid: {on.exposed_comm.scaled(1e3):.3g} ms with prefetch, "
+            f"{off.exposed_comm.scaled(1e3):.3g} ms without ({hidden[exposed]}). The cost does not depend on the "
+            f"machine: prefetch held up to {human_bytes(peak_on)} of whole-layer parameters at once, without it "
+            f"{human_bytes(peak_off)}.")
     return ("11.prefetch", verdict, text,
-            dict(step_ms_prefetch=on.step_time.scaled(1e3), step_ms_no_prefetch=off.step_time.scaled(1e3),
+            dict(step_ms_prefetch=on.makespan.scaled(1e3), step_ms_no_prefetch=off.makespan.scaled(1e3),
                  exposed_ms_prefetch=on.exposed_comm.scaled(1e3), exposed_ms_no_prefetch=off.exposed_comm.scaled(1e3),
                  peak_gathered_prefetch=peak_on, peak_gathered_no_prefetch=peak_off))
 

@@ -43,17 +43,19 @@ def plot_memory(runs: Sequence["Run"], variants: Sequence[str] = ("dp", "zero1",
     return ax
 
 
-def plot_prefetch(run: "Run", axes=None, unit: str = "ms"):
+def plot_prefetch(run: "Run", axes=None, unit: str = "ms", ranks: Sequence[int] = (0, 1)):
     """A typical ZeRO-3 step with prefetch (top) and without (bottom), on one time scale: F and B
-    per layer on the compute lane, all-gathers and reduce-scatters on the comm lane."""
+    per layer on the compute lane, all-gathers and reduce-scatters on the comm lane; `ranks` only."""
     steps = {"zero3": "prefetch on", "zero3_no_prefetch": "prefetch off"}
+    timelines = {v: run[v].timeline.filter(rank=list(ranks)) for v in steps}
     if axes is None:
-        rows = sum(len(run[v].timeline.rows()) for v in steps)
+        rows = sum(len(tl.rows()) for tl in timelines.values())
         _, axes = plt.subplots(2, 1, figsize=(11, 0.55 * rows + 2.5), sharex=True)
-    longest = max(run[v].timeline.makespan for v in steps) * 1e3
+    longest = max(tl.makespan for tl in timelines.values()) * 1e3
+    where = f"emulated {run.emulate}" if run.emulate else "this machine"
     for ax, (variant, name) in zip(axes, steps.items()):
-        tl = run[variant].timeline
-        gantt(tl, ax=ax, label_mb=False, unit=unit,
-              title=f"ZeRO-3, {name}: a typical step, {tl.makespan * 1e3:.1f} {unit}")
+        tl = timelines[variant]
+        gantt(tl, ax=ax, label_mb=False, unit=unit, title=f"ZeRO-3 on {run.world_size} ranks ({where}), {name}: "
+                                                          f"a typical step, {tl.makespan * 1e3:.3g} {unit}")
         ax.set_xlim(0, longest * 1.02)
     return axes

@@ -14,6 +14,7 @@ paper, which counts in elements and lets N grow), ZeRO-1 and ZeRO-2 the same, Ze
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass
 from typing import Callable
 
@@ -56,18 +57,17 @@ class Pending:
     def wait(self) -> None:
         if self.work is not None:
             self.work.wait()
-        end = self.arrived[0] if self.arrived else self.clock()
+        modelled = getattr(self.work, "end", None)  # an emulated node's handle knows its modelled end
+        end = modelled if modelled is not None else self.arrived[0] if self.arrived else self.clock()
         self.rec.add(self.kind, self.start, max(end, self.start), lane="comm", **self.meta)
         self.work = None
 
 
-def _reduce_scatter():
-    # torch 2.13 names it reduce_scatter_single (reduce_scatter_tensor is its deprecated alias)
-    return getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
-
-
-def _all_gather():
-    return getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+# torch 2.13 renamed reduce_scatter_tensor and all_gather_into_tensor to reduce_scatter_single and
+# all_gather_single; the old names, which every torch since 1.13 has and `pipelab.emulate` times,
+# still work (they call the new ones) but warn at every rank. We call the old names, unwarned.
+warnings.filterwarnings("ignore", message=r"`torch\.distributed\.(reduce_scatter_tensor|all_gather_into_tensor)` "
+                        r"is deprecated", category=FutureWarning)
 
 
 class Collectives:
@@ -89,13 +89,13 @@ class Collectives:
                        async_op: bool = False) -> Pending:
         """Sum `full` over the ranks and leave this rank's piece in `shard` (full is N shards long)."""
         return self._issue("reducescatter", full, layer, async_op,
-                           lambda: _reduce_scatter()(shard, full, group=self.group, async_op=async_op))
+                           lambda: dist.reduce_scatter_tensor(shard, full, group=self.group, async_op=async_op))
 
     def all_gather(self, full: torch.Tensor, shard: torch.Tensor, layer: str | None = None,
                    async_op: bool = False) -> Pending:
         """Put every rank's `shard` into `full`, in rank order (`shard` may be a view into `full`)."""
         return self._issue("allgather", full, layer, async_op,
-                           lambda: _all_gather()(full, shard, group=self.group, async_op=async_op))
+                           lambda: dist.all_gather_into_tensor(full, shard, group=self.group, async_op=async_op))
 
     def _issue(self, kind: str, full: torch.Tensor, layer, async_op: bool, call) -> Pending:
         payload = full.numel() * full.element_size()

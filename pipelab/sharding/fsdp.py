@@ -91,6 +91,7 @@ class Zero3(Trainer):
         self.started[i] = self.comm.clock()
 
     def after_forward(self, i: int, out: torch.Tensor) -> torch.Tensor:
+        self.spend(0, i)  # on an emulated node: the layer's modelled forward
         self.rec.add("F", self.started[i], self.comm.clock(), layer=self.layers[i].name)
         self.free(i)  # autograd keeps the views; their storage is refilled before backward
         if out.requires_grad:
@@ -108,6 +109,7 @@ class Zero3(Trainer):
     def after_backward(self, i: int) -> None:
         """Layer `i`'s gradient is complete in its vector: reduce-scatter it, free the layer."""
         full = self.full[i]
+        self.spend(1, i)
         self.rec.add("B", self.started[i], self.comm.clock(), layer=self.layers[i].name)
         grad, full.grad = full.grad, None
         pending = self.comm.reduce_scatter(self.shards[i].grad, grad, layer=self.layers[i].name, async_op=True)
