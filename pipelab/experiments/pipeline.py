@@ -83,8 +83,13 @@ class Config(experiments.Config):
         mean_loss(self.loss_fn)
         whole_number("steps", self.steps, example="steps=2")
         first = self.jobs[0]  # builds and checks every job
+        # The loss of one micro-batch must be one number: its backward starts there.
         rows = first.x.shape[0] // first.schedule.num_microbatches
-        check_loss(self.stages, first.x[:rows], first.y[:rows], self.loss_fn)
+        loss = self.loss_fn(trace(self.stages, first.x[:rows])[-1], first.y[:rows])
+        if not isinstance(loss, torch.Tensor) or loss.dim() != 0:
+            got = f"a tensor of shape {list(loss.shape)}" if isinstance(loss, torch.Tensor) else repr(loss)
+            raise ValueError(f"loss_fn must return one number per micro-batch (a 0-dim tensor), got {got}; "
+                             "use a loss that averages over the samples, e.g. torch.nn.MSELoss()")
 
     @cached_property
     def jobs(self) -> list[Job]:
@@ -131,15 +136,6 @@ def per_schedule(name: str, value, kind: type, count: int) -> list:
         raise ValueError(f"{name} must be one {kind.__name__} for all {count} schedules or one per schedule, "
                          f"got {value!r}")
     return values
-
-
-def check_loss(stages: Sequence[nn.Module], x: torch.Tensor, y: torch.Tensor, loss_fn: Callable) -> None:
-    """The loss of one micro-batch `x`, `y` must be one number: its backward starts there."""
-    loss = loss_fn(trace(stages, x)[-1], y)
-    if not isinstance(loss, torch.Tensor) or loss.dim() != 0:
-        got = f"a tensor of shape {list(loss.shape)}" if isinstance(loss, torch.Tensor) else repr(loss)
-        raise ValueError(f"loss_fn must return one number per micro-batch (a 0-dim tensor), got {got}; "
-                         "use a loss that averages over the samples, e.g. torch.nn.MSELoss()")
 
 
 # ---------------------------------------------------------------------------------------------
