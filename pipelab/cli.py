@@ -345,6 +345,30 @@ def cmd_doctor(ns: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_exercises(ns: argparse.Namespace) -> int:
+    """`pipelab exercises`: the exercises per lesson; `pipelab exercises grade FOLDER`: a table of
+    every submitted notebook's exercises, graded in fresh processes (and a CSV with --csv)."""
+    from pipelab.exercises import EXERCISES
+    from pipelab.exercises import grading
+
+    if ns.action == "list":
+        for name, (function, check) in EXERCISES.items():
+            summary = " ".join((check.__doc__ or "").split())
+            print(f"lesson {name[:2]}  {name:<20} {function}: {summary}")
+        return 0
+    if not ns.folder:
+        raise UsageError("give the folder of submitted notebooks: pipelab exercises grade FOLDER [--csv OUT]")
+    try:
+        rows = grading.grade_folder(ns.folder, ns.timeout)
+    except ValueError as e:
+        raise UsageError(str(e)) from None
+    print(grading.table(rows) if rows else f"no student cells defining an exercise in {ns.folder}")
+    if ns.csv:
+        grading.write_csv(rows, ns.csv)
+        print(f"wrote {ns.csv}")
+    return 0
+
+
 def _seconds(text: str) -> float:
     """--timeout's value: seconds > 0 (argparse reports the ValueError's message)."""
     from pipelab.checks import positive_number
@@ -387,6 +411,13 @@ def parser() -> argparse.ArgumentParser:
     doctor = sub.add_parser("doctor", help="what this machine has and which path the lessons take")
     doctor.add_argument("--world-size", type=int, default=2)
     doctor.set_defaults(func=cmd_doctor)
+
+    exercises = sub.add_parser("exercises", help="list the graded exercises, or grade a folder of submitted notebooks")
+    exercises.add_argument("action", nargs="?", choices=["list", "grade"], default="list")
+    exercises.add_argument("folder", nargs="?", help="with grade: the folder of submitted notebooks")
+    exercises.add_argument("--csv", metavar="OUT", help="with grade: also write the table as CSV")
+    exercises.add_argument("--timeout", type=_seconds, default=300.0, metavar="SECONDS", help="per exercise")
+    exercises.set_defaults(func=cmd_exercises)
     return top
 
 

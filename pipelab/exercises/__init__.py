@@ -1,0 +1,39 @@
+"""The lessons' graded exercises: one checker per exercise, called in the cell after the student's.
+
+    grade = exercises.check_ddp_average(my_average)    # prints PASS/FAIL and why; returns a Grade
+
+A checker runs the student's function on real ranks where the lesson is multi-process (never
+hanging: a rank stuck on a message stops and names it), compares with the single-process
+reference, and answers in a line or two computed from the run. `solution("01_ddp_average")` loads
+the reference solution from `solutions/` (notebooks do with `solutions = True`, as CI does);
+`EXERCISES` lists them per lesson; `grading` grades a folder of submitted notebooks.
+"""
+
+from pipelab.exercises.capstone import check_perplexity, check_split_point
+from pipelab.exercises.core import Grade, solution
+from pipelab.exercises.devices import check_event_wait, check_naive_forward, check_split_forward
+from pipelab.exercises.data_parallel import (check_broadcast, check_ddp_average, check_grid_groups,
+                                             check_row_parallel, check_zero2_shard)
+from pipelab.exercises.p2p import check_send_recv_order
+from pipelab.exercises.pipeline import check_accumulation, check_few_microbatches, check_partition, check_tied_weights
+
+# exercise name (its solution's file) -> (the function the student writes, its checker)
+EXERCISES = {
+    "00_broadcast": ("my_broadcast", check_broadcast),
+    "01_ddp_average": ("my_average", check_ddp_average),
+    "02_naive_forward": ("my_forward_naive", check_naive_forward),
+    "03_split_forward": ("my_forward_pipelined", check_split_forward),
+    "04_event_wait": ("my_dual_stream", check_event_wait),
+    "05_grid_groups": ("my_grid_groups", check_grid_groups),
+    "06_accumulation": ("my_backward", check_accumulation),
+    "07_few_microbatches": ("my_1f1b_actions", check_few_microbatches),
+    "07_send_recv_order": ("my_pipeline_loop", check_send_recv_order),
+    "08_partition": ("my_partition", check_partition),
+    "08_tied_weights": ("my_tied_grads", check_tied_weights),
+    "09_split_point": ("my_split_point", check_split_point),
+    "10_perplexity": ("my_perplexity", check_perplexity),
+    "11_zero2_shard": ("my_gradient_shard", check_zero2_shard),
+    "12_row_parallel": ("my_row_parallel", check_row_parallel),
+}
+
+__all__ = ["EXERCISES", "Grade", "solution", *(c.__name__ for _, c in EXERCISES.values())]

@@ -1,0 +1,97 @@
+"""Exercises of the model-parallel lessons (02-04), on the devices of `pipelab.streams`: the naive
+two-device forward, its split-by-split pipelining, and the event that orders a copy stream and a
+compute stream. Each is checked against the model run whole in one process, and against the
+timeline the devices recorded (which device ran what, whether a read came before its copy)."""
+
+from __future__ import annotations
+
+import torch
+
+from pipelab.exercises.core import Wrong, call, checker, how_far, same
+
+BATCH, WIDTH, SPLIT = 10, 16, 4  # 10 rows in splits of 4: the last split is shorter
+
+
+def _case():
+    from pipelab.models import SplitMLP
+
+    torch.manual_seed(2)
+    return SplitMLP(WIDTH, 1, 4), torch.randn(BATCH, WIDTH)
+
+
+def _run(fn, *args, no_grad: bool = False):
+    """`fn(model, x, devs, *args)` on two fresh devices: its output (a tensor) and the timeline."""
+    from pipelab import streams
+
+    model, x = _case()
+    with torch.no_grad():
+        want = model(x)
+    with streams.devices(2) as devs:
+        with torch.no_grad() if no_grad else torch.enable_grad():
+            out = call(fn, model, x, devs, *args)
+        out = out.result() if hasattr(out, "result") else out
+        tl = streams.timeline(devs)
+        labels = [d.label for d in devs]
+    if not isinstance(out, torch.Tensor):
+        raise Wrong(f"{fn.__name__} returned {type(out).__name__}, not the model's output (a tensor)")
+    if out.shape == want.shape and torch.isnan(out).any():
+        rows = int(torch.isnan(out).any(dim=-1).sum())
+        raise Wrong(f"{rows} of the output's {BATCH} rows are NaN: device 1 read a buffer before its copy filled it "
+                    "(a read-after-write race)")
+    if not same(out.detach(), want):
+        rows = f" ({out.shape[0]} rows where the batch has {BATCH}: is the last, shorter split lost?)" \
+            if out.dim() and out.shape[0] != BATCH else ""
+        raise Wrong(f"your output {how_far(out.detach(), want)}{rows}")
+    return tl, labels
+
+
+def _forwards(tl, label) -> list:
+    return [s for s in tl.filter(rank=label, kind="F")]
+
+
+@checker("02_naive_forward")
+def check_naive_forward(my_forward_naive) -> str:
+    """`my_forward_naive(model, x, devs)`: seq1 on device 0, the activation copied to device 1,
+    seq2 and fc there (`model_parallel.second_half`)."""
+    tl, (d0, d1) = _run(my_forward_naive)
+    if not _forwards(tl, d0) or not _forwards(tl, d1):
+        idle = d0 if not _forwards(tl, d0) else d1
+        raise Wrong(f"device {idle} ran no forward: submit seq1 to devs[0]'s stream and second_half to devs[1]'s")
+    if not tl.filter(rank=d1, kind="copy"):
+        raise Wrong(f"nothing was copied to {d1}: its stream must copy device 0's activation before using it")
+    return f"the output equals the whole model's; {d0} ran seq1, {d1} copied its activation and ran the rest"
+
+
+@checker("03_split_forward")
+def check_split_forward(my_forward_pipelined) -> str:
+    """`my_forward_pipelined(model, x, devs, split_size)`: the batch cut into splits, each through
+    device 0 then device 1, every split submitted before any result is waited for."""
+    tl, (d0, d1) = _run(my_forward_pipelined, SPLIT)
+    splits = -(-BATCH // SPLIT)
+    for label in (d0, d1):
+        ran = {s.mb for s in _forwards(tl, label)}
+        if len(ran) != splits:
+            raise Wrong(f"{label} ran {len(ran)} split(s) ({sorted(ran, key=str)}) where a batch of {BATCH} in splits "
+                        f"of {SPLIT} has {splits}: submit each split with its mb=i, cut with x.split(split_size)")
+    return f"the output equals the whole model's; both devices ran all {splits} splits of {SPLIT} rows"
+
+
+@checker("04_event_wait")
+def check_event_wait(my_dual_stream) -> str:
+    """`my_dual_stream(model, x, devs, split_size)`: each split's copy goes on device 1's copy
+    stream into a buffer; device 1's compute must wait for an event recorded after that copy."""
+    from pipelab.model_parallel import raw_hazards
+
+    try:
+        tl, (d0, d1) = _run(my_dual_stream, SPLIT, no_grad=True)
+    except Wrong as e:
+        if "NaN" in str(e):
+            raise Wrong(f"{e}: does device 1's compute stream wait for an Event recorded after each copy?") from None
+        raise
+    if not tl.filter(rank=d1, kind="copy"):
+        raise Wrong(f"nothing was copied to {d1}: copy each split on devs[1].stream('copy') into a buffer")
+    early = raw_hazards(tl, d1)
+    if early:
+        raise Wrong(f"split(s) {early}: {d1}'s compute started before the copy had landed (a read-after-write race): "
+                    "make the compute stream wait for an Event recorded on the copy stream after each copy")
+    return f"the output equals the whole model's, and {d1} read every split only after its copy landed"
