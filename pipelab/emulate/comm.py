@@ -158,6 +158,7 @@ class Queue:
         self.entries: queue.SimpleQueue = queue.SimpleQueue()
         self.current: list[Op] = []  # the entry at the head, running
         self.pending: list[Op] = []  # issued and not finished, in issue order
+        self.lock = threading.Lock()
         self.busy_until = 0.0  # when the last entry ended (rank's clock)
         self.issued = 0
         self.broken: BaseException | None = None
@@ -168,7 +169,8 @@ class Queue:
         return self.issued
 
     def put(self, entry: list[Op]) -> None:
-        self.pending += entry
+        with self.lock:
+            self.pending += entry
         self.entries.put(entry)
 
     def work(self) -> None:
@@ -186,7 +188,8 @@ class Queue:
                     op.error = e
             finally:
                 self.current = []
-                self.pending = [op for op in self.pending if op not in entry]
+                with self.lock:
+                    self.pending = [op for op in self.pending if op not in entry]
                 self.rule.progressed()
                 for op in entry:
                     op.complete()
@@ -493,7 +496,7 @@ class Watchdog:
         head = op.queue.current if op.queue is not None else []
         if head and op not in head:
             text += ", queued behind its " + " and ".join(h.describe() for h in head)
-        elif op.queue is not None and (behind := [o for o in op.queue.pending if o not in head and o is not op]):
+        elif op.queue is not None and (behind := [o for o in list(op.queue.pending) if o not in head and o is not op]):
             text += f", before it can run its {behind[0].describe()}"
         return text
 

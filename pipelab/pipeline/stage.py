@@ -25,14 +25,18 @@ from __future__ import annotations
 
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 import torch
 from torch import nn
 
+from pipelab.models import trainable_parameters
 from pipelab.pipeline.p2p import P2P, Message
 from pipelab.pipeline.schedules import Action, Schedule
 from pipelab.timeline import now
+
+if TYPE_CHECKING:
+    from pipelab.worker import RankContext
 
 
 @dataclass
@@ -49,17 +53,19 @@ class Stash:
 
 
 class StashMeter:
-    """Counts live stashes and their bytes over the step, so memory is measured, not assumed."""
+    """Counts live stashes and their bytes over the step, so memory is measured, not assumed.
+    `clock` stamps the changes (the rank's: logical on an emulated node)."""
 
-    def __init__(self):
+    def __init__(self, clock: Callable[[], float] = now):
+        self.clock = clock
         self.live = 0
         self.live_bytes = 0
-        self.trace: list[tuple[float, int, int]] = [(now(), 0, 0)]  # (time, stashes, bytes)
+        self.trace: list[tuple[float, int, int]] = [(clock(), 0, 0)]  # (time, stashes, bytes)
 
     def change(self, count: int, nbytes: int) -> None:
         self.live += count
         self.live_bytes += nbytes
-        self.trace.append((now(), self.live, self.live_bytes))
+        self.trace.append((self.clock(), self.live, self.live_bytes))
 
     @property
     def peak(self) -> int:
@@ -105,35 +111,18 @@ def replayed_rng(state: tuple, device: torch.device):
         yield
 
 
-def trainable(module: nn.Module) -> list[nn.Parameter]:
-    """The parameters of `module` that get gradients (frozen ones get none)."""
-    return [p for p in module.parameters() if p.requires_grad]
-
-
 def forward_by_layer(module: nn.Module, x: torch.Tensor):
     """Run `module`, keeping each parameterised layer's output: W needs the gradient there."""
     if not isinstance(module, nn.Sequential):
-        out, params = module(x), trainable(module)
+        out, params = module(x), [p for _, p in trainable_parameters(module)]
         return out, [(out, params)] if params else []
     layers, h = [], x
     for layer in module:
         h = layer(h)
-        params = trainable(layer)
+        params = [p for _, p in trainable_parameters(layer)]  # frozen ones get no gradient
         if params:
             layers.append((h, params))
     return h, layers
-
-
-def sums_over_samples(loss_fn: Callable) -> bool:
-    """Whether `loss_fn` sums over its samples (`reduction="sum"`) rather than averaging them
-    (torch's default, `reduction="mean"`). A plain function, which has no `reduction`, is taken to average."""
-    return getattr(loss_fn, "reduction", "mean") == "sum"
-
-
-def loss_divisor(loss_fn: Callable, num_microbatches: int) -> int:
-    """What each micro-batch's loss is divided by, so that the m of them add up to the batch's loss:
-    m for a loss that averages over its samples, 1 for one that sums them."""
-    return 1 if sums_over_samples(loss_fn) else num_microbatches
 
 
 def gradients(outputs: torch.Tensor, inputs: list[torch.Tensor], grad_out: torch.Tensor | None) -> list:
@@ -146,22 +135,35 @@ def gradients(outputs: torch.Tensor, inputs: list[torch.Tensor], grad_out: torch
 
 class StageRunner:
     """Runs the F, B, I and W actions of the stages one rank holds (`modules`: stage -> module);
-    with `checkpoint`, F keeps only each stage's input and the backward recomputes the rest."""
+    with `checkpoint`, F keeps only each stage's input and the backward recomputes the rest.
 
-    def __init__(self, ctx, schedule: Schedule, modules: dict[int, nn.Module], loss_fn: Callable,
-                 p2p: P2P, x_mbs: list[torch.Tensor], y_mbs: list[torch.Tensor], checkpoint: bool = False):
+    On an emulated node `costs[stage]` gives each kind's modelled seconds ({"F", "B", "I", "W"},
+    e.g. `emulate.cost.stage_seconds` at the emulated size): each span then lasts that on the
+    rank's logical clock, whatever the real math took (a recompute R lasts its forward's)."""
+
+    def __init__(self, ctx: RankContext, schedule: Schedule, modules: dict[int, nn.Module], loss_fn: Callable,
+                 p2p: P2P, x_mbs: list[torch.Tensor], y_mbs: list[torch.Tensor], checkpoint: bool = False,
+                 costs: dict[int, dict[str, float]] | None = None):
         self.ctx, self.schedule, self.modules, self.loss_fn = ctx, schedule, modules, loss_fn
         self.p2p, self.x_mbs, self.y_mbs, self.checkpoint = p2p, x_mbs, y_mbs, checkpoint
+        self.costs = costs or {}
         self.last = schedule.num_stages - 1
         # A (stage, micro-batch) whose backward is split into I and W runs its forward layer by layer.
         self.split = schedule.split_backwards()
         self.stash: dict[tuple[int, int], Stash] = {}
-        self.meter = StashMeter()
+        self.meter = StashMeter(getattr(ctx.rec, "now", now))
         self.losses: list[torch.Tensor] = []
-        self.divisor = loss_divisor(loss_fn, schedule.num_microbatches)
+        # Each micro-batch's loss over m, so the m backwards add up to the batch's mean loss's gradient
+        # (every Config refuses a loss that sums over its samples: checks.mean_loss).
+        self.divisor = schedule.num_microbatches
         # Saved tensors that are not stash: the weights, and the batch itself (it lives anyway).
         self.not_stash = {t.untyped_storage().data_ptr() for t in [*x_mbs, *y_mbs]}
         self.not_stash |= {p.untyped_storage().data_ptr() for m in modules.values() for p in m.parameters()}
+
+    def cost(self, stage: int, kind: str) -> float | None:
+        """The modelled seconds of `kind` on `stage` (None where nothing is modelled)."""
+        costs = self.costs.get(stage)
+        return None if costs is None else costs["F" if kind == "R" else kind]
 
     def run(self, action: Action) -> None:
         """Run one action: the method named by its kind."""
@@ -174,7 +176,7 @@ class StageRunner:
         if stage > 0 and x.is_floating_point():  # the gradient of what we received goes back
             x.requires_grad_(True)
         saved = SavedBytes(self.not_stash)
-        with self.ctx.rec.span("F", mb=mb, stage=stage):
+        with self.ctx.rec.span("F", mb=mb, stage=stage, cost=self.cost(stage, "F")):
             if self.checkpoint:  # no graph: keep the input and the random state to run it again
                 rng = rng_state(self.ctx.device)
                 with torch.no_grad():
@@ -210,7 +212,8 @@ class StageRunner:
         recording this time, with the random state of the first run. Its saved bytes join the stash."""
         st = self.stash[stage, mb]
         saved = SavedBytes(self.not_stash | {st.inputs.untyped_storage().data_ptr()})  # counted already
-        with self.ctx.rec.span("R", mb=mb, stage=stage), saved.hooks(), replayed_rng(st.rng, self.ctx.device):
+        with (self.ctx.rec.span("R", mb=mb, stage=stage, cost=self.cost(stage, "R")), saved.hooks(),
+              replayed_rng(st.rng, self.ctx.device)):
             st.outputs, st.layers = self.forward(stage, mb, st.inputs)
         for layer_out, _ in st.layers:
             saved.add(layer_out)
@@ -232,7 +235,7 @@ class StageRunner:
         input gradient back and free the stash."""
         grad_out = self.output_grad(stage, mb)
         st = self.stashed(stage, mb)
-        with self.ctx.rec.span("B", mb=mb, stage=stage):
+        with self.ctx.rec.span("B", mb=mb, stage=stage, cost=self.cost(stage, "B")):
             if st.outputs.requires_grad:
                 torch.autograd.backward(st.outputs, grad_out)
         self.free(stage, mb)
@@ -243,7 +246,7 @@ class StageRunner:
         grad_out = self.output_grad(stage, mb)
         st = self.stashed(stage, mb)
         takes_grad = st.inputs.requires_grad  # a received floating-point activation
-        with self.ctx.rec.span("I", mb=mb, stage=stage):
+        with self.ctx.rec.span("I", mb=mb, stage=stage, cost=self.cost(stage, "I")):
             wanted = ([st.inputs] if takes_grad else []) + [out for out, _ in st.layers]
             grads = gradients(st.outputs, wanted, grad_out)
         st.output_grads = grads[1:] if takes_grad else grads
@@ -252,7 +255,7 @@ class StageRunner:
     def W(self, stage: int, mb: int) -> None:
         """Weight gradients of `stage` on `mb`, from the output gradients I kept; free the stash."""
         st = self.stash[stage, mb]
-        with self.ctx.rec.span("W", mb=mb, stage=stage):
+        with self.ctx.rec.span("W", mb=mb, stage=stage, cost=self.cost(stage, "W")):
             for (out, params), g in zip(st.layers, st.output_grads):
                 # Each layer's weight gradient from its own output gradient: no walk back through
                 # the earlier layers, which I already did.
