@@ -39,17 +39,19 @@ def time_steps(ctx: "RankContext", step: Callable[[int], Any], steps: int, prepa
     """Run `step(i)` for i in range(steps) on this rank and time each one.
 
     Each step: `prepare(i)` (e.g. zero the gradients; not timed), a barrier, a fresh timeline,
-    the clock, the step, the GPU drained, the clock."""
+    the clock, the step, the GPU drained, the clock. The clock is the rank's (`ctx.now`): the
+    logical clock on an emulated node, where a step lasts what the models give."""
+    clock = getattr(ctx, "now", now)
     results, seconds, timelines = [], [], []
     for i in range(steps):
         if prepare is not None:
             prepare(i)
         ctx.barrier()  # every rank starts the step together, so a step time is the step's
         ctx.rec.clear()
-        start = now()
+        start = clock()
         results.append(step(i))
         synchronize(ctx.device)
-        seconds.append(now() - start)
+        seconds.append(clock() - start)
         timelines.append(ctx.rec.timeline())
     timed = timed_slice(steps, warmup)
     return RankSteps(results, seconds[timed], timelines[timed])
