@@ -14,7 +14,6 @@ from pipelab.experiments.pipeline import PipelineRun, pooled_bubble, recv_waits
 from pipelab.measure import Measured, compare, ratios
 from pipelab.pipeline.simulate import SimResult, gpipe_bubble
 
-# ---------------------------------------------------------------------------------------------
 
 def typical_step(run: PipelineRun) -> str:
     """Which timed step a picture of `run.timeline` shows, and how its length compares."""
