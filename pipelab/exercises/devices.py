@@ -5,11 +5,15 @@ timeline the devices recorded (which device ran what, whether a read came before
 
 from __future__ import annotations
 
+import threading
+import time
+
 import torch
 
 from pipelab.exercises.core import Wrong, call, checker, how_far, same
 
 BATCH, WIDTH, SPLIT = 10, 16, 4  # 10 rows in splits of 4: the last split is shorter
+HOLD_SECONDS = 1.0
 
 
 def _case():
@@ -19,7 +23,22 @@ def _case():
     return SplitMLP(WIDTH, 1, 4), torch.randn(BATCH, WIDTH)
 
 
-def _run(fn, *args, no_grad: bool = False):
+def _late_producer(devs) -> None:
+    """Hold device 0 back, as if busy with earlier work, until device 1 has run a forward (or for at
+    most HOLD_SECONDS): a read that does not wait for its copy then comes first by construction,
+    not by chance. A correct answer waits for the copy, so it costs the HOLD_SECONDS."""
+    release = devs[0].stream("compute").hold()
+
+    def watch():
+        end = time.monotonic() + HOLD_SECONDS
+        while time.monotonic() < end and not devs[1].timeline().filter(kind="F"):
+            time.sleep(0.01)
+        release()
+
+    threading.Thread(target=watch, daemon=True).start()
+
+
+def _run(fn, *args, no_grad: bool = False, late_producer: bool = False):
     """`fn(model, x, devs, *args)` on two fresh devices: its output (a tensor) and the timeline."""
     from pipelab import streams
 
@@ -27,6 +46,8 @@ def _run(fn, *args, no_grad: bool = False):
     with torch.no_grad():
         want = model(x)
     with streams.devices(2) as devs:
+        if late_producer:
+            _late_producer(devs)
         with torch.no_grad() if no_grad else torch.enable_grad():
             out = call(fn, model, x, devs, *args)
         out = out.result() if hasattr(out, "result") else out
@@ -83,7 +104,7 @@ def check_event_wait(my_dual_stream) -> str:
     from pipelab.model_parallel import raw_hazards
 
     try:
-        tl, (d0, d1) = _run(my_dual_stream, SPLIT, no_grad=True)
+        tl, (d0, d1) = _run(my_dual_stream, SPLIT, no_grad=True, late_producer=True)
     except Wrong as e:
         if "NaN" in str(e):
             raise Wrong(f"{e}: does device 1's compute stream wait for an Event recorded after each copy?") from None
