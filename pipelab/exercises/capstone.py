@@ -107,7 +107,8 @@ def check_perplexity(my_perplexity) -> str:
     wrong = {
         math.exp(sum(losses) / len(losses)): f"exp of the micro-batches' mean loss: weight each loss by its tokens "
                                               f"({tokens}), since the last micro-batch is shorter",
-        math.exp(sum(losses) / sum(tokens)): "each loss is already a mean over its tokens: it is divided by the token count twice",
+        math.exp(sum(losses) / sum(tokens)): "each loss is already a mean over its tokens: "
+                                             "it is divided by the token count twice",
         math.exp(sum(losses)): "the losses are summed but never divided: average them per token",
         sum(l * n for l, n in zip(losses, tokens)) / sum(tokens): "that is the loss per token; perplexity is its exp",
     }

@@ -145,7 +145,8 @@ def check_zero2_shard(my_gradient_shard) -> str:
         if not same(got, shards[rank]):
             scaled = "x the reference" in how_far(got, shards[rank], hints)
             raise Wrong(f"rank {rank}: your shard {how_far(got, shards[rank], hints)}"
-                        + ("" if scaled else ": is it the reduce-scatter of every rank's gradient (their sum), divided by the world size?"))
+                        + ("" if scaled else ": is it the reduce-scatter of every rank's gradient (their sum), "
+                                             "divided by the world size?"))
     return f"each of {ZERO_RANKS} ranks holds its {ZERO_NUMEL // ZERO_RANKS} elements of the averaged gradient"
 
 
@@ -187,8 +188,9 @@ def check_row_parallel(my_row_parallel) -> str:
             continue
         if got.shape == want.shape:
             extra = (got - want) / layer.bias.detach()
-            if torch.allclose(extra, extra.mean().expand_as(extra), atol=1e-4) and abs(extra.mean() - round(float(extra.mean()))) < 1e-3:
-                times = round(float(extra.mean())) + 1
+            biases = float(extra.mean())  # how many extra biases the output holds, if it is that
+            if torch.allclose(extra, torch.full_like(extra, biases), atol=1e-4) and abs(biases - round(biases)) < 1e-3:
+                times = round(biases) + 1
                 raise Wrong(f"rank {rank}: your output is the reference plus {times - 1}x the bias, so the bias is added "
                             f"{times} times (once per rank, before the all-reduce sums them): add it once, after")
         raise Wrong(f"rank {rank}: your output {how_far(got, want)}: is the partial product x_shard @ weight_shard.T "

@@ -122,13 +122,15 @@ def check_few_microbatches(my_1f1b_actions) -> str:
                 peak = max(peak, live)
             if peak > p - r:
                 raise Wrong(f"with {p} ranks and {m} micro-batches, rank {r} holds {peak} micro-batches' activations "
-                            f"at once: 1F1B starts a backward as soon as it can and holds at most {p - r} (num_ranks - rank)")
+                            f"at once: 1F1B starts a backward as soon as it can and holds at most {p - r} "
+                            "(num_ranks - rank)")
     for p, m in [(4, 2), (2, 1)]:
         try:
             my_1f1b_actions(0, p, m)
         except ValueError as e:
             if str(m) not in str(e) or str(p) not in str(e):
-                raise Wrong(f"refused {m} micro-batches on {p} ranks, but the message does not name both numbers: {e}") from None
+                raise Wrong(f"refused {m} micro-batches on {p} ranks, but the message does not name both "
+                            f"numbers: {e}") from None
             continue
         except Exception as e:  # noqa: BLE001
             raise Wrong(f"with {m} micro-batches on {p} ranks it raised {type(e).__name__}, not a ValueError: {e}") from None
