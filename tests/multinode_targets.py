@@ -21,6 +21,7 @@ from pipelab.experiments import ddp as ddp_experiment
 from pipelab.pipeline.partition import split_model
 from pipelab.experiments import pipeline as pipeline_experiment
 from pipelab.pipeline.schedules import Schedule, make_schedule
+from pipelab.worker import RankContext
 
 OUT_DIR = "PIPELAB_MULTINODE_OUT"  # the environment variable naming the output folder
 DDP_BUCKET_CAP_MB = 0.005  # a few buckets for this small model, so BucketedDDP overlaps
@@ -48,13 +49,13 @@ def gpipe_inputs() -> tuple[list[nn.Module], Schedule, torch.Tensor, torch.Tenso
     return stages, make_schedule("gpipe", 2, 4), torch.randn(16, 32), torch.randn(16, 32)
 
 
-def ddp_step(ctx) -> str:
+def ddp_step(ctx: RankContext) -> str:
     """Lesson 01's worker: one checked SGD step of each variant (naive, bucketed, torch)."""
     result = ddp_experiment.worker(ctx, ddp_config(ctx.world_size))
     return _save(ctx, "ddp_step", result)
 
 
-def gpipe_step(ctx) -> str:
+def gpipe_step(ctx: RankContext) -> str:
     """Lesson 06's worker: one GPipe step (forward and backward, no optimizer)."""
     stages, schedule, x, y = gpipe_inputs()
     cfg = pipeline_experiment.Config(world_size=ctx.world_size, stages=stages, schedules=[schedule], x=x, y=y,
@@ -63,7 +64,7 @@ def gpipe_step(ctx) -> str:
     return _save(ctx, "gpipe_step", result)
 
 
-def _save(ctx, name: str, result) -> str:
+def _save(ctx: RankContext, name: str, result) -> str:
     """Write this rank's result where the test looks (write aside, then rename: never half a file)."""
     path = os.path.join(os.environ[OUT_DIR], f"{name}-rank{ctx.rank}.pt")
     torch.save(result, path + ".tmp")

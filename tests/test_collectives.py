@@ -12,11 +12,12 @@ from pipelab.experiments import collectives as lesson
 from pipelab.launch import spawn
 from pipelab.measure import Measured
 from pipelab.timeline import Span, Timeline
+from pipelab.worker import RankContext
 
 NUMELS = [1, 2, 3, 5, 8, 1000, 1001]  # fewer elements than ranks, N dividing the length, and not
 
 
-def ring_against_torch(ctx, numels, shape=None):
+def ring_against_torch(ctx: RankContext, numels, shape=None):
     """Worker: for each length, whole numbers (exact sums) and random floats on every rank, summed
     by our ring and by dist.all_reduce. Returns (exact, largest float difference) per length."""
     out = []
@@ -46,7 +47,7 @@ def test_ring_all_reduce_keeps_the_shape_and_works_in_place():
         assert per_rank == [(True, pytest.approx(0.0, abs=1e-5))]
 
 
-def ring_in_subgroup(ctx):
+def ring_in_subgroup(ctx: RankContext) -> list[float]:
     """Worker on 3 ranks: ranks 0 and 2 form a group and ring-reduce within it; rank 1 stays out."""
     group = dist.new_group([0, 2])
     t = torch.full((5,), float(ctx.rank + 1))
@@ -60,7 +61,7 @@ def test_ring_all_reduce_within_a_group_uses_the_group_ranks():
 
 
 def test_ring_all_reduce_refuses_a_non_contiguous_tensor():
-    def worker(ctx):
+    def worker(ctx: RankContext) -> bool:
         with pytest.raises(ValueError, match="contiguous"):
             ring_all_reduce(torch.zeros(4, 4).t())
         return True

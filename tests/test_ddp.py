@@ -17,6 +17,7 @@ from pipelab.experiments import ddp
 from pipelab.experiments.ddp import VARIANTS, DDPRun, replica_spread
 from pipelab.launch import spawn
 from pipelab.reference import assert_same, reference_run
+from pipelab.worker import RankContext
 
 
 def run_ddp(model, x, y, **kwargs) -> dict[str, DDPRun]:
@@ -239,7 +240,7 @@ def test_an_unused_parameter_keeps_no_gradient_like_one_process():
         assert_same(run, ref)
 
 
-def edge_cases_worker(ctx):
+def edge_cases_worker(ctx: RankContext) -> dict:
     """Several checks in one set of processes; returns what each rank saw."""
     seen = {}
     x, y = batch(8, 6, 2, seed=ctx.rank)
@@ -341,7 +342,7 @@ def test_bucket_sweep_runs_every_size_in_one_set_of_processes():
     assert alone[0].torch_step_time is None and alone[0].ratio is None
 
 
-def buffers_worker(ctx):
+def buffers_worker(ctx: RankContext) -> dict:
     """A BatchNorm model trained 3 steps with each wrapper, each rank on data of its own scale:
     the running statistics each rank ends with, and how far apart the ranks' are."""
     wrappers = {"naive": NaiveDDP, "bucketed": BucketedDDP, "torch": nn.parallel.DistributedDataParallel,
