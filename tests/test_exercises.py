@@ -203,3 +203,24 @@ def test_cli_grade_needs_a_folder(tmp_path, capsys):
     assert main(["exercises", "grade"]) == 2
     assert main(["exercises", "grade", str(tmp_path / "missing")]) == 2
     assert "not a folder" in capsys.readouterr().err
+
+
+def test_notebook_exercise_cells_are_complete():
+    """Each exercise a notebook states has its student cell, a checker cell that loads the solution
+    when `solutions` is True, and the `solutions = False` parameter."""
+    import glob
+    import os
+
+    from pipelab.exercises.grading import submitted_code
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    for path in sorted(glob.glob(os.path.join(root, "notebooks", "*.ipynb"))):
+        nb = nbformat.read(path, as_version=4)
+        found = submitted_code(path)
+        sources = "\n".join(c.source for c in nb.cells)
+        for name in found:
+            check = exercises.EXERCISES[name][1].__name__
+            assert f'exercises.solution("{name}")' in sources and f"exercises.{check}(" in sources, (path, name)
+        if found:
+            params = next(c for c in nb.cells if "parameters" in c.metadata.get("tags", []))
+            assert "solutions = False" in params.source, path
