@@ -26,6 +26,7 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from pipelab.collectives import ring_all_reduce_time
 from pipelab.emulate.specs import Device, Link, torch_dtype
+from pipelab.models import trainable_parameters
 
 # Model FLOPs utilisation of well-tuned large-model training is about half the peak: Megatron-LM
 # reports 52% of the A100's peak per GPU (Narayanan et al., "Efficient Large-Scale Language Model
@@ -158,7 +159,7 @@ def forward_backward_counts(module: torch.nn.Module, example_input, dtype=None) 
     module = meta_module(module, dtype)
     inputs = meta_inputs(example_input, dtype)
     grad_inputs = [x for x in inputs if isinstance(x, torch.Tensor) and x.requires_grad]
-    params = [p for p in module.parameters() if p.requires_grad]
+    params = [p for _, p in trainable_parameters(module)]
     forward = count(module, *inputs)
 
     def backward(wrt: list[torch.Tensor]) -> Counts:

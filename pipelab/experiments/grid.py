@@ -32,6 +32,7 @@ from pipelab.hardware import synchronize
 from pipelab.hybrid import check_grid, grid_place, microbatch_losses, run_grid_step
 from pipelab.measure import Measured, RankSteps, Steps, TimedSteps, alternate, best_of, compare, gather_steps, \
     ratios, time_steps
+from pipelab.models import trainable_parameters
 from pipelab.pipeline.p2p import message_specs
 from pipelab.pipeline.partition import split_model
 from pipelab.pipeline.schedules import make_schedule
@@ -360,7 +361,7 @@ def predicted_seconds(layout: Layout, one_device: float, devices: int) -> float:
 def allreduce_bytes(layout: Layout, model: nn.Module) -> float:
     """Bytes each process sends per step in its data-parallel all-reduce (a ring sends 2 (d-1)/d
     times what it reduces): the gradients of its 1/pipe of the model."""
-    grads = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
+    grads = sum(p.numel() * p.element_size() for _, p in trainable_parameters(model))
     return 2 * (layout.data - 1) / layout.data * grads / layout.pipe
 
 

@@ -30,6 +30,7 @@ import torch.nn as nn
 from pipelab.checks import whole_number
 from pipelab.hardware import synchronize
 from pipelab.measure import Measured
+from pipelab.models import trainable_parameters
 
 METHODS = ("uniform", "parameters", "type:REGEX", "profile")
 
@@ -116,7 +117,7 @@ def parameter_counts(layers: Sequence) -> list[int]:
     with torch.random.fork_rng(devices=[]):  # building draws random weights: keep the caller's seed
         for layer in layers:
             module = layer.build() if hasattr(layer, "typename") else layer
-            counts.append(sum(p.numel() for p in module.parameters() if p.requires_grad)
+            counts.append(sum(p.numel() for _, p in trainable_parameters(module))
                           if isinstance(module, nn.Module) else 0)
     return counts
 
