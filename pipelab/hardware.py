@@ -192,9 +192,29 @@ def _machine(hw: Hardware) -> str:
     return f"no GPU, {hw.cpu_cores} CPU cores ({platform.processor() or platform.machine()})"
 
 
-def describe(world_size: int = 2) -> str:
-    """One line: the machine, and the path `world_size` ranks (one process each) take on it."""
+DEFAULT_NODE = "H100-nvlink"  # what a timing lesson emulates where the machine lacks the GPUs
+
+
+def lesson_node(world_size: int, emulate: str | None = "auto", kind: str = DEFAULT_NODE) -> str | None:
+    """The emulated node a timing lesson runs its `world_size` ranks on: none where this machine
+    has a GPU per rank (nothing is emulated there) or where `emulate` is None; with "auto",
+    `world_size` x `kind` (e.g. "2xH100-nvlink"); any other name as given."""
+    if emulate is None or (emulate == "auto" and gpu_count() >= world_size):
+        return None
+    return f"{world_size}x{kind}" if emulate == "auto" else emulate
+
+
+def describe(world_size: int = 2, emulate: str | None = None) -> str:
+    """One line: the machine, and the path `world_size` ranks (one process each) take on it; with
+    `emulate` (a node name), that the ranks run on that emulated node and what is modelled."""
     hw = detect()
+    if emulate is not None:
+        from pipelab.emulate.specs import parse_node
+
+        node = parse_node(emulate)
+        path = (f"Emulated node: {world_size} ranks as {node} (real processes, real math and real gloo messages "
+                "on this machine's CPU; each operation's time modelled from the device and link data sheets)")
+        return f"{path} | {_machine(hw)} | torch {hw.torch_version}"
     backend = choose_backend(world_size)
     if backend == "nccl":
         path = f"GPU path: {world_size} ranks on cuda:0..{world_size - 1} with NCCL"

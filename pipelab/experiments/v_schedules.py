@@ -44,6 +44,11 @@ class Config(experiments.Config):
     steps: int = 3
     schedules: tuple[str, ...] = tuple(SCHEDULES)
     with_torch: bool = True
+    # On an emulated node each stage's F, B, I and W last what the device model gives for the same
+    # layers at this size: `emulated_width` wide, `emulated_microbatch` rows, in `emulated_dtype`.
+    emulated_width: int = 8192
+    emulated_microbatch: int = 4096
+    emulated_dtype: str = "bfloat16"
 
     def check(self) -> None:
         super().check()
@@ -119,9 +124,10 @@ def worker(ctx: RankContext, cfg: Config) -> Result:
         modules = {s: stages[s] for s in schedule.stages_of(ctx.rank)}
         specs = message_specs(stages, x, schedule.num_microbatches)
         first: dict = {}
+        costs = stage_costs(ctx, cfg, schedule.num_stages, modules)
 
-        def step(i: int, schedule=schedule, modules=modules, specs=specs, first=first) -> None:
-            done = run_step(ctx, schedule, modules, nn.MSELoss(), x, y, specs)
+        def step(i: int, schedule=schedule, modules=modules, specs=specs, first=first, costs=costs) -> None:
+            done = run_step(ctx, schedule, modules, nn.MSELoss(), x, y, specs, costs=costs)
             if i == 0:
                 first["losses"] = [float(l) for l in done.losses]
                 first["grads"] = {s: [p.grad.clone() for p in m.parameters()] for s, m in modules.items()}
@@ -134,6 +140,21 @@ def worker(ctx: RankContext, cfg: Config) -> Result:
         out[name] = ScheduleResult(first["losses"], first["grads"], first["stash"].peak, first["stash"].peak_bytes,
                                    timed.seconds, timed.timelines, torch_losses)
     return Result(ctx.rank, out)
+
+
+def stage_costs(ctx: RankContext, cfg: Config, num_stages: int, modules) -> dict[int, dict[str, float]] | None:
+    """On an emulated node, each of this rank's stages' modelled F, B, I and W seconds for the same
+    layers at the emulated size (counted on the meta device, so the size costs no memory)."""
+    if ctx.emulator is None:
+        return None
+    from pipelab.emulate.cost import stage_seconds
+
+    layers = cfg.layers // num_stages
+    big = nn.Sequential(*(layer for _ in range(layers) for layer in (nn.Linear(cfg.emulated_width, cfg.emulated_width),
+                                                                        nn.Tanh()))).to("meta")
+    example = torch.empty(cfg.emulated_microbatch, cfg.emulated_width, device="meta")
+    seconds = stage_seconds(big, example, ctx.emulator.node.device, cfg.emulated_dtype)
+    return {s: seconds for s in modules}
 
 
 def _torch_losses(ctx: RankContext, cfg: Config, name: str, schedule: Schedule, x, y) -> list[float]:
@@ -231,15 +252,21 @@ def _grad_difference(cfg: Config, num_stages: int, grads, ref_grads) -> float:
 
 
 def dualpipe_formulas(p: int, F: float, B: float, W: float, FB: float | None = None) -> dict[str, dict]:
-    """The DualPipe README's comparison (deepseek-ai/DualPipe): bubble in time units of a chunk's
-    F, B (full backward), W (weight backward) and F&B (an overlapped forward and backward; F + B
-    when nothing overlaps), activation memory per device in micro-batches of one 1F1B stage, and
-    parameter copies per device. PP is the number of ranks p; a V chunk is half a 1F1B stage."""
-    FB = F + B if FB is None else FB
+    """The DualPipe README's comparison (deepseek-ai/DualPipe, README "Pipeline Bubbles and Memory
+    Usage Comparison"), for one model on p devices. The README counts in PP stages ("chunks", PP
+    even) with F, B (full backward), W (weight backward) and F&B (an overlapped forward and backward)
+    the times of one chunk: 1F1B and ZB1P put PP = p chunks on p devices, DualPipeV PP = 2p chunks
+    on PP/2 = p devices, each half the size. Here F, B and W are the times of one *1F1B stage*, so a
+    DualPipeV chunk takes half of each; F&B defaults to F + B (nothing overlaps). Activations per
+    device are in micro-batches of one 1F1B stage: the README's PP + 1 chunks are p + 1/2 stages.
+    Parameters per device: the README's "2x" is against devices that hold one chunk each; with the
+    same model on the same p devices every schedule holds the same bytes."""
+    half = (F / 2, B / 2, W / 2)
+    fb = sum(half[:2]) if FB is None else FB / 2
     return {
-        "1F1B": {"bubble": (p - 1) * (F + B), "activations": p, "parameters": 1},
-        "ZB-H1": {"bubble": (p - 1) * (F + B - 2 * W), "activations": p, "parameters": 1},
-        "DualPipeV": {"bubble": (p / 2 - 1) * (FB + B - 3 * W), "activations": p + 1, "parameters": 2},
+        "1F1B": {"bubble": (p - 1) * (F + B), "activations": p},
+        "ZB-H1": {"bubble": (p - 1) * (F + B - 2 * W), "activations": p},
+        "DualPipeV": {"bubble": (2 * p / 2 - 1) * (fb + half[1] - 3 * half[2]), "activations": (2 * p + 1) / 2},
     }
 
 
@@ -273,8 +300,57 @@ def same_as_one_process(run: VRun) -> tuple[str, str, str, dict]:
 
 
 def stash_verdict(run: VRun, a: str = "ZB-H1", b: str = "1F1B") -> tuple[str, str, str, dict]:
-    """Whether `a` kept at most what `b` kept, in peak stash bytes on any rank."""
+    """Whether `a` kept at most what `b` kept, in peak stash bytes on any rank, and in micro-batches."""
     pa, pb = max(run[a].stash_peak_bytes.values()), max(run[b].stash_peak_bytes.values())
+    half = lambda name: 0.5 if isinstance(run[name].schedule, VSchedule) else 1.0  # noqa: E731
+    na, nb = max(run[a].stash_peak.values()) * half(a), max(run[b].stash_peak.values()) * half(b)
     verdict = "at or below" if pa <= pb else "above"
-    text = f"{a} kept at most {pa:,} stash bytes on a rank, {pa / pb:.2f}x {b}'s {pb:,} ({verdict} it)"
+    text = (f"{a} kept at most {pa:,} stash bytes on a rank, {pa / pb:.2f}x {b}'s {pb:,} ({verdict} it), "
+            f"while holding {na:g} micro-batches of one 1F1B stage against {b}'s {nb:g}")
+    if verdict == "above" and na <= nb:
+        text += ": as many micro-batches, more bytes each, for what waits between a micro-batch's I and its W"
     return f"13.stash_{a}_vs_{b}", verdict, text, {a: pa, b: pb}
+
+
+def work_per_rank(run: VRun, name: str) -> float:
+    """Seconds of compute each rank has to do in one step (every rank does the same here: equal
+    layers, and a V rank's two chunks are one 1F1B stage's worth)."""
+    tl = run[name].timeline
+    return max(tl.busy_time(rank) for rank in tl.ranks)
+
+
+def bubble_times(run: VRun) -> list[dict]:
+    """Per schedule, the bubble as time (a step's length minus one rank's work): the DualPipe
+    README's formula with this run's costs, the simulator, and the run, in milliseconds."""
+    c = run["1F1B"].simulated.costs if "1F1B" in run.schedules else next(iter(run.schedules.values())).simulated.costs
+    F, W = c.forward, c.backward_weight
+    B = c.backward_input + c.backward_weight
+    if "ZB-V" in run.schedules and "1F1B" not in run.schedules:  # costs of a half stage: double them
+        F, B, W = 2 * F, 2 * B, 2 * W
+    formulas = dualpipe_formulas(run.cfg.world_size, F, B, W)
+    rows = []
+    for name, r in run.schedules.items():
+        work_ms = 1e3 * work_per_rank(run, name)
+        rows.append({"schedule": name,
+                     "formula (ms)": round(formulas[name]["bubble"], 3) if name in formulas else "-",
+                     "simulated (ms)": round(r.simulated.makespan_ms - work_ms, 3),
+                     "run (ms)": round(1e3 * r.step_time.median - work_ms, 3),
+                     "activations, formula (1F1B stages)": formulas[name]["activations"] if name in formulas else "-",
+                     "activations, run": max(r.stash_peak.values()) * (0.5 if isinstance(r.schedule, VSchedule) else 1)})
+    return rows
+
+
+def bubble_verdict(run: VRun) -> tuple[str, str, str, dict]:
+    """Which schedule left the least idle time on this run, and how the run compares with the
+    simulator playing the same costs (what the runtime adds: waits and messages)."""
+    rows = {r["schedule"]: r for r in bubble_times(run)}
+    order = sorted(rows, key=lambda n: rows[n]["run (ms)"])
+    ranking = order[0]
+    for before, name in zip(order, order[1:]):  # within 5 %: a tie, not an order
+        ranking += (" = " if rows[name]["run (ms)"] <= 1.05 * rows[before]["run (ms)"] else " < ") + name
+    added = max(rows[n]["run (ms)"] - rows[n]["simulated (ms)"] for n in rows)
+    where = f"on an emulated node ({run.cfg.emulate})" if run.cfg.emulate else "on this machine's CPU cores"
+    text = (f"{where}, the bubbles: {ranking} (" + ", ".join(f"{n} {rows[n]['run (ms)']:.2f} ms" for n in order)
+            + f"); the run exceeds the simulator by at most {added:.3f} ms per step (messages and waits the "
+            "simulator leaves out)")
+    return "13.bubble_order", ranking, text, {n: rows[n]["run (ms)"] for n in order}

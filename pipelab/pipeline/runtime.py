@@ -36,13 +36,15 @@ class Step:
 
 def run_step(ctx: RankContext, schedule: Schedule, modules: dict[int, nn.Module], loss_fn: Callable,
              x: torch.Tensor, y: torch.Tensor, specs: list[list[TensorSpec]],
-             checkpoint: bool = False) -> Step:
+             checkpoint: bool = False, costs: dict[int, dict[str, float]] | None = None) -> Step:
     """One training step (no optimizer): run this rank's actions of `schedule` in order. `specs` are
     the messages' shapes and dtypes (`p2p.message_specs`); `checkpoint` recomputes each stage's
-    forward in its backward instead of stashing its activations."""
+    forward in its backward instead of stashing its activations; on an emulated node, `costs[stage]`
+    gives each kind's modelled seconds (`emulate.cost.stage_seconds`)."""
     m = schedule.num_microbatches
     p2p = P2P(ctx, schedule, specs)
-    runner = StageRunner(ctx, schedule, modules, loss_fn, p2p, list(x.chunk(m)), list(y.chunk(m)), checkpoint)
+    runner = StageRunner(ctx, schedule, modules, loss_fn, p2p, list(x.chunk(m)), list(y.chunk(m)), checkpoint,
+                         costs=costs)
     for action in schedule.actions[ctx.rank]:
         runner.run(action)
     p2p.finish()
