@@ -201,7 +201,9 @@ def _free_port() -> int:
 
 def _start_worker(rank: int, world_size: int, backend: str, port: int, timeout: float,
                   workdir: str, extra_env: dict[str, str] | None = None) -> subprocess.Popen:
-    env = {k: v for k, v in os.environ.items() if k not in ("PIPELAB_EMULATE", "PIPELAB_NCCL_RULE")}
+    # A caller's PIPELAB_NCCL_RULE=1 puts every spawn under NCCL's rule (e.g. a whole test run);
+    # a node to emulate comes only from the call, checked there.
+    env = {k: v for k, v in os.environ.items() if k != "PIPELAB_EMULATE"}
     env.update(extra_env or {})
     env.update({
         "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "RANK": str(rank),

@@ -168,3 +168,51 @@ def test_without_emulation_a_modelled_cost_is_ignored_and_time_is_the_machines()
         (span,) = ctx.timeline().spans
         return ctx.emulator, span.duration < 1.0
     assert spawn(clocks, 2) == [(None, True), (None, True)]
+
+
+def emulated_pipeline(ctx, names, model, x, y, m, costs):
+    """One step of each schedule on this rank, its spans lasting `costs`; the step's time and spans."""
+    from pipelab.pipeline.p2p import P2P, message_specs
+    from pipelab.pipeline.partition import split_model
+    from pipelab.pipeline.schedules import make_schedule
+    from pipelab.pipeline.stage import StageRunner
+
+    out = {}
+    for name in names:
+        schedule = make_schedule(name, ctx.world_size, m)
+        stages = split_model(model, schedule.num_stages)
+        modules = {s: stages[s] for s in range(schedule.num_stages) if schedule.rank_of(s) == ctx.rank}
+        ctx.barrier()
+        ctx.rec.clear()
+        start = ctx.now()
+        p2p = P2P(ctx, schedule, message_specs(stages, x, m))
+        runner = StageRunner(ctx, schedule, modules, torch.nn.MSELoss(), p2p, list(x.chunk(m)), list(y.chunk(m)),
+                             costs={s: costs for s in modules})
+        for action in schedule.actions[ctx.rank]:
+            runner.run(action)
+        p2p.finish()
+        out[name] = (ctx.now() - start, ctx.timeline().filter(lane="compute"))
+    return out
+
+
+def test_an_emulated_pipeline_lasts_what_the_simulator_gives_for_the_same_costs():
+    from pipelab import models
+    from pipelab.emulate.cost import message_seconds
+    from pipelab.emulate.specs import parse_node
+    from pipelab.pipeline.schedules import make_schedule
+    from pipelab.pipeline.simulate import Costs, simulate
+    from pipelab.timeline import Timeline
+
+    torch.manual_seed(0)
+    model, m = models.mlp([8] * 5), 4
+    x, y = torch.randn(8, 8), torch.randn(8, 8)
+    costs = {"F": 1e-3, "I": 1e-3, "W": 1e-3, "B": 2e-3}  # seconds, as the simulator's unit costs
+    transfer = message_seconds(x.chunk(m)[0].nbytes, parse_node(NODE).link)
+    results = spawn(emulated_pipeline, 2, ["gpipe", "1f1b"], model, x, y, m, costs, emulate=NODE)
+    for name in ["gpipe", "1f1b"]:
+        sim = simulate(make_schedule(name, 2, m), Costs(transfer=1e3 * transfer))
+        step = max(rank[name][0] for rank in results)
+        timeline = Timeline.merge(rank[name][1] for rank in results)
+        assert step * 1e3 == pytest.approx(sim.makespan_ms, rel=0.01), name  # the runtime adds < 1 %
+        assert timeline.bubble_fraction() == pytest.approx(sim.bubble_fraction, abs=0.01), name
+        assert [s.duration for s in timeline.filter(kind="F")] == pytest.approx([1e-3] * 2 * m)

@@ -9,7 +9,8 @@ A rank gets them from `spawn`: `spawn(fn, n, emulate="4xH100-nvlink")` runs the 
 emulated node (modelled time, NCCL's rule); `spawn(fn, n, nccl_rule=True)` only puts the ranks'
 communication under NCCL's rule, on the machine's own clock. The parent passes either by an
 environment variable (`PIPELAB_EMULATE`: the node as JSON; `PIPELAB_NCCL_RULE`) and
-`worker.init_worker` calls `install_from_environment` once the process group has formed.
+`worker.init_worker` calls `install_from_environment` once the process group has formed. A caller
+started with `PIPELAB_NCCL_RULE=1` puts every spawn under the rule (e.g. a whole test run).
 """
 
 from __future__ import annotations

@@ -51,11 +51,15 @@ _TICK = 0.2  # how often the watchdog publishes this rank's state and looks at t
 READY, HEADER, DATA = 1, 2, 3  # gloo tags of the rule's own messages (user tags are ignored, as on NCCL)
 P2P_NAMES = ("send", "recv", "isend", "irecv", "batch_isend_irecv")
 COLLECTIVE_NAMES = ("all_reduce", "reduce_scatter_tensor", "all_gather_into_tensor", "all_gather",
-                    "broadcast", "barrier")
+                    "broadcast", "barrier", "reduce_scatter_single", "all_gather_single")
+# torch 2.13 renamed two collectives; the old names call the new ones, so both run the new one's
+# original (were the old one's to call the wrapped new one, the group's queue would wait on itself).
+RENAMED = {"reduce_scatter_tensor": "reduce_scatter_single", "all_gather_into_tensor": "all_gather_single"}
 # The cost model's name of each collective (cost.collective_seconds).
 RING_KIND = {"all_reduce": "all_reduce", "reduce_scatter_tensor": "reduce_scatter",
              "all_gather_into_tensor": "all_gather", "all_gather": "all_gather",
-             "broadcast": "broadcast", "barrier": "barrier"}
+             "broadcast": "broadcast", "barrier": "barrier", "reduce_scatter_single": "reduce_scatter",
+             "all_gather_single": "all_gather"}
 
 _active: "Rule | None" = None
 
@@ -382,8 +386,7 @@ class Rule:
 
     def collective(self, name: str) -> Callable:
         """The wrapped collective `name`: queued on its group's queue, run there in issue order."""
-        original = self.original[name]
-        signature = inspect.signature(original)
+        original, signature = self.actual[name], inspect.signature(self.original[name])
 
         def wrapped(*args, **kwargs):
             bound = signature.bind(*args, **kwargs)
@@ -414,9 +417,10 @@ class Rule:
         import torch.distributed as dist
         import torch.distributed.distributed_c10d as c10d
 
-        for name in P2P_NAMES + COLLECTIVE_NAMES:
-            self.original[name] = getattr(c10d, name)
-        for name in P2P_NAMES + COLLECTIVE_NAMES:
+        names = [n for n in P2P_NAMES + COLLECTIVE_NAMES if hasattr(c10d, n)]
+        self.original = {n: getattr(c10d, n) for n in names}
+        self.actual = {n: getattr(c10d, RENAMED.get(n, n), None) or getattr(c10d, n) for n in names}
+        for name in names:
             fn = self.collective(name) if name in COLLECTIVE_NAMES else getattr(self, name)
             for module in (dist, c10d):
                 setattr(module, name, fn)
@@ -439,16 +443,17 @@ def _world():
 def _main_tensor(name: str, a: dict) -> torch.Tensor | None:
     """The tensor a collective's handle gives back: the one it fills."""
     return {"all_reduce": a.get("tensor"), "broadcast": a.get("tensor"),
-            "reduce_scatter_tensor": a.get("output"), "all_gather_into_tensor": a.get("output_tensor")}.get(name)
+            "reduce_scatter_tensor": a.get("output"), "all_gather_into_tensor": a.get("output_tensor"),
+            "reduce_scatter_single": a.get("output"), "all_gather_single": a.get("output_tensor")}.get(name)
 
 
 def _collective_bytes(name: str, a: dict, ranks: int) -> int:
     """The whole tensor's bytes, as `cost.collective_seconds` takes them."""
     if name in ("all_reduce", "broadcast"):
         return a["tensor"].nbytes
-    if name == "reduce_scatter_tensor":
+    if name in ("reduce_scatter_tensor", "reduce_scatter_single"):
         return a["input"].nbytes
-    if name == "all_gather_into_tensor":
+    if name in ("all_gather_into_tensor", "all_gather_single"):
         return a["output_tensor"].nbytes
     if name == "all_gather":
         return a["tensor"].nbytes * ranks
