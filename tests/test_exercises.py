@@ -124,6 +124,16 @@ def row_parallel_bias_on_every_rank(x_shard, weight_shard, bias):
     return partial
 
 
+def split_backward_all_at_once(output, x, weights, grad_output):
+    output.backward(grad_output)
+    return x.grad, lambda: None
+
+
+def split_backward_graph_freed(output, x, weights, grad_output):
+    (x_grad,) = torch.autograd.grad(output, [x], grad_output)
+    return x_grad, lambda: torch.autograd.grad(output, weights, grad_output)
+
+
 WRONG = [
     ("00_broadcast", broadcast_from_rank0, ["deadlock", "rank 2 waits for its receive from rank 0"]),
     ("01_ddp_average", average_divided_twice, ["rank 0, parameter 0.weight", "0.50x the reference",
@@ -144,6 +154,8 @@ WRONG = [
     ("10_perplexity", perplexity_mean_of_means, ["mean loss", "weight each loss by its tokens ([24, 24, 12])"]),
     ("11_zero2_shard", shard_summed_not_averaged, ["2.00x the reference", "divide by the world size"]),
     ("12_row_parallel", row_parallel_bias_on_every_rank, ["plus 1x the bias", "added 2 times"]),
+    ("13_split_backward", split_backward_all_at_once, ["after I, 0.weight already has its gradient"]),
+    ("13_split_backward", split_backward_graph_freed, ["W raised RuntimeError", "retain_graph=True"]),
 ]
 
 

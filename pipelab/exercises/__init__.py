@@ -15,7 +15,8 @@ from pipelab.exercises.devices import check_event_wait, check_naive_forward, che
 from pipelab.exercises.data_parallel import (check_broadcast, check_ddp_average, check_grid_groups,
                                              check_row_parallel, check_zero2_shard)
 from pipelab.exercises.p2p import check_send_recv_order
-from pipelab.exercises.pipeline import check_accumulation, check_few_microbatches, check_partition, check_tied_weights
+from pipelab.exercises.pipeline import (check_accumulation, check_few_microbatches, check_partition, check_split_backward,
+                                        check_tied_weights)
 
 # exercise name (its solution's file) -> (the function the student writes, its checker)
 EXERCISES = {
@@ -34,6 +35,7 @@ EXERCISES = {
     "10_perplexity": ("my_perplexity", check_perplexity),
     "11_zero2_shard": ("my_gradient_shard", check_zero2_shard),
     "12_row_parallel": ("my_row_parallel", check_row_parallel),
+    "13_split_backward": ("my_split_backward", check_split_backward),
 }
 
 __all__ = ["EXERCISES", "Grade", "solution", *(c.__name__ for _, c in EXERCISES.values())]

@@ -10,7 +10,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from pipelab.exercises.core import Wrong, call, checker, how_far, on_ranks, same
+from pipelab.exercises.core import Wrong, call, checker, first_line, how_far, on_ranks, same
 from pipelab.worker import RankContext
 
 NUM_MICROBATCHES, BATCH = 4, 8
@@ -224,3 +224,48 @@ def check_tied_weights(my_tied_grads) -> str:
             raise Wrong(f"rank {rank}: the tied weight's gradient {text}"
                         + ("" if "SUM" in text else ": does each rank add the other stage's part (all-reduce, sum)?"))
     return "both stages hold the tied weight's whole gradient, the sum of the embedding's and the head's parts"
+
+
+# ---------------------------------------------------------------------------------------------
+# 13: zero bubble's split backward (I, then W later)
+# ---------------------------------------------------------------------------------------------
+
+
+def split_backward_case():
+    torch.manual_seed(13)
+    stage = nn.Sequential(nn.Linear(6, 6), nn.Tanh(), nn.Linear(6, 4))
+    return stage, torch.randn(5, 6), torch.randn(5, 4)
+
+
+@checker("13_split_backward")
+def check_split_backward(my_split_backward) -> str:
+    """`my_split_backward(output, x, weights, grad_output)` -> (the input's gradient, a function W
+    that later fills the weights' `.grad`): the I step must not compute the weights' gradients,
+    so the previous stage gets its gradient sooner (ZB-H1, ZB-V)."""
+    stage, x, grad_out = split_backward_case()
+    x.requires_grad_()
+    stage(x).backward(grad_out)
+    want_x, want = x.grad.clone(), {n: p.grad.clone() for n, p in stage.named_parameters()}
+    stage.zero_grad(set_to_none=True)
+    x = x.detach().requires_grad_()
+    weights = list(stage.parameters())
+    answer = call(my_split_backward, stage(x), x, weights, grad_out)
+    if not (isinstance(answer, tuple) and len(answer) == 2 and callable(answer[1])):
+        raise Wrong(f"my_split_backward returned {type(answer).__name__}; return (input_grad, weight_step)")
+    x_grad, weight_step = answer
+    early = [n for n, p in stage.named_parameters() if p.grad is not None]
+    if early:
+        raise Wrong(f"after I, {early[0]} already has its gradient: I computes only the input's "
+                    "(torch.autograd.grad(output, [x], grad_output, retain_graph=True)); the weights' wait for W")
+    if not isinstance(x_grad, torch.Tensor) or not same(x_grad, want_x):
+        got = how_far(x_grad, want_x) if isinstance(x_grad, torch.Tensor) else f"is {x_grad!r}"
+        raise Wrong(f"the input's gradient {got}")
+    try:
+        weight_step()
+    except RuntimeError as e:
+        raise Wrong(f"W raised RuntimeError ({first_line(e)[:80]}...): keep the graph in I "
+                    "(retain_graph=True), W still needs it") from None
+    for name, p in stage.named_parameters():
+        if p.grad is None or not same(p.grad, want[name]):
+            raise Wrong(f"after W, {name}'s gradient " + ("is None" if p.grad is None else how_far(p.grad, want[name])))
+    return "I gave the input's gradient alone, W then the weights': both equal one full backward's"
