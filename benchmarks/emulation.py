@@ -9,8 +9,9 @@ micro-batch) and timed on the node's device (`emulate.cost.stage_seconds`; a ful
 I + W, as in the simulator). The ranks then run the schedule for real on `spawn(..., emulate=node)`:
 a small MLP of the same depth (width 16), real autograd, real gloo messages under NCCL's ordering
 rule, every gradient checked against one process -- while each span lasts its modelled cost on the
-rank's logical clock and each message its link time. The simulator (`pipeline.simulate`) plays the
-same schedule with the same costs, a transfer taking one message's link time.
+rank's logical clock and each message the link time of its emulated size (`rows` x `width` float32).
+The simulator (`pipeline.simulate`) plays the same schedule with the same costs, a transfer taking
+one such message's link time.
 
 Prints a table and, as its last line, one JSON object: per schedule and p, the emulated step time
 over the simulated makespan (`_ratio`: what the runtime adds -- messages waiting in NCCL's order,
@@ -54,9 +55,10 @@ def stage_costs(node, num_stages: int, width: int, layers: int, rows: int) -> di
     return costs
 
 
-def pipeline_steps(ctx: RankContext, runs: list[tuple], model, x, y, m: int, steps: int):
+def pipeline_steps(ctx: RankContext, runs: list[tuple], model, x, y, m: int, steps: int, message_bytes: int):
     """For each (schedule name, stage costs): `steps` timed steps on this rank's clock, and the
-    last step's gradients of this rank's stages."""
+    last step's gradients of this rank's stages. Messages last `message_bytes` on the link."""
+    ctx.emulator.scale_messages(message_bytes, x.chunk(m)[0].nbytes)
     out = {}
     for name, costs in runs:
         schedule = make_schedule(name, ctx.world_size, m)
@@ -97,13 +99,15 @@ def main() -> None:
     model = models.mlp([SMALL] * (args.layers + 1))
     x, y = torch.randn(4 * m, SMALL), torch.randn(4 * m, SMALL)
     want = list(reference_run(model, x, y, torch.nn.MSELoss(), lr=None).grads.values())
-    transfer = message_seconds(x.chunk(m)[0].nbytes, node.link)  # one activation (or gradient) message
+    message_bytes = args.rows * args.width * 4  # one activation (or gradient) at the emulated size
+    transfer = message_seconds(message_bytes, node.link)
 
     rows, figures = [], {}
     for p in (2, 4):
         costs = {name: stage_costs(node, make_schedule(name, p, m).num_stages, args.width, args.layers, args.rows)
                  for name in SCHEDULES}
-        results = spawn(pipeline_steps, p, list(costs.items()), model, x, y, m, args.steps, emulate=node)
+        results = spawn(pipeline_steps, p, list(costs.items()), model, x, y, m, args.steps, message_bytes,
+                        emulate=node)
         for name in SCHEDULES:
             schedule = make_schedule(name, p, m)
             by_stage = {s: g for rank in results for s, g in rank[name][2].items()}
@@ -126,7 +130,8 @@ def main() -> None:
     figures["max_bubble_gap"] = round(max(abs(figures[k] - figures[k.replace("_bubble", "_simulated_bubble")])
                                           for k in figures if k.endswith("_bubble") and "simulated" not in k), 4)
     print(f"{node}: MLP {args.layers} x {args.width}, {args.rows} rows per micro-batch, m={m}; "
-          f"messages {transfer * 1e6:.2f} us; emulated step (logical clock) over the simulated makespan")
+          f"messages of {message_bytes / 1e6:g} MB, {transfer * 1e6:.2f} us each; emulated step (logical "
+          "clock) over the simulated makespan")
     print(format_table(rows))
     print(json.dumps(figures))
 

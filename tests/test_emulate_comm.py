@@ -216,3 +216,24 @@ def test_an_emulated_pipeline_lasts_what_the_simulator_gives_for_the_same_costs(
         assert step * 1e3 == pytest.approx(sim.makespan_ms, rel=0.01), name  # the runtime adds < 1 %
         assert timeline.bubble_fraction() == pytest.approx(sim.bubble_fraction, abs=0.01), name
         assert [s.duration for s in timeline.filter(kind="F")] == pytest.approx([1e-3] * 2 * m)
+
+
+def scaled_ping_pong(ctx):
+    """One float computed, a megabyte emulated: a ping-pong's time is the megabyte's."""
+    ctx.emulator.scale_messages(1e6, 4)
+    t = torch.zeros(1)
+    if ctx.rank == 0:
+        dist.send(t, 1)
+        dist.recv(t, 1)
+    else:
+        dist.recv(t, 0)
+        dist.send(t, 0)
+    return ctx.now()
+
+
+def test_messages_last_their_emulated_size():
+    from pipelab.emulate.cost import message_seconds
+    from pipelab.emulate.specs import parse_node
+
+    one_way = message_seconds(1e6, parse_node(NODE).link)
+    assert spawn(scaled_ping_pong, 2, emulate=NODE) == pytest.approx([2 * one_way] * 2, rel=1e-12)

@@ -39,6 +39,13 @@ class Emulator:
     dtype: str = "float32"
     efficiency: float = field(default=0.5)
 
+    def scale_messages(self, emulated_bytes: float, real_bytes: float) -> None:
+        """Time every message and collective as if its tensor were `emulated_bytes / real_bytes`
+        times larger: the rank computes at a small size, the link carries the emulated one."""
+        if emulated_bytes < 0 or real_bytes <= 0:
+            raise ValueError(f"need emulated_bytes >= 0 and real_bytes > 0, got {emulated_bytes!r}, {real_bytes!r}")
+        self.rule.bytes_scale = emulated_bytes / real_bytes
+
     def seconds(self, cost) -> float:
         """Modelled seconds of a compute cost: seconds as they are, or `cost.Counts` on the device."""
         if isinstance(cost, (int, float)):

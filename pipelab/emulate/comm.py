@@ -275,6 +275,9 @@ class Rule:
                  store=None):
         self.rank, self.world_size, self.clock, self.link = rank, world_size, clock, link
         self.modelled = link is not None
+        # Modelled bytes per real byte: a lesson that computes small and emulates large sets it
+        # (e.g. emulated activation bytes over real ones), so messages last their emulated size.
+        self.bytes_scale = 1.0
         self.original: dict[str, Callable] = {}
         self.channels: dict[int, Channel] = {}
         self.groups: dict[int, GroupQueue] = {}
@@ -286,12 +289,12 @@ class Rule:
     def message_seconds(self, nbytes: int) -> float:
         from pipelab.emulate.cost import message_seconds
 
-        return message_seconds(nbytes, self.link) if self.modelled else 0.0
+        return message_seconds(nbytes * self.bytes_scale, self.link) if self.modelled else 0.0
 
     def collective_seconds(self, name: str, nbytes: int, ranks: int) -> float:
         from pipelab.emulate.cost import collective_seconds
 
-        return collective_seconds(RING_KIND[name], nbytes, ranks, self.link)
+        return collective_seconds(RING_KIND[name], nbytes * self.bytes_scale, ranks, self.link)
 
     # ---- queues -----------------------------------------------------------------------------
     def channel(self, peer: int) -> Channel:
