@@ -24,6 +24,7 @@ from pipelab.pipeline.p2p import message_specs
 from pipelab.pipeline.runtime import run_step
 from pipelab.pipeline.schedules import Schedule, Schedule1F1B, ScheduleZeroBubble
 from pipelab.pipeline.simulate import Costs, SimResult, simulate
+from pipelab.pipeline.stage import StageRunner  # noqa: F401 - lesson 13 shows what W keeps
 from pipelab.pipeline.v_shape import ScheduleDualPipeV, ScheduleZBV, VSchedule
 from pipelab.timeline import Timeline
 from pipelab.worker import RankContext

@@ -40,13 +40,24 @@ if TYPE_CHECKING:
 
 
 @dataclass
+class LayerIO:
+    """A parameterised layer as W sees it: its input, its output (until I has its gradient) and
+    the parameters whose gradients W computes."""
+
+    module: nn.Module
+    input: torch.Tensor
+    output: torch.Tensor | None
+    params: list[nn.Parameter]
+
+
+@dataclass
 class Stash:
     """What the backward of one (stage, micro-batch) needs, kept from its F to its B (or W)."""
 
     inputs: torch.Tensor
     outputs: torch.Tensor | None  # the stage output, or the micro-batch loss on the last stage;
     #                                None while checkpointed (the backward recomputes it)
-    layers: list[tuple[torch.Tensor, list[nn.Parameter]]]  # (layer output, its parameters) for W
+    layers: list[LayerIO]  # each parameterised layer's input and output, for W
     nbytes: int
     output_grads: list[torch.Tensor] | None = None  # per layer, left by I for W
     rng: tuple | None = None  # a checkpointed forward's random-number state, to recompute it alike
@@ -111,26 +122,34 @@ def replayed_rng(state: tuple, device: torch.device):
         yield
 
 
-def forward_by_layer(module: nn.Module, x: torch.Tensor):
-    """Run `module`, keeping each parameterised layer's output: W needs the gradient there."""
+def forward_by_layer(module: nn.Module, x: torch.Tensor) -> tuple[torch.Tensor, list[LayerIO]]:
+    """Run `module`, keeping each parameterised layer's input and output: I needs the gradient at
+    each output, W each input and that gradient."""
     if not isinstance(module, nn.Sequential):
         out, params = module(x), [p for _, p in trainable_parameters(module)]
-        return out, [(out, params)] if params else []
+        return out, [LayerIO(module, x, out, params)] if params else []
     layers, h = [], x
     for layer in module:
-        h = layer(h)
+        h_in, h = h, layer(h)
         params = [p for _, p in trainable_parameters(layer)]  # frozen ones get no gradient
         if params:
-            layers.append((h, params))
+            layers.append(LayerIO(layer, h_in, h, params))
     return h, layers
 
 
-def gradients(outputs: torch.Tensor, inputs: list[torch.Tensor], grad_out: torch.Tensor | None) -> list:
-    """The gradients of `inputs` from `outputs`' gradient, keeping the graph for W; None for an
-    input the outputs do not depend on (or for all, when the outputs need no gradient)."""
-    if not inputs or not outputs.requires_grad:
-        return [None] * len(inputs)
-    return list(torch.autograd.grad(outputs, inputs, grad_out, retain_graph=True, allow_unused=True))
+def weight_gradients(layer: LayerIO, grad_out: torch.Tensor) -> list[torch.Tensor | None]:
+    """The gradients of `layer`'s parameters from its input and its output's gradient alone. A
+    linear layer's are two products (dW = g^T x, db = sum of g); another layer runs its own forward
+    again from its input, which costs that one layer's forward."""
+    if isinstance(layer.module, nn.Linear):
+        g, x = grad_out.reshape(-1, grad_out.shape[-1]), layer.input.reshape(-1, layer.input.shape[-1])
+        by_param = {id(layer.module.weight): g.T @ x}
+        if layer.module.bias is not None:
+            by_param[id(layer.module.bias)] = g.sum(0)
+        return [by_param.get(id(p)) for p in layer.params]
+    with torch.enable_grad():
+        out = layer.module(layer.input.detach())
+    return list(torch.autograd.grad(out, layer.params, grad_out, allow_unused=True))
 
 
 class StageRunner:
@@ -186,8 +205,8 @@ class StageRunner:
             else:
                 with saved.hooks():
                     out, layers = self.forward(stage, mb, x)
-                for layer_out, _ in layers:  # kept for W
-                    saved.add(layer_out)
+                for layer in layers:  # kept for I and W
+                    saved.add(layer.output)
                 stash = Stash(x, out, layers, saved.total)
         if stage == self.last:
             self.losses.append(out.detach())
@@ -215,8 +234,8 @@ class StageRunner:
         with (self.ctx.rec.span("R", mb=mb, stage=stage, cost=self.cost(stage, "R")), saved.hooks(),
               replayed_rng(st.rng, self.ctx.device)):
             st.outputs, st.layers = self.forward(stage, mb, st.inputs)
-        for layer_out, _ in st.layers:
-            saved.add(layer_out)
+        for layer in st.layers:
+            saved.add(layer.output)
         st.nbytes += saved.total
         self.meter.change(0, saved.total)
         return st
@@ -242,24 +261,39 @@ class StageRunner:
         self.send_input_grad(stage, mb, st.inputs, st.inputs.grad)
 
     def I(self, stage: int, mb: int) -> None:  # noqa: E743 - torch's name for "backward input"
-        """Input gradient only, sent back at once; keeps every layer's output gradient for W."""
+        """Input gradient only, sent back at once. The graph goes with it: for W the stash keeps
+        only each layer's input and the gradient at its output."""
         grad_out = self.output_grad(stage, mb)
         st = self.stashed(stage, mb)
         takes_grad = st.inputs.requires_grad  # a received floating-point activation
         with self.ctx.rec.span("I", mb=mb, stage=stage, cost=self.cost(stage, "I")):
-            wanted = ([st.inputs] if takes_grad else []) + [out for out, _ in st.layers]
-            grads = gradients(st.outputs, wanted, grad_out)
+            wanted = ([st.inputs] if takes_grad else []) + [layer.output for layer in st.layers]
+            grads = (list(torch.autograd.grad(st.outputs, wanted, grad_out, allow_unused=True))
+                     if wanted and st.outputs.requires_grad else [None] * len(wanted))
         st.output_grads = grads[1:] if takes_grad else grads
+        self.keep_for_w(st)
         self.send_input_grad(stage, mb, st.inputs, grads[0] if takes_grad else None)
 
+    def keep_for_w(self, st: Stash) -> None:
+        """Drop all but what W needs (each layer's input and output gradient) and count it."""
+        st.outputs = None
+        for layer in st.layers:
+            layer.input, layer.output = layer.input.detach(), None
+        kept = SavedBytes(self.not_stash)
+        for t in [layer.input for layer in st.layers] + [g for g in st.output_grads if g is not None]:
+            kept.add(t)
+        self.meter.change(0, kept.total - st.nbytes)
+        st.nbytes = kept.total
+
     def W(self, stage: int, mb: int) -> None:
-        """Weight gradients of `stage` on `mb`, from the output gradients I kept; free the stash."""
+        """Weight gradients of `stage` on `mb`, from each layer's input and output gradient that I
+        kept; free the stash."""
         st = self.stash[stage, mb]
         with self.ctx.rec.span("W", mb=mb, stage=stage, cost=self.cost(stage, "W")):
-            for (out, params), g in zip(st.layers, st.output_grads):
+            for layer, g in zip(st.layers, st.output_grads):
                 # Each layer's weight gradient from its own output gradient: no walk back through
                 # the earlier layers, which I already did.
-                for p, dp in zip(params, gradients(out, params, g) if g is not None else []):
+                for p, dp in zip(layer.params, weight_gradients(layer, g) if g is not None else []):
                     if dp is not None:
                         p.grad = dp if p.grad is None else p.grad.add_(dp)
         self.free(stage, mb)
