@@ -149,11 +149,13 @@ def test_lesson_10s_encoder_layer_cut_over_2_ranks_equals_the_whole_one():
 def test_the_3d_grid_has_the_topologys_groups_and_one_process_losses():
     from pipelab.experiments import grid3d
 
-    run = grid3d.run(grid3d.Config(steps=2))
+    run = grid3d.run(grid3d.Config(steps=2, emulate="8xH100-nvlink"))  # timed on an emulated node
     assert run.groups() == {"pipe": [[0, 4], [1, 5], [2, 6], [3, 7]], "data": [[0, 2], [1, 3], [4, 6], [5, 7]],
                             "model": [[0, 1], [2, 3], [4, 5], [6, 7]]}
     assert grid3d.same_losses(run)[1] == "same"
     assert {s.lane for s in run.timeline} >= {"compute", "comm", "tensor"}  # each axis on its own lane
+    shares = grid3d.axis_costs(run)[3]
+    assert shares["compute"] > 0 and shares["tensor"] > 0 and shares["data"] > 0  # modelled, not zero
 
 
 @pytest.mark.parametrize("bad,match", [(dict(pipe=2, data=2, tensor=1), "holds 4 processes, not world_size=8"),

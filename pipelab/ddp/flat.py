@@ -49,18 +49,21 @@ class FlatAllReduce:
 
     def __init__(self, flat: torch.Tensor, group=None, rec: Recorder | None = None, **meta):
         self.flat, self.rec, self.meta = flat, rec, meta
-        self.launched = now()
+        self.recording = rec is not None and rec.enabled
+        self.launched = rec.now() if rec is not None else now()
         self.work = dist.all_reduce(flat, group=group, async_op=True)
-        # The callback runs on the communication thread when the sum lands. It needs Python's GIL,
-        # so it costs a little per all-reduce and can be late by whatever Python runs at that moment.
-        self.arrival = self.work.get_future().then(lambda _: now()) if rec is not None and rec.enabled else None
+        # On an emulated node the handle knows its modelled end on the rank's clock. Elsewhere a
+        # callback on the communication thread reads the clock when the sum lands; it needs Python's
+        # GIL, so it costs a little per all-reduce and can be late by whatever Python runs then.
+        modelled = hasattr(self.work, "end")
+        self.arrival = self.work.get_future().then(lambda _: now()) if self.recording and not modelled else None
 
     def wait(self) -> torch.Tensor:
         """Block until the sum is here; return the buffer that holds it."""
         self.work.wait()
-        if self.arrival is not None:
-            self.rec.add("allreduce", self.launched, self.arrival.wait(), lane="comm", bytes=self.flat.nbytes,
-                         **self.meta)
+        if self.recording:
+            arrived = self.work.end if self.arrival is None else self.arrival.wait()
+            self.rec.add("allreduce", self.launched, arrived, lane="comm", bytes=self.flat.nbytes, **self.meta)
         return self.flat
 
 
