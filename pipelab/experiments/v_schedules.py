@@ -354,4 +354,4 @@ def bubble_verdict(run: VRun) -> tuple[str, str, str, dict]:
     text = (f"{where}, the bubbles: {ranking} (" + ", ".join(f"{n} {rows[n]['run (ms)']:.2f} ms" for n in order)
             + f"); the run exceeds the simulator by at most {added:.3f} ms per step (messages and waits the "
             "simulator leaves out)")
-    return "13.bubble_order", ranking, text, {n: rows[n]["run (ms)"] for n in order}
+    return f"13.bubble_order_p{run.cfg.world_size}", ranking, text, {n: rows[n]["run (ms)"] for n in order}
