@@ -106,3 +106,59 @@ def test_runs_on_real_ranks_like_one_process(make, p):
             torch.testing.assert_close(got, want.grad, atol=1e-6, rtol=1e-5)
     last_rank = schedule.rank_of(schedule.num_stages - 1)
     assert results[last_rank][1] == pytest.approx(losses, abs=1e-6)
+
+
+def test_the_lesson_checks_against_one_process_and_torchs_own_zbv_and_dualpipev():
+    from pipelab.experiments import v_schedules as vx
+
+    run = vx.run(vx.Config(world_size=2, num_microbatches=4, layers=4, batch=8, width=16, steps=1,
+                           emulate="2xH100-nvlink"))
+    assert vx.same_as_one_process(run)[1] == "same"
+    assert run["ZB-V"].torch_loss_difference == 0.0 and run["DualPipeV"].torch_loss_difference == 0.0
+    assert max(run["DualPipeV"].stash_peak.values()) == 2 * 2 + 1  # the README's PP + 1 chunks
+    rows = {r["schedule"]: r for r in vx.bubble_times(run)}
+    assert rows["DualPipeV"]["run (ms)"] < rows["ZB-H1"]["run (ms)"] < rows["1F1B"]["run (ms)"]
+
+
+@pytest.mark.parametrize("bad,match", [(dict(num_microbatches=2), "num_microbatches >= 4"),
+                                       (dict(layers=6), "layers=6 does not divide evenly"),
+                                       (dict(schedules=("1F1B", "ZB-X")), "schedules must be some of"),
+                                       (dict(world_size=1), "at least 2 ranks")])
+def test_the_lesson_refuses_what_its_schedules_cannot_run(bad, match):
+    from pipelab.experiments import v_schedules as vx
+
+    with pytest.raises(ValueError, match=match):
+        vx.Config(**bad)
+
+
+class _Context:
+    """What a stage runner needs of a rank with one stage and no peers."""
+
+    def __init__(self):
+        from pipelab.timeline import Recorder
+
+        self.rank, self.world_size, self.device, self.rec = 0, 1, torch.device("cpu"), Recorder(0)
+
+
+def test_after_i_a_stage_keeps_only_each_layers_input_and_output_gradient():
+    from pipelab.pipeline.p2p import P2P
+    from pipelab.pipeline.schedules import ScheduleZeroBubble
+    from pipelab.pipeline.stage import StageRunner
+
+    torch.manual_seed(0)
+    stage = nn.Sequential(nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 8), nn.Tanh())
+    reference = copy.deepcopy(stage)
+    x, y = torch.randn(4, 8), torch.randn(4, 8)
+    schedule = ScheduleZeroBubble(1, 1)
+    ctx = _Context()
+    runner = StageRunner(ctx, schedule, {0: stage}, nn.MSELoss(), P2P(ctx, schedule, [[]]), [x], [y])
+    runner.F(0, 0)
+    runner.I(0, 0)
+    st = runner.stash[0, 0]
+    assert st.outputs is None and all(layer.output is None for layer in st.layers)  # the graph is gone
+    activation = 4 * 8 * 4  # one (4, 8) float32 tensor
+    assert st.nbytes == 2 * 2 * activation - activation  # 2 inputs (x is the batch: not stash) + 2 gradients
+    runner.W(0, 0)
+    nn.MSELoss()(reference(x), y).backward()
+    for got, want in zip(stage.parameters(), reference.parameters()):
+        torch.testing.assert_close(got.grad, want.grad)
