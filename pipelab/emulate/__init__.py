@@ -17,10 +17,13 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from pipelab.emulate import comm
 from pipelab.emulate.clock import LogicalClock, RealClock
+
+if TYPE_CHECKING:
+    from pipelab.worker import RankContext
 
 ENV_NODE = "PIPELAB_EMULATE"
 ENV_RULE = "PIPELAB_NCCL_RULE"
@@ -76,7 +79,7 @@ def environment(emulate=None, nccl_rule: bool = False, world_size: int | None = 
     return {ENV_NODE: node.to_json(), ENV_RULE: "1"}
 
 
-def install_from_environment(ctx) -> None:
+def install_from_environment(ctx: "RankContext") -> None:
     """Install what the environment asks for into the rank `ctx` (a `worker.RankContext`): on an
     emulated node, the logical clock (the recorder reads it), the timed communication under NCCL's
     rule, and `ctx.emulator`; with the rule alone, the rule on the rank's own clock."""

@@ -19,6 +19,7 @@ from contextlib import nullcontext
 from dataclasses import dataclass, field
 
 import torch
+from torch.autograd.function import FunctionCtx  # autograd's ctx: what forward saves for backward
 import torch.distributed as dist
 
 
@@ -116,12 +117,12 @@ class _CopyToParallel(torch.autograd.Function):
     """Megatron's f: forward the input as it is; backward, sum the ranks' input gradients."""
 
     @staticmethod
-    def forward(ctx, x, tp: TensorParallelGroup):
+    def forward(ctx: FunctionCtx, x, tp: TensorParallelGroup):
         ctx.tp = tp
         return x.view_as(x)
 
     @staticmethod
-    def backward(ctx, grad):
+    def backward(ctx: FunctionCtx, grad):
         return ctx.tp.all_reduce(grad, "backward"), None
 
 
@@ -129,11 +130,11 @@ class _ReduceFromParallel(torch.autograd.Function):
     """Megatron's g: forward, sum the ranks' partial outputs; backward, pass the gradient on."""
 
     @staticmethod
-    def forward(ctx, x, tp: TensorParallelGroup):
+    def forward(ctx: FunctionCtx, x, tp: TensorParallelGroup):
         return tp.all_reduce(x, "forward")
 
     @staticmethod
-    def backward(ctx, grad):
+    def backward(ctx: FunctionCtx, grad):
         return grad, None
 
 
@@ -142,12 +143,12 @@ class _GatherFromSequence(torch.autograd.Function):
     backward, reduce-scatter (each rank's full input gradient is a partial sum, like f's)."""
 
     @staticmethod
-    def forward(ctx, x, tp: TensorParallelGroup, dim: int):
+    def forward(ctx: FunctionCtx, x, tp: TensorParallelGroup, dim: int):
         ctx.tp, ctx.dim = tp, dim
         return tp.all_gather(x, dim, "forward")
 
     @staticmethod
-    def backward(ctx, grad):
+    def backward(ctx: FunctionCtx, grad):
         return ctx.tp.reduce_scatter(grad, ctx.dim, "backward"), None, None
 
 
@@ -156,12 +157,12 @@ class _ScatterToSequence(torch.autograd.Function):
     the sequence (g's all-reduce, but each rank keeps its slice); backward, all-gather."""
 
     @staticmethod
-    def forward(ctx, x, tp: TensorParallelGroup, dim: int):
+    def forward(ctx: FunctionCtx, x, tp: TensorParallelGroup, dim: int):
         ctx.tp, ctx.dim = tp, dim
         return tp.reduce_scatter(x, dim, "forward")
 
     @staticmethod
-    def backward(ctx, grad):
+    def backward(ctx: FunctionCtx, grad):
         return ctx.tp.all_gather(grad, ctx.dim, "backward"), None, None
 
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 from typing import Sequence
 
 import torch
+from torch.autograd.function import FunctionCtx  # autograd's ctx: what forward saves for backward
 from torch import nn
 from torch.nn import functional as F
 
@@ -61,13 +62,13 @@ class _GatherThenLinear(torch.autograd.Function):
     and gather it again (Korthikanti et al., 2022, section 4.2.2)."""
 
     @staticmethod
-    def forward(ctx, x_slice, weight, bias, tp: TensorParallelGroup):
+    def forward(ctx: FunctionCtx, x_slice, weight, bias, tp: TensorParallelGroup):
         ctx.save_for_backward(x_slice, weight)
         ctx.tp = tp
         return F.linear(tp.all_gather(x_slice, 1, "forward"), weight, bias)
 
     @staticmethod
-    def backward(ctx, grad):
+    def backward(ctx: FunctionCtx, grad):
         x_slice, weight = ctx.saved_tensors
         x = ctx.tp.all_gather(x_slice, 1, "backward")  # the whole X again, for the weight's gradient
         grad_x = ctx.tp.reduce_scatter(grad @ weight, 1, "backward")
