@@ -1,6 +1,6 @@
 """Running a lesson from a notebook, in one shape for every lesson family:
 
-    cfg = experiments.pipeline.Config(schedule="1f1b", world_size=2, ...)  # refuses bad input here
+    cfg = experiments.pipeline.Config(schedules=["1f1b"], world_size=2, ...)  # refuses bad input here
     run = experiments.run(experiments.pipeline.worker, cfg, experiments.pipeline.gather)
 
 A `Config` is a frozen dataclass that checks itself when built, so a typo fails before any process
