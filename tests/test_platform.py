@@ -193,3 +193,32 @@ def test_a_profile_that_needs_gpus_is_skipped_with_its_reason(tmp_path, capsys, 
     cli.main(["profiles", nb])
     listed = capsys.readouterr().out
     assert "needs 4 GPU(s) with 80 GiB each; 9,500.0 TFLOP; about 4 minutes on 4 x H100" in listed
+
+
+COURSE = sorted(cli.course_notebooks(os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "notebooks")))
+
+
+def test_every_gpu_profile_says_what_it_needs_and_lesson_10s_flops_are_counted():
+    from pipelab.data import load_corpus
+    from pipelab.experiments import capstone
+
+    for path in COURSE:
+        if "gpu" in cli.notebook_profiles(path):
+            needs = cli.profile_needs(path).get("gpu")
+            assert needs is not None and needs.gpus >= 2 and needs.estimate, f"{path}: its gpu profile states no needs"
+    lesson10 = next(p for p in COURSE if os.path.basename(p).startswith("10_"))
+    gpu = cli.notebook_profiles(lesson10)["gpu"]
+    cfg = capstone.Config(**{k: v for k, v in gpu.items() if k in capstone.Config.__dataclass_fields__})
+    corpus = load_corpus()
+    counted = capstone.run_flops(cfg, len(corpus.vocab), corpus.train.numel(), corpus.valid.numel())
+    assert cli.profile_needs(lesson10)["gpu"].flops == pytest.approx(counted, rel=1e-3)
+
+
+def test_the_gpu_profiles_on_a_machine_without_gpus_skip_every_lesson_at_once(tmp_path, capsys, monkeypatch):
+    monkeypatch.setattr(hardware, "detect", lambda: hardware.Hardware(2, (), "2.13", None))
+    start = time.monotonic()
+    assert cli.main(["run", *COURSE, "--profile", "gpu", "--out", str(tmp_path)]) == 0
+    assert time.monotonic() - start < 60  # nothing ran: GPU sizes never run on CPU
+    rows = json.load(open(tmp_path / "summary.json"))["notebooks"]
+    assert len(rows) == len(COURSE) and all(r["status"] == "skipped" and "GPU(s)" in r["error"] for r in rows)
+    assert "skipped" in capsys.readouterr().out

@@ -534,3 +534,22 @@ def lr_verdict(by_rate: dict[float, list[float]], vocab_size: int, width: int) -
     verdict = f"tutorial's rate {side[tutorial]}, ours {side[ours]}"
     conclude("10.lr5_wide_model", verdict, text, lr5=late[tutorial], ours=late[ours], ln_vocab=guess, width=width)
     return verdict
+
+
+def run_flops(cfg: Config, vocab: int, train_tokens: int, valid_tokens: int) -> float:
+    """FLOPs of the recipe's whole run at its size, counted on the meta device (no memory): each
+    training window's forward and backward (`epochs` x the training split, or `max_batches`
+    windows), the validation's forwards, and the one-process baseline's timed steps. What a GPU
+    profile's time budget is estimated from (`pipelab profiles`)."""
+    from pipelab.emulate.cost import count, forward_backward_counts
+
+    model = TransformerLM(vocab, cfg.emsize, cfg.nhead, cfg.nhid, cfg.nlayers).to("meta")
+    ids = torch.zeros(cfg.batch_size, cfg.bptt, dtype=torch.long, device="meta")
+    forward, grad_in, grad_w = forward_backward_counts(model, ids)
+    step = forward.flops + grad_in.flops + grad_w.flops
+    windows_per_epoch = train_tokens // (cfg.batch_size * cfg.bptt)
+    steps = cfg.epochs * min(windows_per_epoch, cfg.max_batches or windows_per_epoch)
+    steps += cfg.speed_steps * cfg.speed_repeats + cfg.check_steps + cfg.timeline_steps
+    valid = count(model, torch.zeros(cfg.eval_batch_size, cfg.bptt, dtype=torch.long, device="meta")).flops
+    valid_windows = valid_tokens // (cfg.eval_batch_size * cfg.bptt)
+    return steps * step + cfg.epochs * valid_windows * valid
