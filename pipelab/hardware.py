@@ -204,16 +204,18 @@ def lesson_node(world_size: int, emulate: str | None = "auto", kind: str = DEFAU
     return f"{world_size}x{kind}" if emulate == "auto" else emulate
 
 
-def describe(world_size: int = 2, emulate: str | None = None) -> str:
+def describe(world_size: int = 2, emulate: str | None = None, size: str | None = None) -> str:
     """One line: the machine, and the path `world_size` ranks (one process each) take on it; with
-    `emulate` (a node name), that the ranks run on that emulated node and what is modelled."""
+    `emulate` (a node name), that the ranks run on that emulated node, what is modelled and, with
+    `size` (e.g. "16 layers of width 8192, micro-batches of 4096 rows in bfloat16"), at which size."""
     hw = detect()
     if emulate is not None:
         from pipelab.emulate.specs import parse_node
 
         node = parse_node(emulate)
+        at = f" at the emulated size: {size}" if size else ""
         path = (f"Emulated node: {world_size} ranks as {node} (real processes, real math and real gloo messages "
-                "on this machine's CPU; each operation's time modelled from the device and link data sheets)")
+                f"on this machine's CPU; each operation's time modelled from the device and link data sheets{at})")
         return f"{path} | {_machine(hw)} | torch {hw.torch_version}"
     backend = choose_backend(world_size)
     if backend == "nccl":
@@ -223,11 +225,20 @@ def describe(world_size: int = 2, emulate: str | None = None) -> str:
     return f"{path} | {_machine(hw)} | torch {hw.torch_version}"
 
 
-def describe_devices(n: int = 2) -> str:
+def describe_devices(n: int = 2, emulate: str | None = None, size: str | None = None) -> str:
     """One line: the machine, and the path of a one-process lesson that drives `n` devices
     through streams (lessons 02-04): n GPUs when it has them, else n virtual CPU devices
-    (the choice `streams.devices(n)` makes). No ranks, no process group: one Python process."""
+    (the choice `streams.devices(n)` makes). No ranks, no process group: one Python process.
+    With `emulate` (a node name), the virtual devices are paced as that node's devices."""
     hw = detect()
+    if emulate is not None:
+        from pipelab.emulate.specs import parse_node
+
+        node = parse_node(emulate)
+        at = f" at the emulated size: {size}" if size else ""
+        path = (f"Emulated node: one process drives {n} virtual devices paced as {node} (real math on this "
+                f"machine's CPU, each operation's time modelled from the device and link data sheets{at})")
+        return f"{path} | {_machine(hw)} | torch {hw.torch_version}"
     if hw.gpu_count >= n:
         path = f"GPU path: one process drives {n} GPUs (cuda:0..{n - 1}), a CUDA stream per stream"
     else:
