@@ -192,3 +192,41 @@ def test_torchrun_is_this_python_running_torch_distributed_run():
     command = splitting.torchrun_command("worker.py", 2)
     assert command[:3] == [sys.executable, "-m", "torch.distributed.run"]
     assert command[3:5] == ["--nproc-per-node", "2"] and command[-1] == "worker.py"
+
+
+class _Stop(Exception):
+    """Raised by the fake process group: the script has shown what it does before it starts."""
+
+
+@pytest.mark.parametrize("gpus, backend", [(2, "nccl"), (0, "gloo")])
+def test_standalone_script_sets_its_gpu_before_nccl_and_runs_under_this_python(monkeypatch, tmp_path, gpus, backend):
+    """The generated script, read back from disk and run up to its process group with a fake CUDA:
+    with a GPU per process it makes cuda:LOCAL_RANK current before NCCL starts; without, it never
+    touches CUDA. Its usage line and the command that launches it are `python -m torch.distributed.run`."""
+    import sys
+
+    import torch.distributed as dist
+
+    path = splitting.write_script(str(tmp_path / "lesson09_worker.py"), splitting.standalone_script(ARGS, 4, 8, 2))
+    text = open(path).read()
+    calls = []
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: gpus)
+    monkeypatch.setattr(torch.cuda, "set_device", lambda device: calls.append(("set_device", device)))
+
+    def init_process_group(backend, *args, **kwargs):
+        calls.append(("init_process_group", backend))
+        raise _Stop
+
+    monkeypatch.setattr(dist, "init_process_group", init_process_group)
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    namespace = {"__name__": "lesson09_worker"}
+    exec(compile(text, path, "exec"), namespace)
+    with pytest.raises(_Stop):
+        namespace["main"]()
+    want = [("set_device", 1)] if backend == "nccl" else []
+    assert calls == want + [("init_process_group", backend)]
+    assert "python -m torch.distributed.run --nproc-per-node 2 lesson09_worker.py" in text
+    command = splitting.torchrun_command(path, 2)
+    assert command[:3] == [sys.executable, "-m", "torch.distributed.run"] and command[-1] == path
+    assert not any(part.endswith("torchrun") for part in command)

@@ -338,7 +338,8 @@ def tied_gradient(grads: list[dict[str, torch.Tensor | None]], names: list[str])
 
 SCRIPT = '''\
 """Lesson 09's worker on its own: the Transformer split by hand into one stage per process, one
-GPipe step with torch.distributed.pipelining. Run: torchrun --nproc-per-node 2 {name}"""
+GPipe step with torch.distributed.pipelining. Run: python -m torch.distributed.run --nproc-per-node 2 {name}
+(torchrun's own module, so no torchrun executable needs to be on the path)."""
 import copy
 import os
 from dataclasses import dataclass
@@ -351,10 +352,13 @@ from torch.distributed.pipelining import PipelineStage, ScheduleGPipe
 {source}
 
 def main():
+    local_rank = int(os.environ["LOCAL_RANK"])
     use_cuda = torch.cuda.device_count() >= int(os.environ["LOCAL_WORLD_SIZE"])
+    if use_cuda:  # one GPU per process, made current before NCCL binds its communicator to one
+        torch.cuda.set_device(local_rank)
     dist.init_process_group("nccl" if use_cuda else "gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
-    device = torch.device("cuda", int(os.environ["LOCAL_RANK"])) if use_cuda else torch.device("cpu")
+    device = torch.device("cuda", local_rank) if use_cuda else torch.device("cpu")
     args = {args!r}
     torch.manual_seed({seed})
     model = Transformer(args)
