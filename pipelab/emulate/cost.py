@@ -204,6 +204,23 @@ def stage_seconds(module: torch.nn.Module, example_input, device: Device, dtype=
     return seconds
 
 
+def step_flops(module: torch.nn.Module, example_input, dtype=None) -> float:
+    """FLOPs of one training step's math for `module` on a batch like `example_input`: its forward
+    and both halves of its backward, counted on the meta device (the size costs no memory)."""
+    return sum(c.flops for c in forward_backward_counts(module, example_input, dtype))
+
+
+def budget(flops: float, node: str = "4xH100-nvlink", dtype="float32", efficiency: float = EFFICIENCY) -> str:
+    """A GPU profile's time budget from its FLOP count: the seconds `flops` take spread over the
+    devices of `node` at `efficiency` of their dense peak in `dtype` (start-up and messages aside)."""
+    from pipelab.emulate.specs import parse_node
+
+    n = parse_node(node)
+    seconds = flops / (n.count * n.device.rate(dtype) * efficiency)
+    return (f"about {seconds:.2g} s of compute on {n.count} x {n.device.name} in "
+            f"{dtype} at {efficiency:.0%} of their peak, plus start-up and messages")
+
+
 def bound(counts: Counts, device: Device, dtype="float32") -> str:
     """"compute" if the FLOPs take longer than the bytes on `device`, else "memory": which side of
     the roofline's ridge the operation sits on."""

@@ -471,3 +471,16 @@ def race_gather(cfg: RaceConfig, results: Sequence[RaceResult]) -> Race:
     steps = {v: Measured.of(max(s) for s in zip(*(res.seconds[v] for res in results))) for v in cfg.variants}
     return Race((a, b), steps, ratios(slowest[a], slowest[b]), {v: max(r.peak[v] for r in results)
                                                                 for v in cfg.variants})
+
+
+def run_flops(width: int, batch: int, steps: int) -> float:
+    """FLOPs of lesson 11's runs at a profile's size, counted on the meta device: every variant's
+    `steps` on the whole batch and the one-process reference, the one-rank run (4 variants, 2
+    steps) and the 4-rank run (our 5 variants, 3 steps, and its reference). What the `gpu`
+    profile's time budget is estimated from; Adam's element-wise update is left out (it is small)."""
+    from pipelab import models
+    from pipelab.emulate.cost import step_flops
+
+    model = models.mlp([width, width + 1, width + 1, width]).to("meta")
+    step = step_flops(model, torch.empty(batch, width, device="meta"))
+    return step * (steps * (len(VARIANTS) + 1) + 2 * 4 + 3 * (len(OURS) + 1))

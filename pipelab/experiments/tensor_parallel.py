@@ -521,3 +521,14 @@ def alternated(cfg: Config, rounds: int) -> dict[str, list[float]]:
     """Per variant, the slowest rank's median pass of each round (seconds)."""
     per_rank = experiments.run(lambda ctx, c: alternated_worker(ctx, c, rounds), cfg)
     return {v: [max(r) for r in zip(*(ranks[v] for ranks in per_rank))] for v in cfg.variants}
+
+
+def run_flops(dim: int, n_heads: int, batch: int, seq_len: int, steps: int) -> float:
+    """FLOPs of lesson 12's block runs at a profile's size, counted on the meta device: `steps`
+    forward+backward passes of the whole block per variant and the one-process reference's pass.
+    (The 3-D grid runs lesson 10's small model; its count is negligible beside the block's.)"""
+    from pipelab.emulate.cost import step_flops
+
+    block = Block(dim, n_heads).to("meta")
+    step = step_flops(block, torch.empty(batch, seq_len, dim, device="meta"))
+    return step * (steps * len(VARIANTS) + 1)

@@ -355,3 +355,17 @@ def bubble_verdict(run: VRun) -> tuple[str, str, str, dict]:
             + f"); the run exceeds the simulator by at most {added:.3f} ms per step (messages and waits the "
             "simulator leaves out)")
     return f"13.bubble_order_p{run.cfg.world_size}", ranking, text, {n: rows[n]["run (ms)"] for n in order}
+
+
+def run_flops(width: int, layers: int, batch: int, steps: int, larger_layers: int = 0) -> float:
+    """FLOPs of lesson 13's runs at a profile's size, counted on the meta device: `steps` steps of
+    every schedule on the whole batch, one step of torch's ZB-V and DualPipeV, the one-process
+    reference; with `larger_layers`, the same schedules (no torch) on that deeper model."""
+    from pipelab.emulate.cost import step_flops
+
+    def model_step(n: int) -> float:
+        model = nn.Sequential(*(m for _ in range(n) for m in (nn.Linear(width, width), nn.Tanh()))).to("meta")
+        return step_flops(model, torch.empty(batch, width, device="meta"))
+
+    total = model_step(layers) * (steps * len(SCHEDULES) + len(TORCH_CLASSES) + 1)
+    return total + (model_step(larger_layers) * (steps * len(SCHEDULES) + 1) if larger_layers else 0.0)
