@@ -15,6 +15,8 @@ from typing import Callable, Mapping, Sequence
 import torch
 from torch import nn
 
+from pipelab.build import materialize
+
 Tensors = Mapping[str, "torch.Tensor | None"]
 
 
@@ -35,8 +37,9 @@ class Reference:
 def reference_run(model: nn.Module, x, y, loss_fn: Callable, steps: int = 1,
                   lr: float | None = 0.1) -> Reference:
     """Train a copy of `model` on the whole batch in this process: `steps` SGD steps with `lr`
-    (or, with `lr=None`, one forward and backward and no update)."""
-    model = copy.deepcopy(model)
+    (or, with `lr=None`, one forward and backward and no update). A model built on the meta device
+    (`pipelab.build.on_meta`) gets here the weights each rank gives its own stages."""
+    model = materialize(copy.deepcopy(model))
     optimizer = torch.optim.SGD(model.parameters(), lr=lr) if lr is not None else None
     losses, grads = [], None
     for _ in range(steps if optimizer is not None else 1):

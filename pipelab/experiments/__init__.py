@@ -39,6 +39,9 @@ class Config:
 
     def check(self) -> None:
         """Raise a ValueError naming the bad value and the fix; subclasses call super().check()."""
+        from pipelab.build import check_config
+
+        check_config(self)  # a model built on meta must be one its ranks can give weights to
         ranks_fit(self.world_size)
         if self.backend not in BACKENDS:
             raise ValueError(f"backend must be one of {BACKENDS}, got {self.backend!r}")

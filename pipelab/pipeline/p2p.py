@@ -75,10 +75,12 @@ class TensorSpec:
 
 def trace(stages: Sequence[nn.Module], x: torch.Tensor) -> list[torch.Tensor]:
     """Each stage's output on `x`, the stages run in a row without gradients. The stages' buffers
-    (BatchNorm's running statistics) and the random state are left as they were."""
+    (BatchNorm's running statistics) and the random state are left as they were. Stages built on
+    the meta device (`pipelab.build`) run on a meta copy of `x`: shapes and dtypes, no math."""
     buffers = [b for stage in stages for b in stage.buffers()]
     saved = [b.clone() for b in buffers]
-    outputs, h = [], x
+    on_meta = any(p.is_meta for stage in stages for p in stage.parameters())
+    outputs, h = [], x.to("meta") if on_meta else x
     with torch.no_grad(), torch.random.fork_rng(devices=[x.device] if x.is_cuda else []):
         for stage in stages:
             h = stage(h)

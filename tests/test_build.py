@@ -1,0 +1,146 @@
+"""Each rank builds only its own stage: a model built on the meta device travels without storage,
+each rank gives weights to its own stages only, and they equal the single-process reference's."""
+
+from __future__ import annotations
+
+import copy
+import os
+import resource
+
+import cloudpickle
+import pytest
+import torch
+from torch import nn
+
+from pipelab import experiments, models
+from pipelab.build import is_meta, materialize, on_meta
+from pipelab.experiments import pipeline
+from pipelab.pipeline.partition import split_model
+from pipelab.reference import assert_same, reference_run
+from pipelab.worker import RankContext
+
+
+def mlp_on_meta(width: int, layers: int, seed: int = 0) -> nn.Sequential:
+    return on_meta(lambda: models.mlp([width] * (layers + 1)), seed=seed)
+
+
+def test_weights_depend_on_the_name_and_seed_not_on_where_they_are_made():
+    model = mlp_on_meta(8, 4, seed=1)
+    whole = materialize(copy.deepcopy(model))
+    stage = materialize(copy.deepcopy(split_model(model, 2)[1]), "cpu")  # layers 2.. of the whole
+    assert not is_meta(whole) and not is_meta(stage)
+    torch.testing.assert_close(stage[0].weight, whole[4].weight, rtol=0, atol=0)
+    assert not torch.equal(whole[0].weight, whole[2].weight)  # each module its own generator
+    other = materialize(copy.deepcopy(mlp_on_meta(8, 4, seed=2)))
+    assert not torch.equal(whole[0].weight, other[0].weight)
+    state = torch.random.get_rng_state()
+    materialize(copy.deepcopy(model))
+    assert torch.equal(state, torch.random.get_rng_state())  # the caller's random stream is untouched
+
+
+def test_a_real_module_is_left_as_it_is():
+    torch.manual_seed(0)
+    real = nn.Linear(4, 4)
+    before = real.weight.detach().clone()
+    assert materialize(real, "cpu") is real and torch.equal(real.weight, before)
+
+
+@pytest.mark.parametrize("schedule", ["interleaved", "1f1b"])
+def test_a_meta_pipeline_trains_like_one_process(schedule):
+    """4 stages built on meta, on 2 ranks: the cfg the ranks receive holds no weights, and the run
+    gives the reference's losses and gradients (same seed)."""
+    model = mlp_on_meta(16, 8, seed=3)
+    stages = split_model(model, 4) if schedule == "interleaved" else split_model(model, 2)
+    torch.manual_seed(0)
+    x, y = torch.randn(8, 16), torch.randn(8, 16)
+    cfg = pipeline.Config(world_size=2, stages=stages, schedules=[schedule], num_microbatches=4, x=x, y=y, steps=1)
+    assert len(cloudpickle.dumps(cfg)) < 64 * 1024  # shapes only: no stage's weights travel
+    [run] = pipeline.run(cfg)
+    assert_same(run, reference_run(nn.Sequential(*stages), x, y, nn.MSELoss(), lr=None))  # the run's names
+
+
+def test_meta_stages_without_on_meta_are_named_by_their_place():
+    """Stages built under `torch.device("meta")` by hand: stage s is named "s" as in nn.Sequential(*stages)."""
+    with torch.device("meta"):
+        stages = [nn.Sequential(nn.Linear(6, 6), nn.Tanh()) for _ in range(2)]
+    x, y = torch.randn(4, 6), torch.randn(4, 6)
+    [run] = pipeline.run(pipeline.Config(world_size=2, stages=stages, num_microbatches=2, x=x, y=y, steps=1))
+    assert_same(run, reference_run(nn.Sequential(*stages), x, y, nn.MSELoss(), lr=None))
+
+
+class Scale(nn.Module):
+    """A module holding its own parameter and no reset_parameters(): it cannot be made on a rank."""
+
+    def __init__(self, width: int):
+        super().__init__()
+        self.gain = nn.Parameter(torch.ones(width))
+
+    def forward(self, x):
+        return x * self.gain
+
+
+def test_a_meta_module_without_reset_parameters_is_refused_before_any_rank():
+    model = on_meta(lambda: nn.Sequential(nn.Linear(4, 4), Scale(4), nn.Linear(4, 4)))
+    x = torch.randn(4, 4)
+    with pytest.raises(ValueError, match=r"stages\[0\]'s module '1' \(Scale\).*\['gain'\].*reset_parameters"):
+        pipeline.Config(world_size=2, stages=split_model(model, 2), num_microbatches=2, x=x, y=x)
+    with pytest.raises(ValueError, match=r"give Scale a reset_parameters\(\)"):
+        materialize(model)
+    real = nn.Sequential(nn.Linear(4, 4), Scale(4), nn.Linear(4, 4))  # real weights: nothing to make
+    pipeline.Config(world_size=2, stages=split_model(real, 2), num_microbatches=2, x=x, y=x)
+
+
+# --- memory: each rank holds its stage, not the whole model -------------------------------------
+
+def resident_bytes() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * resource.getpagesize()
+
+
+def memory_worker(ctx: RankContext, cfg: pipeline.Config) -> dict[str, int]:
+    """Resident memory when the worker starts (the cfg unpickled), then before and after this rank
+    makes its stages as the pipeline's worker does, and the peak: bytes."""
+    start = resident_bytes()
+    materialize(mlp_on_meta(4, 2))  # the first initialisation loads its kernels: not the stage's memory
+    before = resident_bytes()
+    modules = pipeline.rank_modules(ctx, cfg, cfg.jobs[0].schedule)
+    held = {"start": start, "stages": resident_bytes() - before,
+            "peak": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}  # Linux: KiB
+    del modules  # measured while held
+    return held
+
+
+def rank_memory(stages: list[nn.Module], width: int) -> list[dict[str, int]]:
+    x = torch.randn(2, width)
+    return experiments.run(memory_worker, pipeline.Config(world_size=2, stages=stages, num_microbatches=2,
+                                                          x=x, y=x, steps=1))
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/statm"), reason="reads resident memory from /proc (Linux)")
+def test_each_rank_holds_its_stage_not_the_whole_model():
+    """8 x Linear(2048) (134 MB) on 2 ranks. Sent real, each rank holds the whole model (unpickled
+    before its worker starts) and a copy of its half; built on meta, its half only. The run built on
+    meta is the baseline of what arrives: its cfg holds shapes only. (8 x Linear(4096), 537 MB,
+    gives the same ratios; smaller here to stay fast.)"""
+    meta = mlp_on_meta(2048, 8)
+    whole = sum(p.numel() * p.element_size() for p in meta.parameters())
+    new = rank_memory(split_model(meta, 2), 2048)
+    old = rank_memory(split_model(materialize(copy.deepcopy(meta)), 2), 2048)
+    for rank, (n, o) in enumerate(zip(new, old)):
+        grew_new = n["stages"]
+        grew_old = o["start"] - n["start"] + o["stages"]
+        assert 0.35 * whole < grew_new < 0.75 * whole, (rank, grew_new / whole)  # its half, give or take pages
+        assert grew_old > 1.3 * whole, (rank, grew_old / whole)  # the whole model and its half again
+        assert o["peak"] - n["peak"] > whole, (rank, (o["peak"] - n["peak"]) / whole)
+
+
+def test_a_meta_grid_trains_like_one_process():
+    """Lesson 05's pipe x data grid with SGD steps, its model built on meta: each process makes its
+    own stage; the weights after the steps are the reference's."""
+    from pipelab.experiments import grid
+
+    model = mlp_on_meta(8, 4, seed=5)
+    x, y = torch.randn(8, 8), torch.randn(8, 8)
+    cfg = grid.Config(model=model, x=x, y=y, layouts=(grid.Layout(2, 1, 2),), steps=1, rounds=1)
+    [run] = experiments.run(grid.worker, cfg, grid.gather)
+    assert_same(run, grid.reference(cfg, steps=len(run.losses)))
