@@ -379,3 +379,109 @@ def test_the_stash_counted_from_the_layers_is_the_stash_measured():
     [run] = pipelines(stages, [make_schedule("gpipe", 2, m)], x, y, torch.nn.MSELoss())
     activation = 8 // m * width * 4
     assert gpipe.stash_per_rank(run, stages, activation) == gpipe.stashed_tensors(stages) == {0: 2, 1: 3}
+
+
+# ---------------------------------------------------------------------------------------------
+# On an emulated node: modelled time and memory at the emulated size
+# ---------------------------------------------------------------------------------------------
+
+def emulated_problem(p: int = 2, **size):
+    """The MLP of `problem` for real, and an MLP of equal stages at a GPU's size for the cost model."""
+    stages, x, y, loss_fn = problem(p)
+    size = {"layers": 8, "width": 4096, "rows": 1024, "dtype": "bfloat16", **size}
+    from pipelab.experiments.pipeline import emulated_mlp
+
+    return stages, x, y, loss_fn, emulated_mlp(f"{p}xH100-nvlink", num_stages=p, **size)
+
+
+def test_emulated_gpipe_bubble_follows_the_formula_and_memory_the_estimate():
+    """At equal stages the only thing the formula leaves out is the messages' link time: every
+    bubble within 0.03 of (p-1)/(m+p-1), the same in every step (a logical clock), and each rank's
+    memory meter peaks at the estimate made before the run, checkpointed or not; 1F1B's at
+    min(m, p - r) micro-batches in flight."""
+    from pipelab.emulate.memory import microbatches_in_flight
+    from pipelab.pipeline.simulate import gpipe_bubble
+
+    stages, x, y, loss_fn, emulated = emulated_problem()
+    ms = [1, 2, 4, 8]
+    cfg = Config(world_size=2, stages=stages, x=x, y=y, loss_fn=loss_fn, steps=2, schedules=["gpipe"] * 5 + ["1f1b"],
+                 num_microbatches=ms + [8, 8], checkpoint=[False] * 4 + [True, False], **emulated)
+    runs = run(cfg)
+    for r in runs:
+        assert_same(r, reference(stages, x, y, loss_fn))
+        m = r.schedule.num_microbatches
+        for rank, peak in r.emulated_peak_bytes.items():
+            in_flight = microbatches_in_flight(r.schedule.name.lower(), rank, 2, m)
+            assert peak == pytest.approx(cfg.memory_estimate(rank, in_flight, r.checkpoint).total, rel=1e-9)
+    for r in runs[:4]:
+        assert r.bubble_fraction.low == r.bubble_fraction.high  # the same in every step
+        assert abs(r.bubble_fraction.median - gpipe_bubble(2, r.schedule.num_microbatches)) <= 0.03
+    assert runs[4].step_time.median > runs[3].step_time.median  # each backward recomputed its forward
+
+
+def test_emulated_step_is_the_simulators_with_the_same_costs():
+    """The emulated ranks and the simulator use the same F, I, W seconds: with messages at their
+    link time, every schedule's step is within 10 % of the simulator's makespan."""
+    stages, x, y, loss_fn, emulated = emulated_problem()
+    cfg = Config(world_size=2, stages=stages, x=x, y=y, loss_fn=loss_fn, steps=1,
+                 schedules=["gpipe", "1f1b", "zb-h1"], num_microbatches=4, **emulated)
+    for r in run(cfg):
+        sim = simulate(r.schedule, cfg.simulated_costs(messages=True))
+        assert 1.0 - 1e-6 <= r.step_time.median * 1e3 / sim.makespan_ms <= 1.10, r.schedule
+
+
+def test_emulated_node_refuses_what_it_cannot_time():
+    stages, x, y, loss_fn, emulated = emulated_problem()
+    with pytest.raises(ValueError, match="emulated_stages"):
+        Config(world_size=2, stages=stages, x=x, y=y, loss_fn=loss_fn, emulate="2xH100-nvlink")
+    with pytest.raises(ValueError, match="emulated_stages"):
+        Config(world_size=2, stages=stages, x=x, y=y, loss_fn=loss_fn, **{**emulated, "emulated_stages": stages[:1]})
+    with pytest.raises(ValueError, match="emulate=None"):
+        Config(world_size=2, stages=stages, x=x, y=y, loss_fn=loss_fn, engine="torch", **emulated)
+
+
+def test_send_waits_splits_message_time_by_what_the_sender_did():
+    from pipelab.experiments.pipeline import send_waits
+    from pipelab.timeline import Span, Timeline
+
+    tl = Timeline([Span(0, "compute", "F", 0.0, 1.0, 0, {}), Span(0, "comm", "send", 0.5, 2.0, 0, {"to": 1}),
+                   Span(0, "comm", "recv", 1.2, 1.6, 1, {"frm": 1}), Span(0, "compute", "B", 1.6, 1.8, 1, {})])
+    w = send_waits(tl)
+    assert w["in flight"] == pytest.approx(1.5)
+    assert w["computing"] == pytest.approx(0.5 + 0.2)
+    assert w["in recv"] == pytest.approx(0.4)
+    assert w["blocked"] == pytest.approx(0.2 + 0.2)  # 1.0-1.2 between actions, 1.8-2.0 after the last
+    assert w["blocked at the end"] == pytest.approx(0.2)
+
+
+def test_gpu_profiles_of_06_and_07_carry_their_flop_counts():
+    """Lessons 06 and 07's `gpu` profiles say their FLOPs as `run_flops` counts them on the meta
+    device at the profile's size, and a Linear layer counts 2 x rows x width^2 per product: a
+    micro-batch's forward, input gradient and weight gradient, 6 x layers x rows x width^2."""
+    import json
+    import os
+
+    from pipelab.experiments import gpipe, schedules
+
+    w, layers, rows = 64, 4, 8
+    # m = 2 first, a sweep of [1], one step each, no checkpointed rounds: 2 + 1 micro-batches, the
+    # hand-written worker's 2, and the two references' 2 + 1.
+    assert gpipe.run_flops(w, layers, rows, 2, [1], 1, 0) == pytest.approx(6 * layers * rows * w * w * (3 + 2 + 3))
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+    def profile(name):
+        meta = json.load(open(os.path.join(root, "notebooks", name)))["metadata"]["pipelab"]
+        source = [c for c in json.load(open(os.path.join(root, "notebooks", name)))["cells"]
+                  if "parameters" in c["metadata"].get("tags", [])][0]["source"]
+        defaults = {}
+        exec("".join(source), {}, defaults)
+        return {**defaults, **meta["profiles"]["gpu"]}, meta["needs"]["gpu"]["flops"]
+
+    p, flops = profile("06_gpipe.ipynb")
+    counted = gpipe.run_flops(p["width"], p["layers"], p["microbatch_size"], p["microbatches"], p["sweep"],
+                              p["steps"], p["repeats"])
+    assert flops == pytest.approx(counted, rel=1e-3)
+    p, flops = profile("07_schedules_1f1b_interleaved_zero_bubble.ipynb")
+    counted = schedules.run_flops(p["width"], p["layers"], p["microbatch_size"], p["microbatches"], p["steps"],
+                                  p["cpu_steps"])
+    assert flops == pytest.approx(counted, rel=1e-3)

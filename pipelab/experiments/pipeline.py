@@ -24,9 +24,12 @@ import torch
 from torch import nn
 
 from pipelab import experiments
+from pipelab.build import materialize
 from pipelab.checks import divides, mean_loss, same_batch, whole_number
 from pipelab.measure import Measured, RankSteps, Steps, TimedSteps, gather_steps, time_steps, timed_slice
+from pipelab.models import mlp
 from pipelab.pipeline.p2p import TensorSpec, message_specs, trace
+from pipelab.pipeline.partition import split_model
 from pipelab.pipeline.runtime import run_step
 from pipelab.pipeline.schedules import Schedule, make_schedule
 from pipelab.pipeline.simulate import Costs, simulate
@@ -67,11 +70,21 @@ class Config(experiments.Config):
     steps: int = 2
     checkpoint: bool | Sequence[bool] = False
     engine: str = "pipelab"
+    # On an emulated node (`emulate`, e.g. "2xH100-nvlink") each span lasts what the device model
+    # gives for the same stages at the emulated size: `emulated_stages`, built on the meta device
+    # (no memory), one per stage, fed micro-batches like `emulated_x` (one micro-batch, on meta), in
+    # `emulated_dtype`; their memory is estimated for training with `optimizer` (`emulate.memory`).
+    emulated_stages: Sequence[nn.Module] | None = field(repr=False, default=None)
+    emulated_x: torch.Tensor | None = field(repr=False, default=None)
+    emulated_dtype: str = "bfloat16"
+    optimizer: str = "adam"
 
     def check(self) -> None:
         super().check()
         if self.engine not in ENGINES:
             raise ValueError(f"engine must be one of {ENGINES}, got {self.engine!r}")
+        if self.emulate is not None:
+            self.check_emulated()
         for s, stage in enumerate(self.stages):
             if not isinstance(stage, nn.Module):
                 raise ValueError(f"stage {s} is {stage!r}, not an nn.Module: a stage is copied to its rank "
@@ -85,11 +98,64 @@ class Config(experiments.Config):
         first = self.jobs[0]  # builds and checks every job
         # The loss of one micro-batch must be one number: its backward starts there.
         rows = first.x.shape[0] // first.schedule.num_microbatches
-        loss = self.loss_fn(trace(self.stages, first.x[:rows])[-1], first.y[:rows])
+        out = trace(self.stages, first.x[:rows])[-1]  # a meta tensor where the stages are built on meta
+        loss = self.loss_fn(out, first.y[:rows].to(out.device))
         if not isinstance(loss, torch.Tensor) or loss.dim() != 0:
             got = f"a tensor of shape {list(loss.shape)}" if isinstance(loss, torch.Tensor) else repr(loss)
             raise ValueError(f"loss_fn must return one number per micro-batch (a 0-dim tensor), got {got}; "
                              "use a loss that averages over the samples, e.g. torch.nn.MSELoss()")
+
+    def check_emulated(self) -> None:
+        """On an emulated node: the stages at the emulated size, one per stage, and their micro-batch."""
+        if self.engine == "torch":
+            raise ValueError(f"engine='torch' runs on this machine's own clock, not on an emulated node; "
+                             f"pass emulate=None (got emulate={self.emulate!r})")
+        stages = list(self.emulated_stages or [])
+        if len(stages) != len(self.stages) or not all(isinstance(s, nn.Module) for s in stages):
+            raise ValueError(f"on an emulated node (emulate={self.emulate!r}) give emulated_stages: the "
+                             f"{len(self.stages)} stages at the emulated size, built on the meta device, e.g. "
+                             "with torch.device('meta'): split_model(models.mlp([8192] * 9), 2)")
+        if not isinstance(self.emulated_x, torch.Tensor):
+            raise ValueError(f"on an emulated node give emulated_x, one micro-batch at the emulated size on the "
+                             f"meta device, e.g. torch.empty(4096, 8192, device='meta'); got {self.emulated_x!r}")
+        self.emulated  # counts every stage now: a stage that cannot run on meta fails here
+
+    @cached_property
+    def emulated(self) -> dict[int, EmulatedStage] | None:
+        """Each stage at the emulated size (None off an emulated node): its modelled seconds and
+        memory on the emulated node's device, counted on the meta device."""
+        if self.emulate is None:
+            return None
+        from pipelab.emulate.specs import parse_node
+
+        return emulated_stages(self.emulated_stages, self.emulated_x, self.loss_fn, parse_node(self.emulate),
+                               self.emulated_dtype, self.optimizer)
+
+    def memory_estimate(self, stage: int, microbatches_in_flight: int, checkpoint: bool = False):
+        """What `stage` would hold at its peak on the emulated node's device (`emulate.memory`),
+        with `microbatches_in_flight` micro-batches' activations stashed (GPipe: m)."""
+        from pipelab.emulate.memory import stage_memory
+        from pipelab.emulate.specs import parse_node, torch_dtype
+
+        if self.emulated is None:
+            raise ValueError("memory_estimate needs an emulated node: pass emulate='2xH100-nvlink' and emulated_stages")
+        e = self.emulated[stage]
+        return stage_memory(e.module, e.example, parse_node(self.emulate).device, stage=stage,
+                            optimizer=self.optimizer, microbatches_in_flight=microbatches_in_flight,
+                            checkpoint=checkpoint, dtype=torch_dtype(self.emulated_dtype))
+
+    def simulated_costs(self, messages: bool = False) -> Costs:
+        """The emulated node's cost model as the simulator's `Costs` (ms): each stage's modelled F,
+        I and W, and with `messages` one activation's link time as the transfer (else free)."""
+        if self.emulated is None:
+            raise ValueError("simulated_costs needs an emulated node: pass emulate='2xH100-nvlink' and emulated_stages")
+        from pipelab.emulate.cost import message_seconds
+        from pipelab.emulate.specs import parse_node
+
+        per_stage = {s: (1e3 * e.seconds["F"], 1e3 * e.seconds["I"], 1e3 * e.seconds["W"])
+                     for s, e in self.emulated.items()}
+        transfer = 1e3 * message_seconds(self.emulated[0].output_bytes, parse_node(self.emulate).link)
+        return Costs(transfer=transfer if messages else 0.0, per_stage=per_stage)
 
     @cached_property
     def jobs(self) -> list[Job]:
@@ -128,6 +194,72 @@ class Config(experiments.Config):
         return Job(schedule, x, y, checkpoint, message_specs(self.stages, x, schedule.num_microbatches))
 
 
+@dataclass(frozen=True)
+class EmulatedStage:
+    """One stage at the emulated size: `module` (on meta, the last stage with its loss) fed
+    `example` (one micro-batch on meta); each kind's modelled `seconds`; the bytes one
+    micro-batch's forward stashes (`stash_bytes`; its input alone, `input_bytes`, when
+    checkpointed); its output's bytes (one message); and `held_bytes`, what the stage holds whatever
+    runs (parameters, gradients, optimizer state)."""
+
+    module: nn.Module = field(repr=False)
+    example: torch.Tensor = field(repr=False)
+    seconds: dict[str, float]
+    stash_bytes: float
+    input_bytes: float
+    output_bytes: float
+    held_bytes: float
+
+
+class WithLoss(nn.Module):
+    """The last stage and its loss as one module, so that counting it counts the loss too."""
+
+    def __init__(self, stage: nn.Module, loss_fn: Callable, target: torch.Tensor):
+        super().__init__()
+        self.stage, self.loss_fn = stage, loss_fn
+        self.register_buffer("target", target)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.loss_fn(self.stage(x), self.target)
+
+
+def emulated_stages(stages: Sequence[nn.Module], x: torch.Tensor, loss_fn: Callable, node, dtype: str,
+                    optimizer: str) -> dict[int, EmulatedStage]:
+    """Every stage at the emulated size, counted on the meta device: its F, I, W (B = I + W, as
+    the simulator prices it) on `node`'s device, its stash and its fixed memory. Every rank and the
+    simulator use these same figures."""
+    from pipelab.emulate.cost import meta_inputs, meta_module, stage_seconds
+    from pipelab.emulate.memory import input_bytes, stage_memory, stashed_bytes
+    from pipelab.emulate.specs import torch_dtype
+
+    cast = torch_dtype(dtype)
+    out, h = {}, meta_inputs(x, cast)[0]
+    for s, stage in enumerate(stages):
+        module = meta_module(stage, cast)
+        with torch.no_grad():
+            y = module(h)
+        counted = WithLoss(module, loss_fn, torch.empty_like(y)) if s == len(stages) - 1 else module
+        t = stage_seconds(counted, h, node.device, dtype)
+        fixed = stage_memory(counted, h, node.device, optimizer=optimizer, microbatches_in_flight=0, dtype=cast)
+        out[s] = EmulatedStage(counted, h, {"F": t["F"], "I": t["I"], "W": t["W"], "B": t["I"] + t["W"]},
+                               stashed_bytes(counted, h, cast), input_bytes(h), y.numel() * y.element_size(),
+                               fixed.total)
+        h = y
+    return out
+
+
+def emulated_mlp(node: str | None, layers: int, num_stages: int, width: int, rows: int, dtype: str = "bfloat16") -> dict:
+    """The `Config` arguments that run on the emulated `node` (None: nothing emulated, {}) an MLP of
+    `layers` Linear layers of `width` cut into `num_stages` stages, `rows` rows per micro-batch, in
+    `dtype`: the stages built on the meta device, shapes and no memory."""
+    if node is None:
+        return {}
+    with torch.device("meta"):
+        stages = split_model(mlp([width] * (layers + 1)), num_stages)
+        x = torch.empty(rows, width)
+    return dict(emulate=node, emulated_stages=stages, emulated_x=x, emulated_dtype=dtype)
+
+
 def per_schedule(name: str, value, kind: type, count: int) -> list:
     """One `value` for every schedule, or a list or tuple of one per schedule."""
     values = list(value) if isinstance(value, (list, tuple)) else [value] * count
@@ -156,6 +288,7 @@ class Result:
     peak_stash_bytes: int = 0
     messages_sent: int = 0
     bytes_sent: int = 0
+    emulated_peak_bytes: float = 0.0  # on an emulated node: the memory meter's peak at the emulated size
 
 
 def worker(ctx: RankContext, cfg: Config) -> list[Result]:
@@ -165,8 +298,9 @@ def worker(ctx: RankContext, cfg: Config) -> list[Result]:
 
 
 def rank_modules(ctx: RankContext, cfg: Config, schedule: Schedule) -> dict[int, nn.Module]:
-    """This rank's own copies of the stages it holds, on its device."""
-    return {s: copy.deepcopy(cfg.stages[s]).to(ctx.device) for s in schedule.stages_of(ctx.rank)}
+    """This rank's own copies of the stages it holds, on its device. Stages built on the meta device
+    (`pipelab.build.on_meta`) get their weights here, so a rank holds its stages only."""
+    return {s: materialize(copy.deepcopy(cfg.stages[s]), ctx.device, name=str(s)) for s in schedule.stages_of(ctx.rank)}
 
 
 def gradients_of(modules: dict[int, nn.Module]) -> dict[int, dict[str, torch.Tensor | None]]:
@@ -187,13 +321,33 @@ def pipelab_job(ctx: RankContext, cfg: Config, job: Job) -> Result:
     """`cfg.steps` steps of `job` with pipelab's runtime (`run_step`); the last one's losses and gradients."""
     x, y = job.x.to(ctx.device), job.y.to(ctx.device)
     modules = rank_modules(ctx, cfg, job.schedule)
+    costs, stash_bytes = emulate_job(ctx, cfg, job, modules)
     measured = time_steps(ctx, lambda _: run_step(ctx, job.schedule, modules, cfg.loss_fn, x, y, job.specs,
-                                                  job.checkpoint), cfg.steps, prepare=zero_grads(modules))
+                                                  job.checkpoint, costs, stash_bytes),
+                          cfg.steps, prepare=zero_grads(modules))
     last = measured.results[-1]
     traces = [step.stash.trace for step in measured.results[timed_slice(cfg.steps)]]
     timed = RankSteps([], measured.seconds, measured.timelines)  # the steps' tensors stay here
+    peak = ctx.emulator.memory.peak if stash_bytes else 0.0
     return Result(ctx.rank, sorted(modules), [float(loss) for loss in last.losses], gradients_of(modules), timed,
-                  traces, last.stash.peak, last.stash.peak_bytes, last.messages_sent, last.bytes_sent)
+                  traces, last.stash.peak, last.stash.peak_bytes, last.messages_sent, last.bytes_sent, peak)
+
+
+def emulate_job(ctx: RankContext, cfg: Config, job: Job, modules: dict[int, nn.Module]) -> tuple:
+    """On an emulated node, this rank's stages' modelled seconds and stash bytes at the emulated
+    size (else None, None). The rank's memory meter starts the job holding its stages' parameters,
+    gradients and optimizer state, and each message is timed at the emulated size."""
+    if ctx.emulator is None or cfg.emulated is None:
+        return None, None
+    from pipelab.emulate.memory import MemoryMeter
+
+    mine = {s: cfg.emulated[s] for s in modules}
+    ctx.emulator.memory = MemoryMeter(ctx.emulator.node.device, sum(e.held_bytes for e in mine.values()))
+    real = job.specs[0][0]  # stage 0's output on one micro-batch, as sent
+    real_bytes = torch.empty((), dtype=real.dtype).element_size() * torch.Size(real.shape).numel()
+    ctx.emulator.scale_messages(cfg.emulated[0].output_bytes, real_bytes)
+    return ({s: e.seconds for s, e in mine.items()},
+            {s: (e.stash_bytes, e.input_bytes) for s, e in mine.items()})
 
 
 def torch_job(ctx: RankContext, cfg: Config, job: Job) -> Result:
@@ -222,6 +376,7 @@ class PipelineRun(TimedSteps):
     messages_sent: int = 0
     bytes_sent: int = 0
     checkpoint: bool = False  # activation checkpointing: each backward recomputed its forward
+    emulated_peak_bytes: dict[int, float] = field(default_factory=dict)  # rank -> peak at the emulated size
 
     @property
     def name(self) -> str:
@@ -282,7 +437,8 @@ def gather_job(job: Job, results: list[Result]) -> PipelineRun:
         job.schedule, next(r.mb_losses for r in results if r.mb_losses), grads, steps,
         {r.rank: r.peak_stash for r in results}, {r.rank: r.peak_stash_bytes for r in results},
         {r.rank: r.stash_traces[typical] for r in results},
-        sum(r.messages_sent for r in results), sum(r.bytes_sent for r in results), job.checkpoint)
+        sum(r.messages_sent for r in results), sum(r.bytes_sent for r in results), job.checkpoint,
+        {r.rank: r.emulated_peak_bytes for r in results if r.emulated_peak_bytes})
 
 
 def run(cfg: Config) -> list[PipelineRun]:
@@ -298,6 +454,64 @@ def pooled_bubble(runs: Sequence[PipelineRun]) -> Measured:
 def median_run(runs: Sequence[PipelineRun]) -> PipelineRun:
     """The run of typical (median) step time among repeats of one run."""
     return sorted(runs, key=lambda r: r.step_time.median)[len(runs) // 2]
+
+
+def send_waits(timeline: Timeline) -> dict[str, float]:
+    """Split the time messages were in flight (the union of each rank's send boxes, seconds summed
+    over ranks) by what the sender did meanwhile: "computing" (the send hidden behind work), "in
+    recv" (waiting in a recv box for another message: its bubble), or nothing else, "blocked" (a send
+    holding its sender up), of which "blocked at the end" came after the rank's last compute, where
+    `P2P.finish` waits for the step's last messages to leave."""
+    out = dict.fromkeys(("in flight", "computing", "in recv", "blocked", "blocked at the end"), 0.0)
+    for rank in {s.rank for s in timeline.filter(kind="send", lane="comm")}:
+        sends = union([(s.start, s.end) for s in timeline.filter(rank=rank, kind="send", lane="comm")])
+        busy = union([(s.start, s.end) for s in timeline.filter(rank=rank, lane="compute")])
+        waiting = union([(s.start, s.end) for s in timeline.filter(rank=rank, kind="recv", lane="comm")])
+        idle = complement(busy, sends)  # message time while the rank computed nothing (hatched)
+        blocked = complement(waiting, idle)
+        out["in flight"] += length(sends)
+        out["computing"] += length(overlap(sends, busy))
+        out["in recv"] += length(overlap(idle, waiting))
+        out["blocked"] += length(blocked)
+        last = max((b for _, b in busy), default=float("-inf"))
+        out["blocked at the end"] += length(overlap(blocked, [(last, float("inf"))]))
+    return out
+
+
+def union(intervals: list[tuple[float, float]]) -> list[tuple[float, float]]:
+    """Sorted, non-overlapping intervals covering the same time."""
+    out: list[list[float]] = []
+    for a, b in sorted(intervals):
+        if out and a <= out[-1][1]:
+            out[-1][1] = max(out[-1][1], b)
+        else:
+            out.append([a, b])
+    return [(a, b) for a, b in out]
+
+
+def overlap(xs: list[tuple[float, float]], ys: list[tuple[float, float]]) -> list[tuple[float, float]]:
+    """The time both unions `xs` and `ys` cover."""
+    return union([(max(a, c), min(b, d)) for a, b in xs for c, d in ys if min(b, d) > max(a, c)])
+
+
+def complement(xs: list[tuple[float, float]], within: list[tuple[float, float]]) -> list[tuple[float, float]]:
+    """The time of `within` that the union `xs` does not cover."""
+    out = []
+    for a, b in within:
+        t = a
+        for c, d in xs:
+            if d <= t or c >= b:
+                continue
+            if c > t:
+                out.append((t, c))
+            t = max(t, d)
+        if t < b:
+            out.append((t, b))
+    return out
+
+
+def length(intervals: list[tuple[float, float]]) -> float:
+    return sum(b - a for a, b in intervals)
 
 
 def recv_waits(timeline: Timeline) -> tuple[float, float]:

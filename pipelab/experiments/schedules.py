@@ -9,9 +9,10 @@ from typing import Mapping
 
 from pipelab import hardware
 from pipelab.display import conclude
-from pipelab.experiments.pipeline import PipelineRun
+from pipelab.experiments.pipeline import PipelineRun, recv_waits
 from pipelab.measure import compare, compare_medians
 from pipelab.pipeline.schedules import messages_per_step
+from pipelab.pipeline.simulate import SimResult
 
 Runs = Mapping[str, PipelineRun]  # by schedule name: "gpipe", "1f1b", "interleaved", "zb-h1"
 
@@ -93,12 +94,47 @@ def ranks_and_cores(ranks: int) -> str:
         "a core per rank, shared with this notebook's process and anything else the machine runs.")
 
 
+def runtime_adds(name: str, run: PipelineRun, free: SimResult, linked: SimResult) -> None:
+    """07: what the runtime adds to the simulator playing the same costs: `free` with free
+    messages, `linked` with each message taking its link time. The step beyond `free` is what
+    messages and their waits cost; beyond `linked`, waits the simulator does not have (NCCL's order:
+    a message waits for the ones issued before it on the same pair of ranks)."""
+    step = run.step_time.median * 1e3
+    messages, waits = linked.makespan_ms - free.makespan_ms, step - linked.makespan_ms
+    conclude(f"07.runtime_adds.{name}", "adds" if step > free.makespan_ms * (1 + 1e-9) else "adds nothing",
+             f"{run.schedule.name}: the step took {step:.2f} ms against the simulator's {free.makespan_ms:.2f} ms with the "
+             f"same F, I and W costs and free messages ({step / free.makespan_ms:.3f}x): the messages' link time "
+             f"adds {messages:.2f} ms in the simulator, " + (
+                 f"and the runtime {waits:.2f} ms more: messages waiting behind others issued before them on the same "
+                 "pair of ranks, as NCCL orders them." if waits >= 0.005 else
+                 "and the runtime nothing more: no message waited behind another."),
+             step_ms=step, free_ms=free.makespan_ms, linked_ms=linked.makespan_ms)
+
+
+def cores_against_emulated(cpu: PipelineRun, emulated: PipelineRun) -> None:
+    """07: one schedule's bubble on this machine's own cores against the emulated node's, and why
+    they differ: how much the cores' F boxes varied, and how long the ranks waited for messages."""
+    durations = [s.duration for tl in cpu.steps.timelines for s in tl.filter(lane="compute", kind="F")]
+    spread = (max(durations) - min(durations)) / (sum(durations) / len(durations))
+    _, for_message = recv_waits(cpu.timeline)
+    cores = hardware.cpu_cores()
+    verdict = compare_medians(cpu.bubble_fraction, emulated.bubble_fraction)
+    conclude("07.cores_against_emulated", verdict,
+             f"{cpu.schedule.name} on this machine's {cores} CPU cores: bubble {cpu.bubble_fraction:.3f} against "
+             f"{emulated.bubble_fraction:.3f} on the emulated node ({verdict}). On the cores the forward boxes "
+             f"varied by {spread:.0%} of their mean from one to the next (the emulated ones last the same every "
+             f"time), and in the step shown the ranks waited {for_message * 1e3:.2f} ms for messages already sent: "
+             f"{cpu.schedule.num_ranks} ranks, gloo's threads and this notebook share {cores} cores.",
+             cpu=cpu.bubble_fraction, emulated=emulated.bubble_fraction, forward_spread=spread)
+
+
 def zb_memory(zb: PipelineRun, one: PipelineRun) -> None:
     """07: ZB-H1's peak stash (count and bytes) against 1F1B's, and why it holds more."""
     kib = {n: max(r.peak_stash_bytes.values()) / 1024 for n, r in (("zb", zb), ("1f1b", one))}
     per_stash = {n: r.peak_stash_bytes[0] / r.peak_stash[0] / 1024 for n, r in (("zb", zb), ("1f1b", one))}
     more = kib["zb"] > kib["1f1b"]
-    text = (f"ZB-H1 kept at most {zb.peak_stash} micro-batches per rank against 1F1B's {one.peak_stash}, "
+    counts = {n: ", ".join(f"rank {k} {v}" for k, v in r.peak_stash.items()) for n, r in (("zb", zb), ("1f1b", one))}
+    text = (f"ZB-H1 kept at most {counts['zb']} micro-batches against 1F1B's {counts['1f1b']}, "
             f"and {kib['zb']:.0f} KiB at its peak against 1F1B's {kib['1f1b']:.0f} KiB ({kib['zb'] / kib['1f1b']:.2g}x).")
     if more:
         text += (f" One stash of rank 0 holds {per_stash['zb']:.0f} KiB against 1F1B's {per_stash['1f1b']:.0f} KiB: "
@@ -140,7 +176,21 @@ def torch_zb_first_stage(ours: PipelineRun, theirs: PipelineRun) -> None:
 
 
 def side_by_side(ours: PipelineRun, theirs: PipelineRun) -> dict:
-    """One table row: a schedule's loss, step time and bubble, ours beside torch's."""
+    """One table row: a schedule's loss, ours beside torch's, and torch's step time and bubble on
+    the clock it ran on."""
     return {"schedule": ours.schedule.name, "loss (ours)": round(ours.loss, 6), "loss (torch)": round(theirs.loss, 6),
-            "step_ms (ours)": f"{ours.step_time.scaled(1e3):.1f}", "step_ms (torch)": f"{theirs.step_time.scaled(1e3):.1f}",
-            "bubble (ours)": f"{ours.bubble_fraction:.3f}", "bubble (torch)": f"{theirs.bubble_fraction:.3f}"}
+            "step_ms (torch)": f"{theirs.step_time.scaled(1e3):.1f}", "bubble (torch)": f"{theirs.bubble_fraction:.3f}"}
+
+
+def run_flops(width: int, layers: int, microbatch_size: int, microbatches: int, steps: int, cpu_steps: int) -> float:
+    """FLOPs of lesson 07's runs at a profile's size, counted on the meta device: `steps` steps of
+    the four schedules, `cpu_steps` of torch's four and of our ZB-H1 beside them, and the two
+    one-process references, each on `microbatches` micro-batches of `microbatch_size` rows."""
+    import torch
+
+    from pipelab.emulate.cost import step_flops
+    from pipelab.models import mlp
+
+    with torch.device("meta"):
+        model, batch = mlp([width] * (layers + 1)), torch.empty(microbatches * microbatch_size, width)
+    return step_flops(model, batch) * (4 * steps + 5 * cpu_steps + 2)

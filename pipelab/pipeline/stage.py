@@ -61,6 +61,7 @@ class Stash:
     nbytes: int
     output_grads: list[torch.Tensor] | None = None  # per layer, left by I for W
     rng: tuple | None = None  # a checkpointed forward's random-number state, to recompute it alike
+    emulated_bytes: float = 0.0  # on an emulated node: what it holds at the emulated size
 
 
 class StashMeter:
@@ -158,14 +159,22 @@ class StageRunner:
 
     On an emulated node `costs[stage]` gives each kind's modelled seconds ({"F", "B", "I", "W"},
     e.g. `emulate.cost.stage_seconds` at the emulated size): each span then lasts that on the
-    rank's logical clock, whatever the real math took (a recompute R lasts its forward's)."""
+    rank's logical clock, whatever the real math took (a recompute R lasts its forward's).
+    `stash_bytes[stage]` gives what one micro-batch's forward stashes at the emulated size, (all
+    its activations, its input alone): the runner stashes and releases them on the rank's memory
+    meter (`ctx.emulator.memory`) as it does its real stash, so the meter's peak is the emulated
+    size's."""
 
     def __init__(self, ctx: RankContext, schedule: Schedule, modules: dict[int, nn.Module], loss_fn: Callable,
                  p2p: P2P, x_mbs: list[torch.Tensor], y_mbs: list[torch.Tensor], checkpoint: bool = False,
-                 costs: dict[int, dict[str, float]] | None = None):
+                 costs: dict[int, dict[str, float]] | None = None,
+                 stash_bytes: dict[int, tuple[float, float]] | None = None):
         self.ctx, self.schedule, self.modules, self.loss_fn = ctx, schedule, modules, loss_fn
         self.p2p, self.x_mbs, self.y_mbs, self.checkpoint = p2p, x_mbs, y_mbs, checkpoint
         self.costs = costs or {}
+        emulator = getattr(ctx, "emulator", None)
+        self.memory = emulator.memory if emulator is not None and stash_bytes else None
+        self.stash_bytes = stash_bytes or {}
         self.last = schedule.num_stages - 1
         # A (stage, micro-batch) whose backward is split into I and W runs its forward layer by layer.
         self.split = schedule.split_backwards()
@@ -212,6 +221,7 @@ class StageRunner:
             self.losses.append(out.detach())
         self.stash[stage, mb] = stash
         self.meter.change(+1, stash.nbytes)
+        self.emulated_stash(stash, stage, "input" if self.checkpoint else "all")
         if stage < self.last:
             self.p2p.send(Message("act", stage, mb), out)
 
@@ -238,6 +248,7 @@ class StageRunner:
             saved.add(layer.output)
         st.nbytes += saved.total
         self.meter.change(0, saved.total)
+        self.emulated_stash(st, stage, "all")
         return st
 
     def stashed(self, stage: int, mb: int) -> Stash:
@@ -308,3 +319,16 @@ class StageRunner:
         """Drop the stash of (stage, mb): its activations can go."""
         st = self.stash.pop((stage, mb))
         self.meter.change(-1, -st.nbytes)
+        if self.memory is not None:
+            self.memory.release(st.emulated_bytes)
+
+    def emulated_stash(self, st: Stash, stage: int, what: str) -> None:
+        """On an emulated node, stash at the emulated size what `st` now keeps: all of a
+        micro-batch's activations ("all", a forward or a recompute), or its input ("input", a
+        checkpointed forward). A recompute's activations come on top of the kept input, as in
+        `emulate.memory.stage_memory`'s estimate."""
+        if self.memory is None or stage not in self.stash_bytes:
+            return
+        nbytes = self.stash_bytes[stage][0 if what == "all" else 1]
+        st.emulated_bytes += nbytes
+        self.memory.stash(nbytes)
