@@ -14,10 +14,13 @@ The weights must be the same wherever they are made: a rank holding stage 3 and 
 single-process reference holding all of them. Drawing them from one global random stream in
 construction order cannot give that (a rank would have to draw stages 0-2 first), so every module
 is initialised by its own generator, seeded from its qualified name in the whole model and the
-seed, by its own `reset_parameters()`. `on_meta` writes that name on each module (`name_modules`),
+seed, by its own `reset_parameters()`, children before parents (a parent's overrides its children's,
+as a model's own initialisation does). `on_meta` writes that name on each module (`name_modules`),
 so it survives cutting the model into stages; a module built on meta without it is named by its
-place in what is materialised (give `name=` its place in the whole model). A module already real is left as
-it is (and moved to `device`), so models built the ordinary way keep working unchanged.
+place in what is materialised (give `name=` its place in the whole model). A module already real
+is left as it is (and moved to `device`), so models built the ordinary way keep working unchanged.
+A module holding meta tensors and no `reset_parameters()` cannot be made on a rank: every lesson's
+`Config` refuses it before any rank starts (`check_config`).
 """
 
 from __future__ import annotations
@@ -67,13 +70,14 @@ def initializer(module: nn.Module) -> Callable[[], None] | None:
     return getattr(module, "reset_parameters", None) or getattr(module, "_reset_parameters", None)
 
 
-def check_materializable(module: nn.Module, what: str = "the model") -> None:
+def check_materializable(module: nn.Module, what: str = "the model", prefix: str = "") -> None:
     """Refuse a meta module that cannot be given weights: one holding meta tensors of its own and
-    no `reset_parameters()` to fill them."""
-    for name, sub in module.named_modules():
+    no `reset_parameters()` to fill them. `what` names `module` in the message; `prefix` is its
+    place in the whole model."""
+    for name, sub in module.named_modules(prefix=prefix):
         meta = [n for n, t in own_tensors(sub).items() if t.is_meta]
         if meta and initializer(sub) is None:
-            where = f"{what}'s module {name!r}" if name else what
+            where = f"{what}: module {name!r}" if name else what
             raise ValueError(
                 f"{where} ({type(sub).__name__}) holds meta tensors {meta} and has no reset_parameters() to "
                 f"initialise them on the rank; give {type(sub).__name__} a reset_parameters() that fills "
@@ -103,14 +107,18 @@ def materialize(module: nn.Module, device: torch.device | str | None = None, nam
                 seed: int = 0) -> nn.Module:
     """Give every meta tensor of `module` storage and its weights, in place; then move the whole to
     `device` (None: leave it where it is, the new weights on the CPU). Each module holding meta
-    tensors gets a CPU generator seeded from its key (`on_meta`'s, else `seed` and its qualified
-    name, `name` being `module`'s own place in the whole model) and its `reset_parameters()`: the
-    same weights in every process, on every device."""
-    check_materializable(module, repr(name) if name else "the model")
-    for qualified, sub in module.named_modules(prefix=name):
-        if not any(t.is_meta for t in own_tensors(sub).values()):
+    tensors, and each with a `reset_parameters()` above one, gets a CPU generator seeded from its
+    key (`on_meta`'s, else `seed` and its qualified name, `name` being `module`'s own place in the
+    whole model) and its `reset_parameters()`, children before parents (a parent's overrides its
+    children's, as a model's own initialisation does): the same weights in every process, on every
+    device."""
+    check_materializable(module, "the model", name)
+    meta = {id(sub) for _, sub in module.named_modules() if is_meta(sub)}
+    for qualified, sub in reversed(list(module.named_modules(prefix=name))):  # every child before its parent
+        if id(sub) not in meta or initializer(sub) is None:
             continue
-        sub.to_empty(device="cpu", recurse=False)
+        if any(t.is_meta for t in own_tensors(sub).values()):
+            sub.to_empty(device="cpu", recurse=False)  # storage for its own; its children have theirs
         with torch.random.fork_rng(devices=[]), torch.no_grad():
             torch.default_generator.manual_seed(seed_of(getattr(sub, INIT_KEY, f"{seed}:{qualified}")))
             initializer(sub)()
