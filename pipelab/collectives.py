@@ -16,7 +16,7 @@ import torch.distributed as dist
 
 from pipelab.hardware import synchronize
 from pipelab.measure import Measured
-from pipelab.timeline import Timeline, now
+from pipelab.timeline import Timeline
 from pipelab.worker import RankContext
 
 
@@ -54,9 +54,10 @@ def broadcast_demo(ctx: RankContext, src: int = 0) -> BeforeAfter:
 
 
 def round_trip(ctx: RankContext, msg: torch.Tensor, peer: int) -> float:
-    """Seconds for `msg` to go from rank 0 to `peer` and back (rank `peer` echoes it)."""
+    """Seconds for `msg` to go from rank 0 to `peer` and back (rank `peer` echoes it), on the
+    rank's clock (`ctx.now`: on an emulated node the logical one, moved by the link model)."""
     synchronize(ctx.device)
-    start = now()
+    start = ctx.now()
     if ctx.rank == 0:
         dist.send(msg, peer)
         dist.recv(msg, peer)
@@ -64,7 +65,7 @@ def round_trip(ctx: RankContext, msg: torch.Tensor, peer: int) -> float:
         dist.recv(msg, peer)
         dist.send(msg, peer)
     synchronize(ctx.device)
-    return now() - start
+    return ctx.now() - start
 
 
 @dataclass
@@ -114,17 +115,17 @@ def fit_latency_bandwidth(rows: list[MessageTime], small_bytes: int = 4096, larg
     """(latency in s, bandwidth in bytes/s) of the model `time = latency + bytes / bandwidth`,
     fitted to a ping-pong sweep: the latency from the small messages (`small_message_latency`),
     the bandwidth from the `large` largest ones, as their bytes over the time left once the
-    latency is paid (median over those sizes)."""
+    latency is paid (median over those sizes). So the fitted line passes through the small
+    messages' time and the large ones' time; a row's own bandwidth (bytes over its whole time,
+    latency included) always lies below the fitted one, which is the slope the line tends to."""
     latency = small_message_latency(rows, small_bytes).median
     biggest = sorted(rows, key=lambda r: r.bytes)[-large:]
-    rates = []
-    for row in biggest:
-        seconds = row.one_way.median
-        # A message barely slower than the latency (too small to show the bandwidth, or noise)
-        # would give a near-infinite bandwidth: count its whole time as bytes instead.
-        moving = seconds - latency if seconds > 1.5 * latency else seconds
-        rates.append(row.bytes / moving)
-    return latency, statistics.median(rates)
+    # A message whose bytes take under a tenth of its time (too small to show the bandwidth, or
+    # noise) would give a near-infinite bandwidth: it is left out, and if every one of them is
+    # such, the largest one's whole time is counted as bytes.
+    rates = [row.bytes / (row.one_way.median - latency) for row in biggest
+             if row.one_way.median - latency > 0.1 * row.one_way.median]
+    return latency, statistics.median(rates) if rates else biggest[-1].bytes / biggest[-1].one_way.median
 
 
 # ---------------------------------------------------------------------------------------------
@@ -210,14 +211,15 @@ def ring_all_reduce_time(nbytes: float, world_size: int, bandwidth: float, laten
 
 
 def back_to_back(ctx: RankContext, all_reduce, tensors: Sequence[torch.Tensor]) -> float:
-    """Median seconds of one `all_reduce(t)` over `tensors`, called back to back after a barrier."""
+    """Median seconds of one `all_reduce(t)` over `tensors`, called back to back after a barrier,
+    on the rank's clock (`ctx.now`)."""
     ctx.barrier()
     times = []
     for t in tensors:
-        start = now()
+        start = ctx.now()
         all_reduce(t)
         synchronize(ctx.device)
-        times.append(now() - start)
+        times.append(ctx.now() - start)
     return statistics.median(times)
 
 
@@ -267,22 +269,42 @@ def all_reduce_sweep(ctx: RankContext, sizes_bytes: Sequence[int], rounds: int =
 # ---------------------------------------------------------------------------------------------
 
 
-def compute_then_communicate(ctx: RankContext, n: int = 256, steps: int = 3) -> Timeline:
+def matmuls(x: torch.Tensor, w: torch.Tensor, times: int) -> torch.Tensor:
+    """`times` layers of tanh(y @ w): the compute of the toy step."""
+    y = x
+    for _ in range(times):
+        y = torch.tanh(y @ w)
+    return y
+
+
+def compute_then_communicate(ctx: RankContext, n: int = 256, steps: int = 3, emulated_n: int | None = None) -> Timeline:
     """A toy training step, `steps` times: compute (a few matmuls, like forward and backward), then
     all-reduce the result (like gradients). Nothing overlaps yet: while a rank communicates, it
-    does not compute. Returns this rank's timeline."""
+    does not compute. Returns this rank's timeline.
+
+    On an emulated node the math runs at n x n, but the compute lasts what the device model gives
+    for `emulated_n` x `emulated_n` matrices (FLOPs and bytes counted on the meta device) and the
+    all-reduce what the link model gives for the emulated tensor's bytes."""
     torch.manual_seed(ctx.rank)
     x = torch.randn(n, n, device=ctx.device)
     w = torch.randn(n, n, device=ctx.device) / n**0.5
+    times = 4 + 4 * ctx.rank  # higher ranks get more work: the others wait for them
+    cost = None
+    if ctx.emulator is not None:
+        from pipelab.emulate.cost import count  # (emulate's cost model imports this module)
+
+        big = emulated_n or n
+        cost = count(matmuls, torch.empty(big, big, device="meta"), torch.empty(big, big, device="meta"), times)
+        ctx.emulator.scale_messages(big * big * x.element_size(), x.nbytes)
     for step in range(-1, steps):  # step -1 warms up (first calls allocate and connect), unrecorded
         if step == 0:
             ctx.rec.clear()
-        with ctx.rec.span("F", lane="compute", mb=step):
-            y = x
-            for _ in range(4 + 4 * ctx.rank):  # higher ranks get more work: the others wait for them
-                y = torch.tanh(y @ w)
+        with ctx.rec.span("F", lane="compute", mb=step, cost=cost):
+            y = matmuls(x, w, times)
             synchronize(ctx.device)
         with ctx.rec.span("allreduce", lane="comm", mb=step):
             dist.all_reduce(y)
             synchronize(ctx.device)
+    if ctx.emulator is not None:
+        ctx.emulator.scale_messages(1, 1)  # later messages at their own size again
     return ctx.timeline()

@@ -9,6 +9,7 @@ last. A data-parallel, model-parallel or pipelined run computes the same thing, 
 from __future__ import annotations
 
 import copy
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Callable, Mapping, Sequence
 
@@ -34,6 +35,22 @@ class Reference:
         return self.losses[0]
 
 
+@contextmanager
+def exact_fp32():
+    """Inside: float32 matrix products and convolutions in full float32 on CUDA, TF32 off
+    (`torch.backends.cuda.matmul.allow_tf32`, `torch.backends.cudnn.allow_tf32`; cuDNN's is on by
+    default, and TF32 keeps 10 bits of mantissa, so a GPU result would miss a float32 reference at
+    1e-5). The flags are restored after. Use it (or its decorator form) around what an equality
+    check compares; on a CPU the flags change nothing."""
+    saved = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
+    try:
+        yield
+    finally:
+        torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = saved
+
+
+@exact_fp32()
 def reference_run(model: nn.Module, x, y, loss_fn: Callable, steps: int = 1,
                   lr: float | None = 0.1) -> Reference:
     """Train a copy of `model` on the whole batch in this process: `steps` SGD steps with `lr`

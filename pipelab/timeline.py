@@ -278,6 +278,31 @@ class Recorder:
         if self.enabled:
             self._spans.append(Span(self.rank if rank is None else rank, lane, kind, start, end, mb, meta))
 
+    def stamp(self, stream=None):
+        """A point in this rank's time, to open or close a span with `add_stamped`: on a CUDA
+        device a CUDA event recorded on `stream` (default: the current one), which fires when that
+        stream's earlier work is done; elsewhere the recorder's time (`now`)."""
+        if self.clock is not None or not self._is_cuda():
+            return self.now()
+        import torch
+
+        self._ensure_cuda_ref()
+        event = torch.cuda.Event(enable_timing=True)
+        event.record(stream)
+        return event
+
+    def add_stamped(self, kind: str, start, end, lane: str = "compute", mb: int | None = None,
+                    rank: int | str | None = None, **meta) -> None:
+        """Add a span between two stamps (`stamp`): CUDA events are resolved onto the clock when
+        `timeline()` is called, times are added as they are."""
+        if not self.enabled:
+            return
+        who = self.rank if rank is None else rank
+        if isinstance(start, (int, float)) and isinstance(end, (int, float)):
+            self._spans.append(Span(who, lane, kind, start, end, mb, meta))
+        else:
+            self._pending.append((start, end, dict(rank=who, lane=lane, kind=kind, mb=mb, meta=meta)))
+
     def _ensure_cuda_ref(self) -> None:
         if self._cuda_ref is None:
             import torch

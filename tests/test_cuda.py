@@ -126,3 +126,71 @@ def test_race_demo_with_a_late_producer_on_cuda(gpu_devs):
     late = hazard_report(cfg, 4, use_events=False, late_producer=True)
     assert late.raw_hazards == [0, 1, 2]  # device 0 spun for a second: every read came first
     assert len(late.timeline.filter(kind="held")) == 1
+
+
+# ---------------------------------------------------------------------------------------------
+# One clock per rank: communication timed with CUDA events too (no future callback as a stamp)
+# ---------------------------------------------------------------------------------------------
+
+def _compute_then_flat_all_reduce(ctx):
+    from pipelab.ddp import FlatAllReduce
+
+    a = torch.randn(4096, 4096, device=ctx.device)
+    with ctx.rec.span("F"):
+        for _ in range(4):
+            a = a @ a
+            a = a / a.norm()
+    flat = torch.ones(1 << 22, device=ctx.device)
+    FlatAllReduce(flat, rec=ctx.rec, bucket=0).wait()
+    torch.cuda.synchronize(ctx.device)
+    return ctx.timeline(), flat[0].item()
+
+
+def test_an_all_reduce_span_is_cuda_events_after_the_compute_it_follows():
+    """With NCCL an all-reduce's future completes when the collective is enqueued; timed by it, a
+    span came out near 0 s and before the kernels it waits for. Timed by events on the stream that
+    waits for it, the span lasts the collective and starts once the compute before it is done."""
+    n = torch.cuda.device_count()
+    for timeline, total in launch.spawn(_compute_then_flat_all_reduce, n, backend="nccl", timeout=120):
+        assert total == n
+        (f,), (comm,) = timeline.filter(kind="F").spans, timeline.filter(kind="allreduce").spans
+        assert comm.duration > 0 and f.duration > 0
+        assert comm.start >= f.end - 1e-6  # launched behind the matrix products on the same stream
+        assert timeline.overlap("compute", "comm") == 0.0
+
+
+def test_ddp_on_cuda_times_every_span_with_events_and_naive_overlaps_nothing():
+    from pipelab import experiments
+    from pipelab.experiments import ddp
+    from pipelab.models import mlp
+    from pipelab.reference import assert_same
+
+    n = torch.cuda.device_count()
+    torch.manual_seed(0)
+    model = mlp([1024] * 7)
+    x, y = torch.randn(64 * n, 1024), torch.randn(64 * n, 1024)
+    cfg = ddp.Config(model=model, x=x, y=y, world_size=n, bucket_cap_mb=4.0, steps=3, variants=("naive", "bucketed"))
+    runs = experiments.run(ddp.worker, cfg, ddp.gather)
+    reference = reference_run(model, x, y, cfg.loss_fn, steps=1, lr=cfg.lr)
+    for run in runs.values():
+        assert_same(run, reference)
+        comm = [s for tl in run.steps.timelines for s in tl.filter(kind="allreduce")]
+        assert comm and all(s.duration > 0 for s in comm)
+    assert runs["naive"].overlap.median == 0.0  # lesson 01's assertion, measured on the GPU
+
+
+def test_exact_fp32_turns_tf32_off_for_the_check_and_back_on_after():
+    from pipelab.reference import exact_fp32
+
+    saved = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
+    try:
+        torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = True
+        a = torch.randn(512, 512, device="cuda", dtype=torch.float32)
+        exact = a.double() @ a.double()
+        with exact_fp32():
+            assert not torch.backends.cuda.matmul.allow_tf32 and not torch.backends.cudnn.allow_tf32
+            full = a @ a
+        assert (torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32) == (True, True)
+        torch.testing.assert_close(full.double(), exact, atol=1e-3, rtol=1e-5)  # float32, not TF32's 10 bits
+    finally:
+        torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = saved

@@ -421,3 +421,153 @@ def test_sweep_and_torch_verdicts_claim_only_what_beats_the_noise():
     assert sweep.torch_verdict(points, 5)[2].startswith("at bucket_cap_mb=2,")  # not swept: the fastest size
     points[1] = point(2, 4, [100, 101, 102], [0.95, 1.3])
     assert sweep.torch_verdict(points, 2)[1] == "within noise"
+
+
+# ---------------------------------------------------------------------------------------------
+# On an emulated node: each layer's work and each all-reduce modelled at a larger size
+# ---------------------------------------------------------------------------------------------
+
+def emulated_config(**kwargs) -> ddp.Config:
+    torch.manual_seed(0)
+    from pipelab.models import mlp
+
+    model = mlp([16, 16, 16, 16])  # 3 Linear layers
+    x, y = batch(8, 16, 16)
+    settings = dict(model=model, x=x, y=y, world_size=2, bucket_cap_mb=16 * 17 * 4 / MIB, steps=3,
+                    variants=("naive", "bucketed"), emulate="2xH100-ib-ndr", emulated_width=256, emulated_batch=512)
+    return ddp.Config(**{**settings, **kwargs})
+
+
+def test_emulated_layer_costs_are_the_wider_layers_counted_by_hand():
+    from pipelab.emulate.cost import Counts
+
+    cfg = emulated_config()
+    costs, scale = ddp.emulated_costs(cfg.model, cfg.x[:4], cfg.width_scale, 256)
+    assert cfg.width_scale == 16 and scale == pytest.approx((256 * 256 + 256) / (16 * 16 + 16))
+    assert cfg.bytes_scale == pytest.approx(scale)
+    product = 2 * 256 * 256 * 256  # one 256 x 256 matrix product on 256 rows
+    assert sorted(costs.forward) == ["0", "2", "4"]
+    assert all(c.flops == product for c in costs.forward.values())
+    assert costs.backward["0"].flops == product  # fed the batch: only its weights' gradient
+    assert costs.backward["2"].flops == costs.backward["4"].flops == 2 * product  # and its input's gradient
+    assert isinstance(costs.copy_per_byte(1000), Counts) and costs.copy_per_byte(1000).bytes == 2000 * scale
+
+
+def test_emulated_ddp_matches_one_process_and_its_naive_overlap_is_exactly_zero():
+    cfg = emulated_config()
+    runs = experiments.run(ddp.worker, cfg, ddp.gather)
+    ref = reference(cfg.model, cfg.x, cfg.y)
+    for run in runs.values():
+        assert_same(run, ref)
+        assert run.step_time.high - run.step_time.low < 1e-12  # modelled time repeats (up to float rounding)
+    naive, bucketed = runs["naive"], runs["bucketed"]
+    assert naive.overlap.values == (0.0, 0.0) and bucketed.overlap.low > 0.3
+    assert bucketed.step_time.median < naive.step_time.median
+    spans = bucketed.timeline.filter(rank=0)
+    assert [s.meta["layer"] for s in spans.filter(kind="B")] == ["4", "2", "0"]
+    b = [s.duration for s in spans.filter(kind="B")]
+    assert b[0] == pytest.approx(b[1]) and b[2] < b[0]  # the first layer computes its weights' gradient only
+    from pipelab.emulate.specs import parse_node
+
+    link = parse_node(cfg.emulate).link
+    predicted = ddp.bucket_predictions(bucketed, 2, link.latency_s, link.bandwidth_Bps, cfg.bytes_scale)
+    key, verdict, text, _ = ddp.bucket_model_verdict(bucketed, predicted, link.latency_s, link.bandwidth_Bps)
+    assert verdict in ("fits", "mixed") and "more than 5 %" not in text
+
+
+def test_torch_ddp_is_refused_on_an_emulated_node_with_where_to_run_it():
+    with pytest.raises(ValueError, match=r"out of the emulator's reach.*torch_on_own_cores"):
+        emulated_config(variants=VARIANTS)
+    assert ddp.torch_on_own_cores(emulated_config()).emulate is None
+    with pytest.raises(ValueError, match="with_torch=False"):
+        sweep.Config(**{k: v for k, v in vars(emulated_config()).items() if k not in ("variants", "bucket_cap_mb",
+                        "find_unused_parameters")}, caps_mb=[1])
+    with pytest.raises(ValueError, match=r"emulated_width=100 must be a whole multiple of the model's width 16"):
+        emulated_config(emulated_width=100)
+    with pytest.raises(ValueError, match=r"emulated_batch=512 sizes the modelled work of an emulated node"):
+        emulated_config(emulate=None, emulated_width=None, variants=VARIANTS)
+
+
+def test_registration_verdict_splits_the_overlap_into_backward_and_copies():
+    from pipelab.measure import Measured
+    from pipelab.timeline import Span, Timeline
+
+    spans = [Span(0, "compute", "B", 0.0, 1.0), Span(0, "compute", "B", 1.0, 2.0), Span(0, "comm", "allreduce", 2.0, 3.0),
+             Span(0, "comm", "allreduce", 2.0, 4.0), Span(0, "compute", "copy", 3.0, 3.5)]
+    parts = ddp.overlap_parts(Timeline(spans))
+    assert parts == {"backward": 0.0, "other": pytest.approx(0.25)}
+    key, verdict, text, figures = ddp.registration_verdict(Timeline(spans), Measured.of([0.8]))
+    assert verdict == "none behind backward" and "0% behind backward, 25% behind the copying" in text
+    early = spans + [Span(0, "comm", "allreduce", 1.5, 1.9)]
+    assert ddp.registration_verdict(Timeline(early), Measured.of([0.8]))[1] == "some behind backward"
+
+
+def test_emulated_sweep_calls_an_end_slower_by_one_per_cent_of_modelled_time():
+    points = [point(0.001, 16, [100.0]), point(2, 4, [100.5]), point(8, 1, [103.0])]
+    for p in points:
+        p.emulate = "2xH100-ib-ndr"
+    verdict, text = sweep.sweep_verdict(points)[1:3]
+    assert verdict == "one bucket per parameter: within noise; one bucket for the model: slower"
+    assert "within 1 % of the fastest" in text and "modelled" in text
+
+
+class FakeEvent:
+    """A CUDA event's timing interface: `elapsed_time(other)` in ms between two recorded moments."""
+
+    def __init__(self, t: float):
+        self.t = t
+
+    def elapsed_time(self, other: "FakeEvent") -> float:
+        return (other.t - self.t) * 1e3
+
+
+def test_recorder_resolves_stamped_event_pairs_onto_one_clock(monkeypatch):
+    """On CUDA every span of a rank is a pair of events, resolved against one reference event: the
+    recorder's logic, run here with events that only know their time."""
+    from pipelab.timeline import Recorder
+
+    rec = Recorder(0, device=torch.device("cuda", 0))
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: None)
+    rec._cuda_ref = (FakeEvent(10.0), 500.0)  # event time 10 s is host time 500 s
+    rec.add_stamped("B", FakeEvent(10.5), FakeEvent(10.75), layer="2")
+    rec.add_stamped("allreduce", FakeEvent(10.75), FakeEvent(11.0), lane="comm", bucket=0)
+    rec.add_stamped("note", 1.0, 2.0)  # times (not events) are added as they are
+    spans = {s.kind: s for s in rec.timeline()}
+    assert (spans["B"].start, spans["B"].end) == (500.5, 500.75) and spans["B"].meta == {"layer": "2"}
+    assert (spans["allreduce"].start, spans["allreduce"].end) == (500.75, 501.0)
+    assert spans["allreduce"].lane == "comm" and (spans["note"].start, spans["note"].end) == (1.0, 2.0)
+
+
+def test_stamps_are_the_recorders_time_off_cuda_and_the_logical_clock_when_emulated():
+    from pipelab.emulate.clock import LogicalClock
+    from pipelab.timeline import Recorder, now
+
+    before = now()
+    assert before <= Recorder(0).stamp() <= now()
+    clock = LogicalClock()
+    clock.spend(2.5)
+    assert Recorder(0, device=torch.device("cuda", 0), clock=clock).stamp() == 2.5  # emulated: never an event
+
+
+def test_reference_run_computes_with_tf32_off_and_restores_the_flags():
+    """cuDNN's TF32 is on by default on A100/H100: an fp32 check at 1e-5 must not compute with it."""
+    from pipelab.reference import exact_fp32
+
+    seen = []
+
+    class Probe(nn.Linear):
+        def forward(self, x):
+            seen.append((torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32))
+            return super().forward(x)
+
+    saved = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
+    try:
+        torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = True
+        x, y = batch(4, 3, 2)
+        reference(Probe(3, 2), x, y)
+        assert seen and all(flags == (False, False) for flags in seen)
+        assert (torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32) == (True, True)
+        with exact_fp32():
+            assert not torch.backends.cudnn.allow_tf32
+    finally:
+        torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = saved

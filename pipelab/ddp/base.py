@@ -7,7 +7,8 @@ from __future__ import annotations
 import threading
 from collections import Counter
 from contextlib import nullcontext
-from typing import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any, Callable, Mapping
 
 import torch
 import torch.distributed as dist
@@ -17,7 +18,25 @@ from pipelab.ddp.buckets import parameter_devices
 from pipelab.ddp.replicas import broadcast_from_rank0, check_replicas
 from pipelab.models import trainable_parameters
 from pipelab.streams.base import tensors_in
-from pipelab.timeline import Recorder, now
+from pipelab.timeline import Recorder
+
+
+@dataclass
+class LayerCosts:
+    """What a wrapper's work lasts on an emulated node (`pipelab.emulate`), where the rank's clock
+    moves only by modelled costs: each layer's forward and backward (seconds, or FLOPs and bytes as
+    `emulate.cost.Counts`) by layer name, what copying one byte of gradient costs at the emulated
+    size (`copy`, per real byte: the emulated bytes over the real ones are in it) and the optimizer
+    step's cost."""
+
+    forward: dict[str, Any]
+    backward: dict[str, Any]
+    copy_per_byte: Callable[[int], Any] = field(default=lambda nbytes: 0.0)
+    optimizer: Any = 0.0
+
+    def forward_total(self):
+        costs = list(self.forward.values())
+        return sum(costs[1:], costs[0]) if costs else 0.0
 
 
 def _layer_name(param_name: str) -> str:
@@ -32,8 +51,11 @@ class DDPBase(nn.Module):
     Backward time per layer is measured between gradient-ready hooks: a layer's `B` span runs from
     the moment the layer after it had its gradients (or the model's output got its gradient) to the
     moment its own gradients are ready. That is the time backward spent on it, our hooks'
-    bookkeeping included, as seen by the thread that runs backward. (On a GPU these spans, and the
-    all-reduce spans too, show when work was *issued*; the kernels may run later.)
+    bookkeeping included. Every span is timed on the rank's one clock (`Recorder.stamp`): on a GPU
+    with CUDA events recorded on the stream that runs the work, so a span is when the kernels ran,
+    not when Python issued them; on an emulated node with the logical clock, which each layer's
+    backward moves by its modelled cost (`costs`, a `LayerCosts`, set by whoever knows the
+    emulated size); on a CPU with the machine's clock.
 
     A subclass says what to do with each gradient (`grad_ready`) and at the end of backward
     (`finish_gradients`).
@@ -55,6 +77,7 @@ class DDPBase(nn.Module):
         self.world_size = dist.get_world_size(process_group)
         self.rank = dist.get_rank(process_group)
         self.rec = recorder if recorder is not None else Recorder(self.rank, enabled=False)
+        self.costs: LayerCosts | None = None  # on an emulated node: what each layer's work lasts
         check_replicas(module, process_group)
         broadcast_from_rank0(module, process_group)
         self.broadcast_buffers = broadcast_buffers
@@ -76,7 +99,8 @@ class DDPBase(nn.Module):
         self.reset()
         if self.broadcast_buffers and torch.is_grad_enabled():
             self.sync_buffers()
-        with self.rec.span("F", lane="compute") if not self.spread else nullcontext():
+        forward = {"cost": self.costs.forward_total()} if self.costs is not None else {}
+        with self.rec.span("F", lane="compute", **forward) if not self.spread else nullcontext():
             out = self.module(*inputs, **kwargs)
         for t in tensors_in(out):
             if t.requires_grad:  # its gradient arrives first in backward: the start of our B spans
@@ -106,7 +130,7 @@ class DDPBase(nn.Module):
         DDP does: autograd runs it after the last gradient, before backward() returns."""
         if not self._in_backward:
             self._in_backward = True
-            self._mark = now()
+            self._mark = self.stamp()
             torch.autograd.Variable._execution_engine.queue_callback(self.end_backward)
 
     def on_output_grad(self, grad: torch.Tensor) -> None:
@@ -128,9 +152,23 @@ class DDPBase(nn.Module):
         layer = self._layers[index]
         self._layer_left[layer] -= 1
         if self._layer_left[layer] == 0:
-            t = now()
-            self.rec.add("B", self._mark, t, lane=self._lane[layer], layer=layer)
+            self.spend(self.costs.backward.get(layer, 0.0) if self.costs is not None else 0.0)
+            t = self.stamp()
+            self.rec.add_stamped("B", self._mark, t, lane=self._lane[layer], layer=layer)
             self._mark = t
+
+    def stamp(self):
+        """Now, on the rank's clock: a CUDA event on the current stream (the one backward runs on),
+        or the recorder's time. A module spread over devices is timed on the host clock: events of
+        two devices cannot be compared."""
+        return self.rec.now() if self.spread else self.rec.stamp()
+
+    def spend(self, cost) -> None:
+        """On an emulated node, move the rank's logical clock by `cost`; elsewhere the work itself
+        took the time."""
+        clock = getattr(self.rec, "clock", None)
+        if clock is not None and cost:
+            clock.spend(cost)
 
     def end_backward(self) -> None:
         try:

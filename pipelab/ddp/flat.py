@@ -39,31 +39,73 @@ def write_back(flat: torch.Tensor, params: Sequence[torch.Tensor], keep: Sequenc
         offset += p.numel()
 
 
+_side_streams: dict = {}  # per CUDA device: a stream that runs nothing but waits for collectives
+
+
+def side_stream(device: torch.device):
+    """The stream of `device` that only waits for collectives, so an event recorded on it after a
+    collective's `wait()` fires when the collective has finished, not when other work has."""
+    if device not in _side_streams:
+        _side_streams[device] = torch.cuda.Stream(device)
+    return _side_streams[device]
+
+
+def on_events(rec: Recorder, device: torch.device) -> bool:
+    """Whether spans of work on `device` are CUDA events of `rec`: a CUDA recorder on that same
+    device (events of two devices cannot be compared; a module spread over devices keeps to the
+    host clock), not on an emulated node's logical clock."""
+    return rec._is_cuda() and rec.clock is None and torch.device(device) == torch.device(rec.device)
+
+
+def arrival_stamp(work, rec: Recorder, device: torch.device):
+    """The moment collective `work` finishes, on the rank's clock, as `rec.add_stamped` takes it:
+    on a CUDA device a CUDA event recorded on a side stream made to wait for the collective (the
+    communication stream's end, not a host callback: NCCL's future fires when the collective is
+    *enqueued*); on an emulated node the handle's modelled end; on a CPU the moment gloo's thread
+    finished it (a callback of the work's future, read on the shared clock)."""
+    if hasattr(work, "end"):  # a handle of pipelab.emulate (an emulated node, or NCCL's rule alone)
+        return None  # read at wait(): its end is known once the operation ran
+    if on_events(rec, device):
+        stream = side_stream(device)
+        with torch.cuda.stream(stream):
+            work.wait()  # the side stream waits for the collective; the host does not
+            return rec.stamp(stream)
+    try:
+        return work.get_future().then(lambda _: now())
+    except (RuntimeError, NotImplementedError):  # a backend without futures: read at wait()
+        return None
+
+
+def resolve_arrival(work, arrival, rec: Recorder):
+    """The arrival as a stamp, once `work.wait()` has returned: the modelled end, the event, the
+    time the future's callback read, or (a backend that tells neither) the recorder's time now."""
+    if arrival is None:
+        end = getattr(work, "end", None)
+        return end if end is not None else rec.stamp()
+    return arrival if isinstance(arrival, torch.cuda.Event) else arrival.wait()
+
+
 class FlatAllReduce:
     """An asynchronous all-reduce (sum) of one flat buffer over `group`, launched when built.
 
     `wait()` returns the buffer once the sum has arrived. With an enabled recorder it also draws
-    the all-reduce on the `comm` lane from launch to arrival (`meta` goes on the span); the arrival
-    is read by a callback on the communication thread, so it is the moment the sum landed, not the
-    moment someone asked."""
+    the all-reduce on the `comm` lane from launch to arrival (`meta` goes on the span), both on the
+    rank's one clock (`arrival_stamp`): the moment the sum landed, not the moment someone asked."""
 
     def __init__(self, flat: torch.Tensor, group=None, rec: Recorder | None = None, **meta):
         self.flat, self.rec, self.meta = flat, rec, meta
         self.recording = rec is not None and rec.enabled
-        self.launched = rec.now() if rec is not None else now()
+        # The launch: on a GPU an event on the current stream, which the collective waits for.
+        self.launched = (rec.stamp() if on_events(rec, flat.device) else rec.now()) if self.recording else now()
         self.work = dist.all_reduce(flat, group=group, async_op=True)
-        # On an emulated node the handle knows its modelled end on the rank's clock. Elsewhere a
-        # callback on the communication thread reads the clock when the sum lands; it needs Python's
-        # GIL, so it costs a little per all-reduce and can be late by whatever Python runs then.
-        modelled = hasattr(self.work, "end")
-        self.arrival = self.work.get_future().then(lambda _: now()) if self.recording and not modelled else None
+        self.arrival = arrival_stamp(self.work, rec, flat.device) if self.recording else None
 
     def wait(self) -> torch.Tensor:
         """Block until the sum is here; return the buffer that holds it."""
         self.work.wait()
         if self.recording:
-            arrived = self.work.end if self.arrival is None else self.arrival.wait()
-            self.rec.add("allreduce", self.launched, arrived, lane="comm", bytes=self.flat.nbytes, **self.meta)
+            self.rec.add_stamped("allreduce", self.launched, resolve_arrival(self.work, self.arrival, self.rec), lane="comm",
+                                 bytes=self.flat.nbytes, **self.meta)
         return self.flat
 
 

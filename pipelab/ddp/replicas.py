@@ -52,4 +52,6 @@ def broadcast_from_rank0(module: nn.Module, group=None) -> None:
     src = 0 if group is None else dist.get_global_rank(group, 0)
     with torch.no_grad():
         for t in [*module.parameters(), *module.buffers()]:
-            dist.broadcast(t, src=src, group=group)
+            # detached: the same memory without autograd, whichever thread runs the broadcast (grad
+            # mode is per thread, and pipelab.emulate runs collectives on a thread of its own)
+            dist.broadcast(t.detach(), src=src, group=group)

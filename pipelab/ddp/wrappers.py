@@ -30,7 +30,7 @@ from pipelab.ddp.base import DDPBase
 from pipelab.ddp.buckets import check_bucket_cap, module_bucket_plan
 from pipelab.ddp.flat import FlatAllReduce, write_back
 from pipelab.display import format_bucket_plan
-from pipelab.timeline import Recorder, now
+from pipelab.timeline import Recorder
 
 
 class NaiveDDP(DDPBase):
@@ -45,9 +45,11 @@ class NaiveDDP(DDPBase):
         for name, p in reversed(self.params):  # the order backward produced them
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
-            start = now()
+            # On a GPU the stamps are CUDA events on the current stream, which waits for the
+            # all-reduce: the span runs from the gradient being ready to the sum having arrived.
+            start = self.stamp()
             dist.all_reduce(p.grad, group=self.process_group)
-            self.rec.add("allreduce", start, now(), lane="comm", param=name, bytes=p.grad.nbytes)
+            self.rec.add_stamped("allreduce", start, self.stamp(), lane="comm", param=name, bytes=p.grad.nbytes)
             p.grad.div_(self.world_size)
 
 
@@ -180,10 +182,12 @@ class BucketedDDP(DDPBase):
         moving the bytes. So spans of one rank may overlap.)"""
         for op in self._inflight:
             bucket, flat = op.meta["bucket"], op.wait()
-            copy_start = now()
+            copy_start = self.stamp()
             members = self._members[bucket]
             write_back(flat, [self.params[i][1] for i in members], keep=[self._ready[i] for i in members])
-            self.rec.add("copy", copy_start, now(), lane=self.buckets[bucket].device or "compute", bucket=bucket)
+            self.spend(self.costs.copy_per_byte(flat.nbytes) if self.costs is not None else 0.0)
+            self.rec.add_stamped("copy", copy_start, self.stamp(), lane=self.buckets[bucket].device or "compute",
+                                 bucket=bucket)
         self._inflight = []
 
     def write_average(self, index: int) -> None:
@@ -194,7 +198,7 @@ class BucketedDDP(DDPBase):
         """Which parameters had a gradient on at least one rank (one small all-reduce)."""
         used = torch.ones(len(self.params), device=self._flat[0].device)
         used[missing] = 0
-        start = now()
+        start = self.stamp()
         dist.all_reduce(used, group=self.process_group)
-        self.rec.add("allreduce", start, now(), lane="comm", what="used flags", bytes=used.nbytes)
+        self.rec.add_stamped("allreduce", start, self.stamp(), lane="comm", what="used flags", bytes=used.nbytes)
         return (used > 0).tolist()

@@ -9,6 +9,13 @@ The wrappers themselves (`NaiveDDP`, `BucketedDDP`) live in `pipelab.ddp`; here 
 trains with them (and with torch's `DistributedDataParallel`), its gather, and the verdicts on what
 it measured; the bucket-size sweep is `pipelab.experiments.bucket_sweep`. Check a run with
 `pipelab.reference.assert_same(run, reference)`.
+
+On an emulated node (`emulate=`, with `emulated_width` and `emulated_batch`) the ranks train the
+small model for real, but each layer's forward and backward last what the device model gives for
+the same layer `emulated_width / width` times wider on `emulated_batch` rows (counted on the meta
+device, `emulated_costs`), and each all-reduce what the link model gives for the emulated
+gradients' bytes. torch's DDP, whose all-reduces run in C++ beyond the emulator's reach, runs on
+this machine's own cores (`torch_on_own_cores`).
 """
 
 from __future__ import annotations
@@ -16,7 +23,7 @@ from __future__ import annotations
 import copy
 import statistics
 from contextlib import nullcontext
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Callable, Sequence
 
 import torch
@@ -27,6 +34,7 @@ from pipelab import experiments
 from pipelab.checks import divides, mean_loss, positive_number, same_batch, trainable, whole_number
 from pipelab.collectives import ring_all_reduce_time
 from pipelab.ddp import Bucket, BucketedDDP, DDPBase, NaiveDDP, check_bucket_cap
+from pipelab.ddp.base import LayerCosts, _layer_name
 from pipelab.display import human_bytes
 from pipelab.measure import Measured, RankSteps, Steps, TimedSteps, compare, gather_steps, time_steps
 from pipelab.reference import perturb
@@ -43,7 +51,10 @@ VARIANTS = ("naive", "bucketed", "torch")
 @dataclass(frozen=True, kw_only=True)
 class Training(experiments.Config):
     """What every data-parallel run here trains: `model` on the batch (`x`, `y`), split evenly
-    over `world_size` ranks, with a mean loss, `steps` SGD steps of `lr`."""
+    over `world_size` ranks, with a mean loss, `steps` SGD steps of `lr`. On an emulated node
+    (`emulate`), the compute and the messages are modelled for every Linear layer
+    `emulated_width / width` times wider (width: the batch's features) on `emulated_batch` rows in
+    all (split over the ranks like the batch)."""
 
     model: nn.Module = field(repr=False)
     x: torch.Tensor = field(repr=False)
@@ -51,6 +62,8 @@ class Training(experiments.Config):
     loss_fn: Callable = field(default_factory=nn.MSELoss)
     lr: float = 0.1
     steps: int = 3
+    emulated_width: int | None = None
+    emulated_batch: int | None = None
 
     def check(self) -> None:
         super().check()
@@ -59,6 +72,35 @@ class Training(experiments.Config):
         divides("batch", same_batch(self.x, self.y), "world_size", self.world_size)  # else the average is not the batch's
         whole_number("steps", self.steps, example="steps=3")
         positive_number("lr", self.lr, example="lr=0.1")
+        for name in ("emulated_width", "emulated_batch"):
+            value = getattr(self, name)
+            if value is None:
+                continue
+            whole_number(name, value, example=f"{name}=4096")
+            if self.emulate is None:
+                raise ValueError(f"{name}={value} sizes the modelled work of an emulated node; name one "
+                                 f"(emulate='2xH100-nvlink') or leave {name}=None")
+        if self.emulated_width is not None and self.emulated_width % self.x.shape[-1]:
+            raise ValueError(f"emulated_width={self.emulated_width} must be a whole multiple of the model's width "
+                             f"{self.x.shape[-1]} (every Linear layer is counted that many times wider); e.g. "
+                             f"emulated_width={8 * self.x.shape[-1]}")
+        if self.emulated_batch is not None:
+            divides("emulated_batch", self.emulated_batch, "world_size", self.world_size)
+
+    @property
+    def width_scale(self) -> int:
+        """How many times wider every Linear layer is counted on an emulated node."""
+        return (self.emulated_width or self.x.shape[-1]) // self.x.shape[-1]
+
+    @property
+    def bytes_scale(self) -> float:
+        """Gradient bytes at the emulated size per real byte (1.0 at the model's own size)."""
+        if self.width_scale == 1:
+            return 1.0
+        real = sum(p.numel() for p in self.model.parameters())
+        emulated = sum(p.numel() for m in self.model.modules() if list(m.parameters(recurse=False))
+                       for p in scaled_layer(m, self.width_scale).parameters())
+        return emulated / real
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -75,6 +117,51 @@ class Config(Training):
         check_bucket_cap(self.bucket_cap_mb)
         if not self.variants or isinstance(self.variants, str) or any(v not in VARIANTS for v in self.variants):
             raise ValueError(f"variants must be some of {VARIANTS}, got {self.variants!r}; e.g. variants=['bucketed']")
+        if self.emulate is not None and "torch" in self.variants:
+            raise ValueError(TORCH_NOT_EMULATED + "; e.g. variants=['naive', 'bucketed'], and torch_on_own_cores(cfg)")
+
+
+TORCH_NOT_EMULATED = ("torch's DistributedDataParallel runs its all-reduces in C++, out of the emulator's reach, "
+                      "so its time cannot be modelled: run it on this machine's own cores (emulate=None)")
+
+
+def torch_on_own_cores(cfg: Config) -> Config:
+    """torch's DDP on this machine's own cores, with `cfg`'s model, batch and bucket size."""
+    return replace(cfg, variants=("torch",), emulate=None, emulated_width=None, emulated_batch=None)
+
+
+def emulated_size(cfg: Training) -> str:
+    """The emulated size in words, for the lesson's first line."""
+    grads = 4 * cfg.bytes_scale * sum(p.numel() for p in cfg.model.parameters())
+    return (f"every Linear layer {cfg.width_scale}x wider ({cfg.emulated_width} features), {cfg.emulated_batch} rows "
+            f"per step in float32, {human_bytes(grads)} of gradients per step")
+
+
+def run_flops(width: int, layers: int, batch: int, steps: int) -> float:
+    """FLOPs of `steps` training steps of the lesson's MLP (`layers` Linear layers of `width`) on
+    the whole batch of `batch` rows, all ranks together, forward and backward counted on the meta
+    device: what the `gpu` profile's budget is estimated from."""
+    from pipelab.emulate.cost import forward_backward_counts
+    from pipelab.models import mlp
+
+    with torch.device("meta"):
+        model = mlp([width] * (layers + 1))
+    forward, grad_input, grad_weight = forward_backward_counts(model, torch.empty(batch, width, device="meta"))
+    return steps * (forward.flops + grad_input.flops + grad_weight.flops)
+
+
+def link_figures(node: str | None, pingpong_cfg) -> tuple[float, float, str]:
+    """(latency s, bandwidth B/s, where from) of the link the buckets travel: the emulated link's
+    data-sheet figures, or, on this machine, lesson 00's ping-pong run now."""
+    if node is not None:
+        from pipelab.emulate.specs import parse_node
+
+        link = parse_node(node).link
+        return link.latency_s, link.bandwidth_Bps, f"the emulated {link.name}'s figures"
+    from pipelab.experiments import collectives as lesson00
+
+    pp = experiments.run(lesson00.ping_pong_worker, pingpong_cfg, lesson00.gather_ping_pong)
+    return pp.latency.median, pp.bandwidth, "lesson 00's ping-pong on this machine, this run"
 
 
 # ---------------------------------------------------------------------------------------------
@@ -87,13 +174,72 @@ def shard(batch: torch.Tensor, rank: int, world_size: int) -> torch.Tensor:
     return batch.chunk(world_size)[rank]
 
 
+def scaled_layer(module: nn.Module, scale: int) -> nn.Module:
+    """`module` `scale` times wider, on the meta device (no memory): a Linear layer with `scale`
+    times its in and out features."""
+    if isinstance(module, nn.Linear):
+        return nn.Linear(module.in_features * scale, module.out_features * scale, bias=module.bias is not None,
+                         device="meta", dtype=module.weight.dtype)
+    raise ValueError(f"an emulated width scales Linear layers; {type(module).__name__} has parameters too: "
+                     "leave emulated_width=None to count the model at its own width")
+
+
+def emulated_costs(model: nn.Module, x: torch.Tensor, scale: int, rows: int) -> tuple[LayerCosts, float]:
+    """Each layer's (module owning parameters) forward and backward at the emulated size, counted
+    on the meta device: the layer `scale` times wider (`scaled_layer`) on `rows` rows of its input.
+    Returns the costs and how many bytes of gradient the emulated model has per real byte.
+
+    A layer fed the batch itself computes no input gradient in backward (the batch needs none), so
+    its backward is its weights' gradients only. The element-wise activations between the layers
+    are left out: at these widths their forward and backward move a few per cent of a layer's bytes."""
+    from pipelab.emulate.cost import Counts, forward_backward_counts
+
+    inputs, owners = {}, sorted({_layer_name(n) for n, p in model.named_parameters() if p.requires_grad})
+    hooks = [model.get_submodule(name).register_forward_pre_hook(lambda m, args, name=name: inputs.setdefault(name, args[0]))
+             for name in owners if name != "(root)"]
+    with torch.no_grad():
+        model(x)
+    for h in hooks:
+        h.remove()
+    forward, backward, real, emulated = {}, {}, 0, 0
+    for name, seen in inputs.items():
+        layer = scaled_layer(model.get_submodule(name), scale)
+        example = torch.empty(rows, *seen.shape[1:-1], seen.shape[-1] * scale, device="meta", dtype=seen.dtype)
+        f, i, w = forward_backward_counts(layer, example)
+        forward[name], backward[name] = f, w if seen is x else i + w
+        real += sum(p.numel() for p in model.get_submodule(name).parameters())
+        emulated += sum(p.numel() for p in layer.parameters())
+    scale_bytes = emulated / real
+    params = sum(p.numel() for p in model.parameters()) * x.element_size() * scale_bytes
+    costs = LayerCosts(forward, backward, copy_per_byte=lambda nbytes: Counts(0.0, 2.0 * nbytes * scale_bytes, 1),
+                       optimizer=Counts(2.0 * params / x.element_size(), 3.0 * params, len(list(model.parameters()))))
+    return costs, scale_bytes
+
+
+def emulate_work(ctx: RankContext, cfg: Training, model: nn.Module, xs: torch.Tensor) -> LayerCosts | None:
+    """On an emulated node, the costs of `model`'s layers at the emulated size, and every message
+    timed at the emulated gradients' size; elsewhere None (the work itself takes the time)."""
+    if ctx.emulator is None:
+        return None
+    rows = (cfg.emulated_batch or cfg.x.shape[0]) // ctx.world_size
+    costs, scale_bytes = emulated_costs(model, xs, cfg.width_scale, rows)
+    ctx.emulator.scale_messages(scale_bytes, 1.0)
+    return costs
+
+
 def wrap(variant: str, module: nn.Module, bucket_cap_mb: float = 25.0, recorder: Recorder | None = None,
-         find_unused_parameters: bool = False, device: torch.device | None = None) -> nn.Module:
-    """`module` wrapped by one of the variants: "naive", "bucketed" (ours) or "torch" (torch's DDP)."""
+         find_unused_parameters: bool = False, device: torch.device | None = None,
+         costs: LayerCosts | None = None) -> nn.Module:
+    """`module` wrapped by one of the variants: "naive", "bucketed" (ours) or "torch" (torch's DDP);
+    ours with `costs` (on an emulated node: what each layer's work lasts, `emulate_work`)."""
     if variant == "naive":
-        return NaiveDDP(module, recorder=recorder)
+        wrapped = NaiveDDP(module, recorder=recorder)
+        wrapped.costs = costs
+        return wrapped
     if variant == "bucketed":
-        return BucketedDDP(module, bucket_cap_mb, find_unused_parameters, recorder=recorder)
+        wrapped = BucketedDDP(module, bucket_cap_mb, find_unused_parameters, recorder=recorder)
+        wrapped.costs = costs
+        return wrapped
     if variant == "torch":
         device_ids = [device.index] if device is not None and device.type == "cuda" else None
         return nn.parallel.DistributedDataParallel(module, device_ids=device_ids, bucket_cap_mb=bucket_cap_mb,
@@ -114,7 +260,8 @@ def train_step(ctx: RankContext, model: nn.Module, optimizer: torch.optim.Optimi
     loss = loss_fn(out, y)
     with ctx.rec.span("B", lane="compute") if black_box else nullcontext():
         loss.backward()
-    with ctx.rec.span("optimizer", lane="compute"):
+    costs = getattr(model, "costs", None)  # on an emulated node, what the optimizer's step lasts
+    with ctx.rec.span("optimizer", lane="compute", cost=costs.optimizer if costs is not None else None):
         optimizer.step()
     return loss.item()
 
@@ -151,12 +298,13 @@ def worker(ctx: RankContext, cfg: Config) -> list[Result]:
     the reference (gradients, weights after the SGD step) and warms up; the others are timed."""
     xs = shard(cfg.x, ctx.rank, ctx.world_size).to(ctx.device)
     ys = shard(cfg.y, ctx.rank, ctx.world_size).to(ctx.device)
+    costs = emulate_work(ctx, cfg, cfg.model, xs.cpu())
     results = []
     for variant in cfg.variants:
         replica = copy.deepcopy(cfg.model).to(ctx.device)
         if ctx.rank != 0:
             perturb(replica, seed=ctx.rank)
-        wrapped = wrap(variant, replica, cfg.bucket_cap_mb, ctx.rec, cfg.find_unused_parameters, ctx.device)
+        wrapped = wrap(variant, replica, cfg.bucket_cap_mb, ctx.rec, cfg.find_unused_parameters, ctx.device, costs)
         optimizer = torch.optim.SGD(wrapped.parameters(), lr=cfg.lr)
         result = Result(variant, RankSteps([], [], []))
 
@@ -199,6 +347,7 @@ class DDPRun(TimedSteps):
     replica_spread: float  # largest weight difference between ranks after that step
     steps: Steps | None = field(default=None, repr=False)  # the timed steps, all ranks
     buckets: list[Bucket] | None = None  # BucketedDDP's plan
+    emulate: str | None = None  # the emulated node it ran on (modelled time), or None: this machine
 
     @property
     def name(self) -> str:
@@ -227,7 +376,7 @@ def gather(cfg: Config, results: Sequence[list[Result]]) -> dict[str, DDPRun]:
         ranks = [next(r for r in per_rank if r.variant == variant) for per_rank in results]
         loss = statistics.mean(r.steps.results[0] for r in ranks)
         runs[variant] = DDPRun(variant, [loss], ranks[0].grads, ranks[0].weights, max(r.spread for r in ranks),
-                               gather_steps([r.steps for r in ranks]), ranks[0].buckets)
+                               gather_steps([r.steps for r in ranks]), ranks[0].buckets, cfg.emulate)
     return runs
 
 
@@ -262,22 +411,61 @@ def overlap_verdict(runs: dict[str, DDPRun]) -> Verdict:
             {"bucketed_overlap": bucketed, "naive_overlap": naive, "estimate": estimate})
 
 
-def bucket_predictions(run: DDPRun, world_size: int, latency: float, bandwidth: float) -> list[float]:
-    """Each bucket's all-reduce time, in seconds, as lesson 00's ring model predicts it."""
-    return [ring_all_reduce_time(b.nbytes, world_size, bandwidth, latency) for b in run.buckets]
+def bucket_predictions(run: DDPRun, world_size: int, latency: float, bandwidth: float,
+                       bytes_scale: float = 1.0) -> list[float]:
+    """Each bucket's all-reduce time, in seconds, as lesson 00's ring model predicts it, for the
+    bucket's bytes times `bytes_scale` (an emulated node's size over the real one)."""
+    return [ring_all_reduce_time(b.nbytes * bytes_scale, world_size, bandwidth, latency) for b in run.buckets]
 
 
-def bucket_model_verdict(run: DDPRun, predicted: Sequence[float], latency: float, bandwidth: float) -> Verdict:
-    """The buckets' measured all-reduces against the ring model's predictions."""
+def bucket_model_verdict(run: DDPRun, predicted: Sequence[float], latency: float, bandwidth: float,
+                         tolerance: float = 0.05) -> Verdict:
+    """The buckets' measured all-reduces against the ring model's predictions: "fits" when every
+    bucket's median lies within `tolerance` of its prediction."""
     ratio = Measured.of(m.median / p for m, p in zip(run.bucket_all_reduce_times(), predicted))  # one per bucket
     verdict = {"higher": "slower than the model", "lower": "faster than the model", "within noise": "mixed"}[
-        compare(ratio, Measured.of([1.0]))]
-    text = (f"the buckets' all-reduces took {ratio:.1f} times the model's prediction (median over buckets, min-max). "
+        compare(ratio, Measured.of([1.0 - tolerance, 1.0 + tolerance]))]
+    if verdict == "mixed" and ratio.low >= 1 - tolerance and ratio.high <= 1 + tolerance:
+        verdict = "fits"
+    late = sum(r > 1 + tolerance for r in ratio.values)
+    text = (f"the buckets' all-reduces took {ratio:.2f} times the model's prediction (median over buckets, min-max). "
             + {"slower than the model": "Every bucket's median was slower than predicted: the boxes include waiting "
-                                        "for the other rank and for earlier buckets, and on this machine an "
-                                        "all-reduce shares the cores with backward (lesson 00 explains why the "
-                                        "model is a lower bound on a CPU machine).",
+                                        "for the other rank and for earlier buckets"
+                                        + (". " if run.emulate else ", and on this machine an all-reduce shares the "
+                                           "cores with backward (lesson 00 explains why the model is a lower bound on "
+                                           "a CPU machine)."),
                "faster than the model": "Every bucket's median was faster than predicted: the ping-pong "
                                         "underestimated the bandwidth.",
-               "mixed": "Some buckets' medians came out above the prediction, some below."}[verdict])
+               "fits": f"Every bucket's all-reduce lasted what the ring formula gives, within {tolerance:.0%}: none "
+                       "waited behind an earlier bucket, each left after the one before had arrived.",
+               "mixed": f"{late} of {len(ratio.values)} buckets came out more than {tolerance:.0%} above the "
+                        "prediction: they were launched while an earlier bucket was still travelling and waited "
+                        "behind it (buckets of one group run one after another); the others lasted what the "
+                        "formula gives." if run.emulate else
+                        "Some buckets' medians came out above the prediction, some below."}[verdict])
     return "01.bucket_model", verdict, text, {"ratio": ratio, "latency_s": latency, "bandwidth_Bps": bandwidth}
+
+
+def overlap_parts(timeline: Timeline) -> dict[str, float]:
+    """Of the all-reduce time on `timeline`, the fractions hidden behind backward's `B` spans and
+    behind the other compute (the averages copied back into `.grad`, the forward, the optimizer)."""
+    comm = [s for s in timeline if s.lane == "comm"]
+    backward = Timeline(comm + [s for s in timeline if s.lane != "comm" and s.kind == "B"])
+    other = Timeline(comm + [s for s in timeline if s.lane != "comm" and s.kind != "B"])
+    return {"backward": backward.overlap("compute", "comm"), "other": other.overlap("compute", "comm")}
+
+
+def registration_verdict(timeline: Timeline, right_order: Measured) -> Verdict:
+    """The overlap of buckets planned in the wrong order (the layers registered last-first), split
+    into what hid behind backward and what behind the copying of the averages back into `.grad`."""
+    parts, total = overlap_parts(timeline), timeline.overlap("compute", "comm")
+    verdict = "none behind backward" if parts["backward"] == 0.0 else "some behind backward"
+    text = (f"with the layers registered last-first, {total:.0%} of the all-reduce time overlapped compute "
+            f"(in the right order {right_order.median:.0%}): {parts['backward']:.0%} behind backward, "
+            f"{parts['other']:.0%} behind the copying of arrived buckets' averages into .grad while later buckets "
+            "still travelled. "
+            + ("No bucket left before backward ended: bucket 0 held the first layer, whose gradient comes last, and "
+               "buckets leave in plan order." if parts["backward"] == 0.0 else
+               "Some bucket left while backward still ran: a layer's gradient arrived before the first layer's "
+               "on this run, so the plan's first bucket filled early."))
+    return "01.registration_order", verdict, text, {"overlap": total, **parts}

@@ -16,11 +16,11 @@ from __future__ import annotations
 
 import warnings
 from dataclasses import dataclass
-from typing import Callable
 
 import torch
 import torch.distributed as dist
 
+from pipelab.ddp.flat import arrival_stamp, on_events, resolve_arrival
 from pipelab.timeline import Recorder, now
 
 RING_SHARE = {"allreduce": 2, "reducescatter": 1, "allgather": 1}  # times (N-1)/N of the full tensor
@@ -43,23 +43,24 @@ class Message:
 
 class Pending:
     """A collective in flight: `wait()` returns once it has arrived. Its span on the `comm` lane runs
-    from issue to arrival (the moment the backend finished it, not the moment someone waited)."""
+    from issue to arrival (the moment the backend finished it, not the moment someone waited), both
+    on the rank's one clock: on a GPU CUDA events, the arrival recorded on a stream that waits for
+    the collective and nothing else (`pipelab.ddp.flat.arrival_stamp`); on an emulated node the
+    modelled end; on a CPU the moment gloo's thread finished it. `start` is a `Recorder.stamp`."""
 
-    def __init__(self, work, rec: Recorder, clock: Callable[[], float], kind: str, start: float, **meta):
-        self.work, self.rec, self.clock, self.kind, self.start, self.meta = work, rec, clock, kind, start, meta
-        self.arrived: list[float] = []
-        if work is not None and hasattr(work, "get_future"):
-            try:  # the backend's own completion time, when it tells us (gloo does)
-                work.get_future().then(lambda _: self.arrived.append(self.clock()))
-            except (RuntimeError, NotImplementedError):
-                pass
+    def __init__(self, work, rec: Recorder, kind: str, start, device: torch.device | None = None, **meta):
+        self.work, self.rec, self.kind, self.start, self.meta = work, rec, kind, start, meta
+        self.arrival = arrival_stamp(work, rec, device) if work is not None else None
 
     def wait(self) -> None:
-        if self.work is not None:
+        if self.work is None:  # ran synchronously: it has arrived (on a GPU the stream waited for it)
+            end = self.rec.stamp() if not isinstance(self.start, (int, float)) else self.rec.now()
+        else:
             self.work.wait()
-        modelled = getattr(self.work, "end", None)  # an emulated node's handle knows its modelled end
-        end = modelled if modelled is not None else self.arrived[0] if self.arrived else self.clock()
-        self.rec.add(self.kind, self.start, max(end, self.start), lane="comm", **self.meta)
+            end = resolve_arrival(self.work, self.arrival, self.rec)
+        if isinstance(end, (int, float)) and isinstance(self.start, (int, float)):
+            end = max(end, self.start)
+        self.rec.add_stamped(self.kind, self.start, end, lane="comm", **self.meta)
         self.work = None
 
 
@@ -100,8 +101,9 @@ class Collectives:
     def _issue(self, kind: str, full: torch.Tensor, layer, async_op: bool, call) -> Pending:
         payload = full.numel() * full.element_size()
         self.messages.append(Message(kind, payload, ring_bytes(kind, payload, self.world_size), layer))
-        start = self.clock()
-        pending = Pending(call(), self.rec, self.clock, kind, start, layer=layer)
+        # On a GPU an event on the current stream, which the collective waits for.
+        start = self.rec.stamp() if on_events(self.rec, full.device) else self.rec.now()
+        pending = Pending(call(), self.rec, kind, start, full.device, layer=layer)
         if not async_op:
             pending.wait()
         return pending

@@ -88,11 +88,11 @@ class Zero3(Trainer):
         layer = self.layers[i]
         for name, view in zip(layer.layout.names, layer.layout.views(self.full[i])):
             setattr(layer.module, name, view)
-        self.started[i] = self.comm.clock()
+        self.started[i] = self.rec.stamp()  # on a GPU an event on the stream the layer runs on
 
     def after_forward(self, i: int, out: torch.Tensor) -> torch.Tensor:
         self.spend(0, i)  # on an emulated node: the layer's modelled forward
-        self.rec.add("F", self.started[i], self.comm.clock(), layer=self.layers[i].name)
+        self.rec.add_stamped("F", self.started[i], self.rec.stamp(), layer=self.layers[i].name)
         self.free(i)  # autograd keeps the views; their storage is refilled before backward
         if out.requires_grad:
             out.register_hook(lambda grad, i=i: self.before_backward(i))
@@ -104,13 +104,13 @@ class Zero3(Trainer):
         self.wait_gathered(i)
         if self.prefetch:
             self.gather(i - 1)
-        self.started[i] = self.comm.clock()
+        self.started[i] = self.rec.stamp()
 
     def after_backward(self, i: int) -> None:
         """Layer `i`'s gradient is complete in its vector: reduce-scatter it, free the layer."""
         full = self.full[i]
         self.spend(1, i)
-        self.rec.add("B", self.started[i], self.comm.clock(), layer=self.layers[i].name)
+        self.rec.add_stamped("B", self.started[i], self.rec.stamp(), layer=self.layers[i].name)
         grad, full.grad = full.grad, None
         pending = self.comm.reduce_scatter(self.shards[i].grad, grad, layer=self.layers[i].name, async_op=True)
         self.in_flight.append((pending, grad))
