@@ -2,6 +2,7 @@
 
     python benchmarks/hybrid.py [--pipe 2] [--data 2] [--num-microbatches 4] [--schedule 1f1b]
                                 [--width 1024] [--layers 8] [--batch 256] [--steps 5] [--rounds 3]
+                                [--emulate auto|NODE] [--emulated-scale 64]
 
 An MLP of `layers` Linear layers of `width` on `pipe x data` processes, laid out three ways in one
 set of processes: one pipeline of `pipe x data` stages on the whole batch, the grid (`data`
@@ -18,6 +19,11 @@ round ratios with their min and max (`measure.ratios`), and the share of the gri
 all-reduce time (from the last copy's launch to arrival) during which some process still computed,
 i.e. hidden behind pipeline compute (median of the timed steps, with the lowest and highest), beside
 the share the schedule would hide on one device per process, simulated with the measured costs.
+
+With `--emulate auto` (pipe x data H100s where this machine lacks them) or a node name such as
+`4xH100-pcie4`, the same processes run on an emulated node: every F, B, message and all-reduce
+lasts what the device and link models give at `--emulated-scale` times the width and the batch
+(the logical clock: every round alike, whatever the load).
 """
 
 from __future__ import annotations
@@ -45,14 +51,18 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=256)
     parser.add_argument("--steps", type=int, default=5, help="timed steps per layout and round")
     parser.add_argument("--rounds", type=int, default=3, help="rounds, the layouts alternating")
+    parser.add_argument("--emulate", default=None, help="'auto' or a node such as 4xH100-nvlink (default: this machine)")
+    parser.add_argument("--emulated-scale", type=int, default=64, help="emulated width and batch / real ones")
     args = parser.parse_args()
     torch.manual_seed(0)
     model = models.mlp([args.width] * (args.layers + 1))
     x, y = torch.randn(args.batch, args.width), torch.randn(args.batch, args.width)
     cfg = experiment.Config(model=model, x=x, y=y, layouts=experiment.layouts_of(args.pipe, args.data, args.num_microbatches),
-                            schedule=args.schedule, steps=args.steps, rounds=args.rounds, timeout=900)
+                            schedule=args.schedule, steps=args.steps, rounds=args.rounds, timeout=900,
+                            emulate=hardware.lesson_node(args.pipe * args.data, args.emulate) if args.emulate else None,
+                            emulated_scale=args.emulated_scale)
     world = cfg.world_size
-    print(hardware.describe(world))
+    print(hardware.describe(world, cfg.emulate, size=cfg.size() if cfg.emulate else None))
     runs = experiments.run(experiment.worker, cfg, experiment.gather)
     worst = 0.0
     for run in runs:
@@ -75,7 +85,7 @@ def main() -> None:
     vs_pipe, vs_dp = ratios(grid.round_times, one_pipe.round_times), ratios(grid.round_times, dp.round_times)
     figures = {
         "world_size": world, "pipe": args.pipe, "data": args.data, "num_microbatches": args.num_microbatches,
-        "schedule": args.schedule, "grid_ms": round(grid.step_time.median * 1e3, 2),
+        "schedule": args.schedule, "emulate": cfg.emulate, "grid_ms": round(grid.step_time.median * 1e3, 2),
         "one_pipeline_ms": round(one_pipe.step_time.median * 1e3, 2), "data_parallel_ms": round(dp.step_time.median * 1e3, 2),
         "rounds": args.rounds,
         "grid_vs_one_pipeline": round(vs_pipe.median, 3), "grid_vs_one_pipeline_min": round(vs_pipe.low, 3),

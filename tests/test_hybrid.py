@@ -367,3 +367,180 @@ def test_predicted_step_of_a_layout():
     model = models.mlp([4, 4])  # 20 parameters, 80 bytes of gradients
     assert grid_experiment.allreduce_bytes(Layout(1, 4, 1), model) == pytest.approx(120)
     assert grid_experiment.allreduce_bytes(Layout(4, 1, 1), model) == 0
+
+
+# ---------------------------------------------------------------------------------------------
+# The grid on an emulated node: every span timed by the device and link models
+# ---------------------------------------------------------------------------------------------
+
+
+def test_an_emulated_model_is_the_same_layers_wider_on_meta():
+    model = models.mlp([4, 6, 2])
+    big = grid_experiment.emulated_model(model, 8)
+    assert [type(m) for m in big] == [nn.Linear, nn.ReLU, nn.Linear]
+    assert (big[0].in_features, big[0].out_features, big[2].out_features) == (32, 48, 16)
+    assert all(p.device.type == "meta" for p in big.parameters())
+    with pytest.raises(ValueError, match="widens Linear layers, and the model has a LayerNorm"):
+        grid_experiment.emulated_model(nn.Sequential(nn.Linear(4, 4), nn.LayerNorm(4)), 2)
+    shapes = [tuple(x.shape) for x in grid_experiment.stage_inputs(split_model_of(big, 2), 5, 32)]
+    assert shapes == [(5, 32), (5, 48)]
+
+
+def split_model_of(model, stages):
+    from pipelab.pipeline.partition import split_model
+
+    return split_model(model, stages)
+
+
+def test_an_emulated_grid_refuses_layers_it_cannot_widen_before_any_process_starts(no_spawn):
+    x = torch.randn(8, 4)
+    with pytest.raises(ValueError, match="widens Linear layers"):
+        grid_config(nn.Sequential(nn.Linear(4, 4), nn.LayerNorm(4), nn.Linear(4, 4)), x, x, pipe=2, data=2,
+                    num_microbatches=2, emulate="4xH100-nvlink")
+    with pytest.raises(ValueError, match="emulated_scale must be a whole number"):
+        grid_config(models.mlp([4] * 5), x, x, num_microbatches=2, emulate="4xH100-nvlink", emulated_scale=0)
+
+
+def test_the_emulated_prediction_is_the_device_model_s_forward_and_backward():
+    from pipelab.emulate.cost import stage_seconds
+    from pipelab.emulate.specs import parse_node
+
+    model, x, y = mlp_problem(batch=8, width=4)
+    cfg = grid_config(model, x, y, num_microbatches=2, emulate="4xH100-nvlink", emulated_scale=16)
+    prediction = grid_experiment.predict(cfg)
+    big = grid_experiment.emulated_model(model, 16)
+    seconds = stage_seconds(big, torch.empty(128, 64, device="meta"), parse_node("4xH100-nvlink").device, "bfloat16")
+    assert prediction.one_device == pytest.approx(seconds["F"] + seconds["B"])
+    assert prediction.emulated and not prediction.few_cores and prediction.here == prediction.world == 4
+    assert list(prediction.ms([])) == [prediction.gpu_label]  # one device per process: one prediction
+    assert "64" in cfg.size() and "128 rows in bfloat16" in cfg.size()
+
+
+def test_the_round_verdict_follows_the_rounds():
+    from pipelab.measure import Measured
+
+    assert grid_experiment.round_verdict(Measured.of([0.8, 0.9])) == "lower"  # faster in both rounds
+    assert grid_experiment.round_verdict(Measured.of([1.1, 1.3])) == "higher"
+    assert grid_experiment.round_verdict(Measured.of([0.9, 1.1])) == "within noise"
+
+
+@pytest.fixture(scope="module")
+def emulated_runs():
+    model, x, y = mlp_problem(batch=16, width=8)
+    cfg = grid_experiment.Config(model=model, x=x, y=y, layouts=layouts_of(2, 2, 2), steps=1, rounds=2,
+                                 emulate="4xH100-nvlink", emulated_scale=32)
+    return experiments.run(grid_experiment.worker, cfg, grid_experiment.gather), cfg
+
+
+def test_an_emulated_grid_computes_what_one_process_does_and_lasts_what_the_models_give(emulated_runs):
+    from pipelab.emulate.cost import stage_seconds
+    from pipelab.emulate.specs import parse_node
+
+    runs, cfg = emulated_runs
+    device = parse_node(cfg.emulate).device
+    for run in runs:
+        assert_same(run, grid_experiment.reference(cfg, steps=len(run.losses)), atol=1e-5, rtol=1e-4)
+        assert run.emulate == cfg.emulate
+        assert run.steps.seconds == pytest.approx([run.steps.seconds[0]] * len(run.steps.seconds), rel=1e-9)  # logical
+        assert run.round_times[0] == pytest.approx(run.round_times[1], rel=1e-9)  # every round alike
+        schedule = run.layout.schedule(cfg.schedule)
+        big = split_model_of(grid_experiment.emulated_model(cfg.model, cfg.emulated_scale), schedule.num_stages)
+        rows = cfg.emulated_batch // (run.layout.data * run.layout.num_microbatches)
+        inputs = grid_experiment.stage_inputs(big, rows, 8 * cfg.emulated_scale)
+        for span in run.timeline.filter(kind=("F", "B")):
+            want = stage_seconds(big[span.meta["stage"]], inputs[span.meta["stage"]], device, "bfloat16")[span.kind]
+            assert span.duration == pytest.approx(want, rel=1e-6)
+    one_pipe, grid, dp = runs
+    assert not one_pipe.timeline.filter(kind="allreduce") and grid.timeline.filter(kind="allreduce")
+    assert grid_experiment.launched_after_last_backward(grid)
+    # the data-parallel all-reduce carries the whole model's gradients at the emulated size: it
+    # takes longer than the grid's, which carries half of them over half the processes
+    dp_flight = max(s.duration for s in dp.timeline.filter(kind="allreduce"))
+    assert dp_flight > max(s.duration for s in grid.timeline.filter(kind="allreduce")) > 0
+
+
+def test_the_emulated_grid_s_verdicts_are_computed_from_the_models(emulated_runs, capsys):
+    runs, cfg = emulated_runs
+    prediction = grid_experiment.predict(cfg)
+    verdicts = grid_experiment.layout_verdicts(runs, prediction)
+    grid = runs[1]
+    for other, key in ((runs[0], "05.grid_vs_one_pipeline"), (runs[2], "05.grid_vs_data_parallel")):
+        ratio = grid.step_time.median / other.step_time.median
+        assert verdicts[key] == ("lower" if ratio < 1 else "higher" if ratio > 1 else "within noise")
+    assert grid_experiment.overlap_verdict(grid) in ("as simulated", "lower", "higher")
+    out = capsys.readouterr().out
+    assert "logical" in out and "on the emulated node (4xH100-nvlink)" in out
+    outlook = grid_experiment.gpu_outlook(runs, prediction)
+    assert f"Measured, with every message and all-reduce: {grid_experiment.order(runs)[0]} first" in outlook
+    rows = grid_experiment.layouts_table(cfg, runs, prediction)
+    assert rows[0]["all-reduce per process"] == "0 B" and rows[2]["all-reduce per process"] != "0 B"
+
+
+def test_the_contrast_with_this_machine_s_cores_names_both_orders(emulated_runs, capsys):
+    runs, _ = emulated_runs
+    slower = [replace(r, emulate=None, steps=Steps([s * f for s in r.steps.seconds], r.steps.timelines))
+              for r, f in zip(runs, (1.0, 5.0, 2.0))]  # the grid slowest, as time-slicing can make it
+    verdict = grid_experiment.cores_contrast(slower, runs, cores=2)
+    assert verdict == "cores shared"  # 4 processes on 2 cores
+    out = capsys.readouterr().out
+    assert " < ".join(grid_experiment.order(slower)) in out and " < ".join(grid_experiment.order(runs)) in out
+    assert grid_experiment.cores_contrast(slower, runs, cores=4) in ("same order", "different order")
+
+
+def test_lesson_05_s_gpu_profile_counts_its_flops():
+    import json
+    import os
+
+    from pipelab.models import SplitMLP
+
+    # every Linear layer of `rows` x `w` x `w`: forward 2 rows w^2, backward twice that
+    w, rows = 8, 4
+    linear = 6 * rows * w * w
+    layers = sum(isinstance(m, nn.Linear) for m in SplitMLP(w, 2, w).modules())
+    want = layers * linear * (3 * 2 * 2 + 3) + 4 * linear * (2 * 3 * (2 * 1 + 1) + 3)
+    assert grid_experiment.run_flops(w, 2, rows, 3, w, 4, rows, 1, 2) == pytest.approx(want)
+    path = os.path.join(os.path.dirname(__file__), "..", "notebooks", "05_ddp_model_parallel_hybrid.ipynb")
+    meta = json.load(open(path))["metadata"]["pipelab"]
+    gpu = meta["profiles"]["gpu"]
+    counted = grid_experiment.run_flops(gpu["width"], gpu["layers_per_half"], gpu["batch"], gpu["steps"],
+                                        gpu["grid_width"], 8, gpu["grid_batch"], gpu["grid_steps"], gpu["rounds"])
+    assert meta["needs"]["gpu"]["flops"] == pytest.approx(counted, rel=1e-3)
+    assert gpu["emulate"] is None  # GPU sizes never run emulated on CPU
+
+
+# ---------------------------------------------------------------------------------------------
+# One clock per rank on CUDA: the stage all-reduce timed by CUDA events on its own stream
+# ---------------------------------------------------------------------------------------------
+
+
+def test_the_stage_all_reduce_runs_on_a_stream_of_its_own_only_on_cuda():
+    from pipelab.hybrid import comm_stream
+
+    assert comm_stream(torch.device("cpu")) is None and comm_stream(None) is None
+
+
+def stream_all_reduce_worker(ctx: RankContext) -> tuple:
+    """On a GPU: a long kernel on the compute stream, then the all-reduce of a buffer it wrote."""
+    from pipelab.hybrid import StreamAllReduce, comm_stream
+    from pipelab.timeline import now
+
+    flat = torch.ones(1 << 20, device=ctx.device)
+    with ctx.rec.span("B"):
+        torch.cuda._sleep(200_000_000)  # ~0.1 s of GPU clock cycles
+        flat.mul_(ctx.rank + 1)
+    host = now()
+    op = StreamAllReduce(flat, None, ctx.rec, comm_stream(ctx.device), stage=0)
+    launch_took = now() - host
+    total = op.wait().sum().item()
+    tl = ctx.rec.timeline()
+    b, a = tl.filter(kind="B").spans[0], tl.filter(kind="allreduce").spans[0]
+    return launch_took, b.end, a.start, a.end, a.lane, total
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs (NCCL, one per rank)")
+def test_the_stage_all_reduce_is_timed_on_the_gpu_after_the_gradients_and_never_blocks_the_host():
+    results = spawn(stream_all_reduce_worker, 2, backend="nccl")
+    for launch_took, b_end, a_start, a_end, lane, total in results:
+        assert total == 3 * (1 << 20)  # 1 + 2, summed
+        assert lane == "comm" and a_start >= b_end - 1e-4 and a_end > a_start  # after the backward, on the GPU's clock
+        assert launch_took < b_end - a_start + 0.05  # the host only enqueued it

@@ -1,9 +1,13 @@
 """The multi-node path, proven on one machine: two torchrun processes, one per "node", each
 starting one worker with `python -m pipelab.launch MODULE:FUNCTION`, exactly as two hosts would
 (`--nnodes 2 --node-rank 0|1 --master-addr ...`). The lesson workers they run (lesson 01's DDP
-step, lesson 06's GPipe step) must compute what `spawn` computes on the same inputs.
+step, lesson 06's GPipe step) must compute what `spawn` computes on the same inputs; lesson 05's
+cell runs its worker through `launch.torchrun_nodes` (a c10d rendezvous), which must also stop
+both nodes at once when one fails.
 
 The targets live in tests/multinode_targets.py; the torchrun processes find it on PYTHONPATH.
+torchrun is started as `python -m torch.distributed.run`: a `torchrun` script is not next to
+every interpreter.
 """
 
 from __future__ import annotations
@@ -29,12 +33,11 @@ from pipelab.reference import assert_same, reference_run
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TESTS = os.path.join(ROOT, "tests")
-TORCHRUN = os.path.join(os.path.dirname(sys.executable), "torchrun")
+TORCHRUN = [sys.executable, "-m", "torch.distributed.run"]
 NODES = 2
 TIMEOUT_S = 150  # both nodes together; a normal run takes a few seconds
 
-pytestmark = [pytest.mark.skipif(not os.path.exists(TORCHRUN), reason=f"no torchrun next to {sys.executable}"),
-              pytest.mark.timeout(2 * TIMEOUT_S + 60)]
+pytestmark = [pytest.mark.timeout(2 * TIMEOUT_S + 60)]
 
 
 def _free_port() -> int:
@@ -57,7 +60,7 @@ def _node_env(out_dir: str) -> dict[str, str]:
 
 
 def _start_node(node_rank: int, port: int, target: str, out_dir: str, log) -> subprocess.Popen:
-    command = [TORCHRUN, "--nnodes", str(NODES), "--nproc-per-node", "1", "--node-rank", str(node_rank),
+    command = [*TORCHRUN, "--nnodes", str(NODES), "--nproc-per-node", "1", "--node-rank", str(node_rank),
                "--master-addr", "127.0.0.1", "--master-port", str(port),
                "-m", "pipelab.launch", f"multinode_targets:{target}"]
     return subprocess.Popen(command, cwd=ROOT, env=_node_env(out_dir), stdout=log, stderr=subprocess.STDOUT,
@@ -175,3 +178,51 @@ def test_gpipe_step_on_two_nodes_equals_spawn(tmp_path):
     assert [r[0].stages for r in per_rank] == [[0], [1]]
     assert two_nodes.messages_sent == spawned.messages_sent > 0  # activations and gradients crossed
     assert_same(two_nodes, reference_run(nn.Sequential(*stages), x, y, nn.MSELoss(), lr=None))
+
+
+def test_lesson_05_s_worker_on_two_c10d_nodes_equals_one_process():
+    """Lesson 05's cell: part 1's worker on two torchrun nodes meeting at a c10d rendezvous on
+    127.0.0.1 (`launch.torchrun_nodes`): both wrappers compute what one process computes."""
+    from pipelab import launch
+    from pipelab.experiments import hybrid
+
+    per_rank = launch.torchrun_nodes("pipelab.experiments.hybrid:on_nodes", nnodes=NODES, timeout=TIMEOUT_S)
+    cfg = hybrid.toy_config(NODES, steps=hybrid.NODE_STEPS)
+    runs = hybrid.gather(cfg, per_rank)
+    assert set(runs) == {"bucketed", "torch"}
+    for run in runs.values():
+        assert len(run.losses) == hybrid.NODE_STEPS
+        assert_same(run, hybrid.reference(cfg))
+    command = launch.torchrun_command("m:f", 2, 1, "10.0.0.1:29500")
+    assert command[:3] == TORCHRUN and command[command.index("--node-rank") + 1] == "1"
+    assert command[command.index("--rdzv-endpoint") + 1] == "10.0.0.1:29500" and command[-2:] == ["pipelab.launch", "m:f"]
+
+
+def test_torchrun_nodes_stops_both_nodes_when_one_fails_and_leaves_nothing_behind(tmp_path, monkeypatch):
+    """A target that does not exist fails on both nodes: a RuntimeError with both logs, well before
+    the timeout, and no process of the run left (their environment names the run's folder)."""
+    from pipelab import launch
+
+    folders = []
+    real = launch.tempfile.mkdtemp
+    monkeypatch.setattr(launch.tempfile, "mkdtemp", lambda **kw: folders.append(real(dir=tmp_path, **kw)) or folders[-1])
+    started = time.monotonic()
+    with pytest.raises(RuntimeError, match=r"(?s)failed \(exit codes.*--- node 0 ---.*no_such_worker.*--- node 1 ---"):
+        launch.torchrun_nodes("pipelab.experiments.hybrid:no_such_worker", nnodes=NODES, timeout=TIMEOUT_S)
+    assert time.monotonic() - started < TIMEOUT_S / 2
+    marker = f"{launch.NODES_OUT}={folders[0]}"
+    assert not _processes_of_marker(marker) and not os.path.exists(folders[0])
+
+
+def _processes_of_marker(marker: str) -> list[int]:
+    needle = (marker + "\0").encode()
+    pids = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/environ", "rb") as f:
+                    if needle in f.read():
+                        pids.append(int(entry))
+            except OSError:
+                pass
+    return pids

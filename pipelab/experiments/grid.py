@@ -5,7 +5,9 @@ one long pipeline or as pure data parallelism.
     runs = experiments.run(grid.worker, cfg, grid.gather)  # one GridRun per layout
 
 The processes start once and run every layout (pipe x data) in alternating rounds, so that a busy
-machine slows them all alike. In each, a process finds its place with `hybrid.grid_place` (a
+machine slows them all alike. On an emulated node (`cfg.emulate`) every step is timed by the
+device and link models at `cfg.emulated_scale` times the width and the batch (`emulated_costs`),
+so the rounds agree exactly. In each, a process finds its place with `hybrid.grid_place` (a
 `RankContext` of its own pipeline, its pipe and data groups in `ctx.groups`), cuts its stages with
 `split_model`, takes its replica's share of the batch and trains with `hybrid.run_grid_step`.
 A `GridRun` names gradients and weights as the model does, so
@@ -25,9 +27,10 @@ import torch
 from torch import nn
 
 from pipelab import experiments, hardware
+from pipelab.build import materialize, name_modules
 from pipelab.checks import divisors, mean_loss, positive_number, same_batch, whole_number
 from pipelab.display import conclude, human_bytes
-from pipelab.experiments.hybrid import hidden_share, is_compute
+from pipelab.experiments.hybrid import REPLICA_VARIANTS, hidden_share, is_compute
 from pipelab.hardware import synchronize
 from pipelab.hybrid import check_grid, grid_place, microbatch_losses, run_grid_step
 from pipelab.measure import Measured, RankSteps, Steps, TimedSteps, alternate, best_of, compare, gather_steps, \
@@ -92,6 +95,12 @@ class Config(experiments.Config):
     steps: int = 3
     rounds: int = 1
     timeout: float = 300.0
+    # On an emulated node each stage's F and B last what the device model gives for the same layers
+    # `emulated_scale` times wider on a batch `emulated_scale` times larger, in `emulated_dtype`;
+    # then every activation and every weight grows by emulated_scale^2, so one scale times every
+    # message and all-reduce at that size too.
+    emulated_scale: int = 64
+    emulated_dtype: str = "bfloat16"
     world_size: int = field(init=False, default=0)  # the layouts' processes: pipe x data
 
     def __post_init__(self) -> None:
@@ -124,6 +133,66 @@ class Config(experiments.Config):
         positive_number("lr", self.lr, example="lr=0.1")
         whole_number("steps", self.steps, example="steps=3")
         whole_number("rounds", self.rounds, example="rounds=2")
+        whole_number("emulated_scale", self.emulated_scale, example="emulated_scale=64")
+        if self.emulate is not None:
+            emulated_model(self.model, self.emulated_scale)  # refuses layers it cannot widen
+
+    @property
+    def emulated_batch(self) -> int:
+        """Rows of the whole batch on the emulated node."""
+        return self.x.shape[0] * self.emulated_scale
+
+    def size(self) -> str:
+        """The emulated size, in words (the first printed line says it)."""
+        widths = sorted({m.out_features * self.emulated_scale for m in self.model if isinstance(m, nn.Linear)})
+        layers = sum(isinstance(m, nn.Linear) for m in self.model)
+        return (f"{layers} Linear layers of width {', '.join(map(str, widths))} on batches of {self.emulated_batch} "
+                f"rows in {self.emulated_dtype} ({self.emulated_scale} x this run's width and batch)")
+
+
+def emulated_model(model: nn.Sequential, scale: int) -> nn.Sequential:
+    """`model`'s layers `scale` times wider, on the meta device (shapes only, no memory): what the
+    emulated node computes. Linear layers are widened; layers without parameters are kept."""
+    layers = []
+    for layer in model:
+        if isinstance(layer, nn.Linear):
+            layers.append(nn.Linear(layer.in_features * scale, layer.out_features * scale, bias=layer.bias is not None,
+                                    device="meta"))
+        elif not any(True for _ in layer.parameters()):
+            layers.append(copy.deepcopy(layer))
+        else:
+            raise ValueError(f"an emulated node widens Linear layers, and the model has a {type(layer).__name__} "
+                             "with parameters; use Linear layers and activations (pipelab.models.mlp), or emulate=None")
+    return nn.Sequential(*layers)
+
+
+def stage_inputs(stages: Sequence[nn.Module], rows: int, width: int) -> list[torch.Tensor]:
+    """Each stage's input for a micro-batch of `rows` x `width`, as META tensors (shapes only)."""
+    x, inputs = torch.empty(rows, width, device="meta"), []
+    with torch.no_grad():
+        for stage in stages:
+            inputs.append(x)
+            x = stage(x)
+    return inputs
+
+
+def emulated_costs(ctx: RankContext, cfg: Config, layout: Layout, stages: Sequence[int]) -> dict[int, dict[str, float]] | None:
+    """On an emulated node, the modelled F, B, I and W seconds of this process's `stages` of
+    `layout`: the same layers `cfg.emulated_scale` times wider on micro-batches as many times
+    larger, counted on the meta device. Its messages and all-reduces are timed at that size too.
+    None elsewhere (the spans last what the machine takes)."""
+    if ctx.emulator is None:
+        return None
+    from pipelab.emulate.cost import stage_seconds
+    from pipelab.emulate.specs import torch_dtype
+
+    schedule = layout.schedule(cfg.schedule)
+    big = split_model(emulated_model(cfg.model, cfg.emulated_scale), schedule.num_stages)
+    rows = cfg.emulated_batch // (layout.data * layout.num_microbatches)
+    inputs = stage_inputs(big, rows, cfg.x.shape[1] * cfg.emulated_scale)
+    emulated_bytes = torch.empty((), dtype=torch_dtype(cfg.emulated_dtype)).element_size()
+    ctx.emulator.scale_messages(cfg.emulated_scale ** 2 * emulated_bytes, cfg.x.element_size())
+    return {s: stage_seconds(big[s], inputs[s], ctx.emulator.node.device, cfg.emulated_dtype) for s in stages}
 
 
 def reference(cfg: Config, steps: int) -> Reference:
@@ -158,14 +227,16 @@ class LayoutTrainer:
         self.pipeline = next(ranks for ranks in topology.get_axis_comm_lists("pipe") if ctx.rank in ranks)
         self.replica = topology.get_coord(ctx.rank).data
         self.schedule = layout.schedule(cfg.schedule)
-        local = copy.deepcopy(cfg.model)  # every layout starts from the same weights
-        self.names = {id(p): n for n, p in local.named_parameters()}  # names as in the whole model
+        local = name_modules(copy.deepcopy(cfg.model))  # every layout starts from the same weights
         stages = split_model(local, self.schedule.num_stages)
         x, y = cfg.x.chunk(layout.data)[self.replica], cfg.y.chunk(layout.data)[self.replica]
         self.specs = message_specs(stages, x, layout.num_microbatches)  # what each message carries
-        self.modules = {s: stages[s].to(ctx.device) for s in self.schedule.stages_of(self.place.rank)}
+        # A model built on meta (pipelab.build) gets weights here for this process's stages only.
+        self.modules = {s: materialize(stages[s], ctx.device) for s in self.schedule.stages_of(self.place.rank)}
+        self.names = {id(p): n for n, p in local.named_parameters()}  # names as in the whole model
         self.x, self.y = x.to(ctx.device), y.to(ctx.device)
         self.optimizer = torch.optim.SGD([p for m in self.modules.values() for p in m.parameters()], lr=cfg.lr)
+        self.costs = emulated_costs(ctx, cfg, layout, sorted(self.modules))  # None unless emulated
         self.first_grads: dict | None = None
 
     def zero_grad(self, _=None) -> None:
@@ -174,7 +245,8 @@ class LayoutTrainer:
     def step(self, _=None) -> list[float] | None:
         """One step: the grid's rank loop, then SGD; the micro-batch losses where this process
         holds the last stage."""
-        runner = run_grid_step(self.place, self.schedule, self.modules, self.cfg.loss_fn, self.x, self.y, self.specs)
+        runner = run_grid_step(self.place, self.schedule, self.modules, self.cfg.loss_fn, self.x, self.y, self.specs,
+                               self.costs)
         if self.first_grads is None:
             self.first_grads = self.tensors(grad=True)
         self.optimizer.step()
@@ -231,6 +303,7 @@ class GridRun(TimedSteps):
     pipelines: list[list[int]] = field(default_factory=list)  # the processes of each pipeline
     stages: list[list[int]] = field(default_factory=list)  # per process, the stages it holds
     rounds: int = 1  # the timed steps came in this many rounds, the layouts alternating
+    emulate: str | None = None  # the emulated node whose models timed it (None: this machine's clock)
 
     @property
     def name(self) -> str:
@@ -327,7 +400,7 @@ def gather_layout(cfg: Config, layout: Layout, mine: Sequence[Result]) -> GridRu
     weights = [r.weights for r in mine]
     return GridRun(layout, cfg.schedule, [statistics.mean(step) for step in mb_losses], mb_losses,
                    [r.grads for r in mine], weights, _spread(weights), gather_steps([r.steps for r in mine]),
-                   [list(p) for p in pipelines], [r.stages for r in mine], cfg.rounds)
+                   [list(p) for p in pipelines], [r.stages for r in mine], cfg.rounds, cfg.emulate)
 
 
 def gather(cfg: Config, results: Sequence[list[Result]]) -> list[GridRun]:
@@ -358,10 +431,11 @@ def predicted_seconds(layout: Layout, one_device: float, devices: int) -> float:
     return one_device * max(ideal_fraction(layout), 1 / min(devices, layout.pipe * layout.data))
 
 
-def allreduce_bytes(layout: Layout, model: nn.Module) -> float:
+def allreduce_bytes(layout: Layout, model: nn.Module, element_size: int | None = None) -> float:
     """Bytes each process sends per step in its data-parallel all-reduce (a ring sends 2 (d-1)/d
-    times what it reduces): the gradients of its 1/pipe of the model."""
-    grads = sum(p.numel() * p.element_size() for _, p in trainable_parameters(model))
+    times what it reduces): the gradients of its 1/pipe of the model (`element_size` bytes per
+    value, default the parameters' own)."""
+    grads = sum(p.numel() * (element_size or p.element_size()) for _, p in trainable_parameters(model))
     return 2 * (layout.data - 1) / layout.data * grads / layout.pipe
 
 
@@ -384,12 +458,14 @@ def one_device_seconds(model: nn.Module, x: torch.Tensor, y: torch.Tensor, loss_
 
 @dataclass
 class Prediction:
-    """The layouts' compute-only steps, from one measured step of the whole model."""
+    """The layouts' compute-only steps, from one step of the whole model: measured here, or given
+    by the device model on an emulated node."""
 
     one_device: float  # s: the whole model's forward and backward on the whole batch, one thread or one GPU
-    device: str  # "cpu" or "cuda"
-    here: int  # the devices this machine's processes share: its GPUs, or its cores
+    device: str  # "cpu", "cuda", or the emulated device's name (e.g. "H100 SXM")
+    here: int  # the devices this machine's processes share: its GPUs, or its cores (emulated: one per process)
     world: int  # the processes
+    emulated: bool = False  # one_device came from the cost model of an emulated node
 
     def seconds(self, layout: Layout, devices: int | None = None) -> float:
         """The layout's predicted step (s) on `devices` devices (default: this machine's)."""
@@ -400,15 +476,35 @@ class Prediction:
         """More processes than cores: a process waiting in a bubble leaves its core to another."""
         return self.device == "cpu" and self.world > self.here
 
+    @property
+    def gpu_label(self) -> str:
+        """The label of the prediction with one device per process."""
+        return (f"predicted, {self.world} x {self.device} (device model)" if self.emulated
+                else f"predicted, {self.world} GPUs")
+
     def ms(self, runs: Sequence[GridRun]) -> dict[str, dict[str, float]]:
-        """Both predictions, by label, then by layout name (ms): on this machine, and on one GPU per process."""
+        """The predictions, by label, then by layout name (ms): on this machine's cores or GPUs and
+        on one GPU per process; on an emulated node only the latter (it has one per process)."""
+        gpu = {self.gpu_label: {r.name: self.seconds(r.layout, self.world) * 1e3 for r in runs}}
+        if self.emulated:
+            return gpu
         here = f"predicted, {self.here} {'GPUs' if self.device == 'cuda' else 'cores'} (this machine)"
-        return {here: {r.name: self.seconds(r.layout) * 1e3 for r in runs},
-                f"predicted, {self.world} GPUs": {r.name: self.seconds(r.layout, self.world) * 1e3 for r in runs}}
+        return {here: {r.name: self.seconds(r.layout) * 1e3 for r in runs}, **gpu}
 
 
 def predict(cfg: Config) -> Prediction:
-    """Time the whole model's step here (one GPU if every process has one, else one CPU thread)."""
+    """The whole model's step on one device: on an emulated node the device model's F + B at the
+    emulated size (counted on the meta device); else timed here, on one GPU if every process has
+    one, else on one CPU thread."""
+    if cfg.emulate is not None:
+        from pipelab.emulate.cost import stage_seconds
+        from pipelab.emulate.specs import parse_node
+
+        node = parse_node(cfg.emulate)
+        big = emulated_model(cfg.model, cfg.emulated_scale)
+        [x] = stage_inputs([big], cfg.emulated_batch, cfg.x.shape[1] * cfg.emulated_scale)
+        seconds = stage_seconds(big, x, node.device, cfg.emulated_dtype)
+        return Prediction(seconds["F"] + seconds["B"], node.device.name, cfg.world_size, cfg.world_size, emulated=True)
     device = "cuda" if hardware.gpu_count() >= cfg.world_size else "cpu"
     one = one_device_seconds(cfg.model, cfg.x, cfg.y, cfg.loss_fn, device=device)
     return Prediction(one, device, cfg.world_size if device == "cuda" else hardware.cpu_cores(), cfg.world_size)
@@ -417,8 +513,14 @@ def predict(cfg: Config) -> Prediction:
 def layouts_table(cfg: Config, runs: Sequence[GridRun], prediction: Prediction) -> list[dict]:
     """One row per layout: its bubble, its all-reduce bytes, both predictions and the measured step."""
     predicted = prediction.ms(runs)
+    model, size = cfg.model, None
+    if cfg.emulate is not None:  # the bytes the emulated node's all-reduces carry
+        from pipelab.emulate.specs import torch_dtype
+
+        model = emulated_model(cfg.model, cfg.emulated_scale)
+        size = torch.empty((), dtype=torch_dtype(cfg.emulated_dtype)).element_size()
     return [{"layout": r.name, "bubble (p-1)/(m+p-1)": round((r.layout.pipe - 1) / (r.layout.num_microbatches + r.layout.pipe - 1), 3),
-             "all-reduce per process": human_bytes(allreduce_bytes(r.layout, cfg.model)),
+             "all-reduce per process": human_bytes(allreduce_bytes(r.layout, model, size)),
              **{label: round(per[r.name], 1) for label, per in predicted.items()},
              "measured (ms)": f"{r.step_time.scaled(1e3):.1f}"} for r in runs]
 
@@ -442,21 +544,36 @@ def groups_verdict(topology: ProcessTopology) -> str:
     return verdict
 
 
+def devices_per_process(run: GridRun) -> bool:
+    """Whether each process of `run` had a device of its own: an emulated node, or a GPU each."""
+    world = run.layout.pipe * run.layout.data
+    return run.emulate is not None or hardware.gpu_count() >= world
+
+
 def overlap_verdict(run: GridRun) -> str:
     """Conclude how much of the grid's data-parallel all-reduce time hid behind the pipeline's
     compute, beside what the schedule would hide on one device per process."""
     overlap, simulated = run.overlap, run.simulated_overlap()
     world = run.layout.pipe * run.layout.data
-    cores = world if hardware.gpu_count() >= world else hardware.cpu_cores()
-    text = (f"{overlap.scaled(100):.0f} % of the data-parallel all-reduce time (from the last copy's launch to arrival) "
-            f"had some process still computing (median (lowest-highest) of {len(overlap.values)} timed steps); "
-            f"{run.schedule} simulated with this run's measured costs and all-reduce times, one device per process, "
+    where = f"on the emulated node ({run.emulate})" if run.emulate else "on this machine"
+    text = (f"{where}, {overlap.scaled(100):.0f} % of the data-parallel all-reduce time (from the last copy's launch "
+            f"to arrival) had some process still computing (median (lowest-highest) of {len(overlap.values)} timed "
+            f"steps); {run.schedule} simulated with this run's costs and all-reduce times, one device per process, "
             f"hides {simulated:.0%}. ")
-    if cores < world:
-        verdict = "within noise"
-        text += (f"Here {world} processes share {cores} cores: a process 'still computing' may have been waiting for "
-                 "a core, so the measured share counts time-slicing as much as hiding. Too few cores for the effect: "
-                 "the simulated share is what one device per process would hide.")
+    if not devices_per_process(run) and hardware.cpu_cores() < world:
+        verdict = "too few cores"
+        text += (f"Here {world} processes share {hardware.cpu_cores()} cores: a process 'still computing' may have been "
+                 "waiting for a core, so the measured share counts time-slicing as much as hiding. Too few cores for the "
+                 "effect: the simulated share is what one device per process would hide.")
+    elif run.emulate is not None:  # a logical clock: every step alike, so compare the figures themselves
+        gap = overlap.median - simulated
+        verdict = "as simulated" if abs(gap) <= 0.05 else "lower" if gap < 0 else "higher"
+        text += {"as simulated": "The run hid what the simulation hides, within 5 points: the runtime's messages and "
+                                 "waits for the other copy of a stage cost the overlap little.",
+                 "lower": "The run hid less than the simulation: its messages and the waits for the other copy of a "
+                          "stage (an all-reduce starts only when both have launched it) cut into the overlap.",
+                 "higher": "The run hid more than the simulation: the runtime's messages stretched the pipeline's "
+                           "remaining work, and the all-reduces travelled under it."}[verdict]
     else:
         verdict = compare(overlap, Measured.of([simulated]))
         text += {"lower": "Every timed step hid less than the simulation.",
@@ -466,30 +583,37 @@ def overlap_verdict(run: GridRun) -> str:
     return verdict
 
 
+def round_verdict(per_round: Measured) -> str:
+    """'lower' when the grid was faster in every round (every ratio below 1), 'higher' when slower
+    in every round, else 'within noise'."""
+    return "lower" if per_round.high < 1 else "higher" if per_round.low > 1 else "within noise"
+
+
 def layout_verdicts(runs: Sequence[GridRun], prediction: Prediction) -> dict[str, str]:
     """Conclude how the grid's step compares with one pipeline's and with pure data parallelism's
-    (`runs` in `layouts_of`' order), and how every layout compares with its prediction."""
+    (`runs` in `layouts_of`' order), round by round, and how every layout compares with its prediction."""
     one_pipe, grid_run, dp = runs
-    gpu = prediction.ms(runs)[f"predicted, {prediction.world} GPUs"]
+    gpu = prediction.ms(runs)[prediction.gpu_label]
     verdicts = {}
     for other, key in ((one_pipe, "05.grid_vs_one_pipeline"), (dp, "05.grid_vs_data_parallel")):
         per_round = ratios(grid_run.round_times, other.round_times)  # the layouts alternated round by round
+        verdict = round_verdict(per_round)
         text = (f"the grid's step / {other.name}'s: {per_round:.2f} (median (lowest-highest) of "
                 f"{len(per_round.values)} rounds); grid {grid_run.step_time.scaled(1e3):.1f} ms against "
                 f"{other.step_time.scaled(1e3):.1f} ms over the timed steps. ")
-        if prediction.few_cores:
-            verdict = "within noise"
-            text += (f"{prediction.world} processes share {prediction.here} cores: a process waiting in a bubble leaves "
-                     f"its core to another, so all three compute-only predictions meet at "
+        text += {"lower": "The grid was faster in every round",
+                 "higher": "The grid was slower in every round",
+                 "within noise": "The rounds disagree, or the two tie: this run cannot tell them apart"}[verdict]
+        text += (f"; compute alone predicts {gpu[grid_run.name]:.1f} ms for the grid against {gpu[other.name]:.1f} ms "
+                 f"on {prediction.world} devices. ")
+        if prediction.emulated:
+            text += ("The clock is the emulated node's (logical), so every round gives the same step: the difference "
+                     "is the layouts', not the machine's load.")
+        elif prediction.few_cores:
+            text += (f"Here {prediction.world} processes share {prediction.here} cores: a process waiting in a bubble "
+                     f"leaves its core to another, so all three compute-only predictions meet at "
                      f"{prediction.one_device / prediction.here * 1e3:.1f} ms, and the layouts differ here only by their "
-                     "messages, all-reduces and overheads. Too few cores for the layouts' bubbles to show: with one GPU "
-                     f"per process the prediction is {gpu[grid_run.name]:.1f} ms for the grid against "
-                     f"{gpu[other.name]:.1f} ms.")
-        else:
-            verdict = compare(grid_run.step_time, other.step_time)
-            text += {"lower": "Every timed step of the grid was faster than any of the other.",
-                     "higher": "Every timed step of the grid was slower than any of the other.",
-                     "within noise": "The ranges overlap: this run cannot tell the two apart."}[verdict]
+                     "messages, all-reduces and overheads.")
         conclude(key, verdict, text, ratio=per_round, grid=grid_run.step_time, other=other.step_time)
         verdicts[key] = verdict
 
@@ -497,7 +621,7 @@ def layout_verdicts(runs: Sequence[GridRun], prediction: Prediction) -> dict[str
     slower = all(compare(r.step_time, Measured.of([prediction.seconds(r.layout)])) == "higher" for r in runs)
     verdicts["05.layouts_vs_prediction"] = verdict = "slower than predicted" if slower else "not all slower"
     conclude("05.layouts_vs_prediction", verdict,
-             "measured / predicted on this machine: " + ", ".join(f"{n} {v:.1f}" for n, v in over.items()) + ". "
+             "measured / predicted (compute only): " + ", ".join(f"{n} {v:.2f}" for n, v in over.items()) + ". "
              + ("Every timed step of every layout took longer than its compute-only prediction: the prediction "
                 "leaves out the messages, the all-reduces and the overhead of each action and micro-batch."
                 if slower else "Some timed step came within its compute-only prediction, so the messages, "
@@ -507,9 +631,80 @@ def layout_verdicts(runs: Sequence[GridRun], prediction: Prediction) -> dict[str
 
 
 def gpu_outlook(runs: Sequence[GridRun], prediction: Prediction) -> str:
-    """The compute-only predictions on one GPU per process, and which layout they put first."""
-    gpu = prediction.ms(runs)[f"predicted, {prediction.world} GPUs"]
-    return ("On a node with one GPU per process the compute-only predictions are "
-            + ", ".join(f"{n} {v:.1f} ms" for n, v in gpu.items())
-            + f" (scaled from this machine's one-thread step): {min(gpu, key=gpu.get)} first, "
-            "and the all-reduce bytes per process above are what it pays for that.")
+    """The compute-only predictions on one device per process, which layout they put first, and
+    which layout the run put first."""
+    gpu = prediction.ms(runs)[prediction.gpu_label]
+    measured = min(runs, key=lambda r: r.step_time.median)
+    source = ("the device model at the emulated size" if prediction.emulated
+              else "scaled from this machine's one-thread step" if prediction.device == "cpu" else "one GPU's step")
+    first = min(gpu, key=gpu.get)
+    return (f"On {prediction.world} devices, one per process, the compute-only predictions are "
+            + ", ".join(f"{n} {v:.1f} ms" for n, v in gpu.items()) + f" ({source}): {first} first. "
+            + f"Measured, with every message and all-reduce: {measured.name} first"
+            + (" as well." if measured.name == first else
+               f", because {first}'s all-reduces (the bytes per process above) cost more than the bubble it saves."
+               if gpu[measured.name] > gpu[first] else "."))
+
+
+def order(runs: Sequence[GridRun]) -> list[str]:
+    """The layouts' names, fastest median step first."""
+    return [r.name for r in sorted(runs, key=lambda r: r.step_time.median)]
+
+
+def cores_contrast(on_cores: Sequence[GridRun], emulated: Sequence[GridRun], cores: int | None = None) -> str:
+    """Conclude what changes when the same layouts run on this machine's own cores instead of the
+    emulated node: the layouts' order, the steps' spread, and why (`on_cores` ran with emulate=None)."""
+    cores = cores or hardware.cpu_cores()
+    world = on_cores[0].layout.pipe * on_cores[0].layout.data
+    shared = world > cores
+    same = order(on_cores) == order(emulated)
+    spread = {label: max(r.step_time.relative_spread for r in runs) for label, runs in
+              (("cores", on_cores), ("emulated", emulated))}
+
+    def listed(runs: Sequence[GridRun]) -> str:
+        return ", ".join(f"{r.name} {r.step_time.scaled(1e3):.1f} ms" for r in runs)
+
+    text = (f"on the emulated node ({emulated[0].emulate}): {listed(emulated)}, fastest first "
+            f"{' < '.join(order(emulated))}; every step alike (spread {spread['emulated']:.0%}). On this machine's "
+            f"{cores} cores, the same processes, math and messages at the small size: {listed(on_cores)}, fastest first "
+            f"{' < '.join(order(on_cores))} ({'the same order' if same else 'another order'}), the steps spread by up "
+            f"to {spread['cores']:.0%} around their medians. ")
+    if shared:
+        verdict = "cores shared"
+        text += (f"Here {world} processes share {cores} cores: while one waits in its pipeline's bubble or for an "
+                 "all-reduce, another computes on its core, so the bubbles and the hidden all-reduces that separate the "
+                 f"layouts on {world} devices cannot show, and the load of the machine moves every step. On the node each "
+                 "process has a device of its own, idle in its bubble, and a clock no load can move.")
+    else:
+        verdict = "same order" if same else "different order"
+        text += (f"Each of the {world} processes had a core of its own, as on the node, but a CPU core computes far "
+                 "slower against its memory and loopback messages than a GPU against NVLink, so compute weighs more "
+                 "here and the all-reduces less.")
+    conclude("05.cores_contrast", verdict, text, cores_spread=spread["cores"], emulated_spread=spread["emulated"])
+    return verdict
+
+
+# ---------------------------------------------------------------------------------------------
+# A profile's work, counted
+# ---------------------------------------------------------------------------------------------
+
+
+def run_flops(width: int, layers_per_half: int, batch: int, steps: int, grid_width: int, grid_layers: int,
+              grid_batch: int, grid_steps: int, rounds: int) -> float:
+    """FLOPs of lesson 05 at a profile's size on a node with a GPU per process (nothing emulated),
+    counted on the meta device: parts 1-2 train the two-half MLP `steps` steps per wrapper, with
+    and without splits, plus the one-process reference; parts 3-4 train each of the three layouts
+    `rounds` x `grid_steps` steps and a warm-up, each checked by a one-process reference of as
+    many steps, plus the one-device prediction's three steps. (The tutorial's toy model is
+    negligible.) Each step is the whole model's forward and backward on the whole batch."""
+    from pipelab.emulate.cost import step_flops
+    from pipelab.models import SplitMLP, mlp
+
+    def step(model: nn.Module, rows: int, width: int) -> float:
+        return step_flops(model, torch.empty(rows, width, device="meta"))
+
+    with torch.device("meta"):
+        replica, layers = SplitMLP(width, layers_per_half, width), mlp([grid_width] * (grid_layers + 1))
+    replica_steps = steps * len(REPLICA_VARIANTS) * 2 + steps  # 2 wrappers x (naive, splits) + reference
+    layout_steps = 2 * len(layouts_of(2, 2, 1)) * (rounds * grid_steps + 1) + 3  # runs and references, prediction
+    return step(replica, batch, width) * replica_steps + step(layers, grid_batch, grid_width) * layout_steps

@@ -142,6 +142,28 @@ class Config(experiments.Config):
         return gpu_path(self.world_size, 2, self.device)
 
 
+def toy_config(world_size: int = 2, **changes) -> Config:
+    """The DDP tutorial's `ToyModel` on a batch of 32 drawn from seed 0 (part 1): every process,
+    and every node of `on_nodes`, builds the same one. `changes` are other Config fields."""
+    from pipelab.models import ToyModel
+
+    torch.manual_seed(0)
+    model = ToyModel()
+    return Config(model=model, x=torch.randn(32, 10), y=torch.randn(32, 5), world_size=world_size, **changes)
+
+
+NODE_STEPS = 2  # SGD steps of the run on torchrun nodes
+
+
+def on_nodes(ctx: RankContext) -> str:
+    """Lesson 05's worker as a torchrun target: `launch.torchrun_nodes("pipelab.experiments.hybrid:on_nodes")`
+    runs it on each node's process. It builds part 1's Config itself (`toy_config`, `NODE_STEPS`
+    steps), trains both wrappers, and hands the results back with `launch.save_node_result`."""
+    from pipelab.launch import save_node_result
+
+    return save_node_result(ctx, worker(ctx, toy_config(ctx.world_size, steps=NODE_STEPS)))
+
+
 def reference(cfg: Config) -> Reference:
     """What one process computes with the same model, batch, loss and SGD steps."""
     return reference_run(cfg.model, cfg.x, cfg.y, cfg.loss_fn, steps=cfg.steps, lr=cfg.lr)
@@ -230,6 +252,25 @@ def train_variant(ctx: RankContext, cfg: Config, variant: str) -> Result:
 def worker(ctx: RankContext, cfg: Config) -> list[Result]:
     """Worker: each variant in turn on this process's replica (one `Result` per variant)."""
     return [train_variant(ctx, cfg, variant) for variant in cfg.variants]
+
+
+def worker_many(ctx: RankContext, cfgs: Sequence[Config]) -> list[list[Result]]:
+    """Worker: `worker` for each Config in turn, on the same processes."""
+    return [worker(ctx, cfg) for cfg in cfgs]
+
+
+def run_many(*cfgs: Config) -> list[dict[str, "ReplicaRun"]]:
+    """Each Config's runs (as `experiments.run(worker, cfg, gather)` returns them), all on one set
+    of processes, one Config after the other: starting the processes costs a second or two each
+    time on a small machine, and every Config still trains its own fresh replicas."""
+    from pipelab.launch import spawn
+
+    if not cfgs or any((c.world_size, c.backend) != (cfgs[0].world_size, cfgs[0].backend) for c in cfgs):
+        raise ValueError("run_many runs its Configs on the same processes: give one or more Configs with the same "
+                         f"world_size and backend, got {[(c.world_size, c.backend) for c in cfgs]}")
+    per_rank = spawn(worker_many, cfgs[0].world_size, cfgs, backend=cfgs[0].backend,
+                     timeout=sum(c.timeout for c in cfgs))
+    return [gather(cfg, [r[i] for r in per_rank]) for i, cfg in enumerate(cfgs)]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -351,7 +392,7 @@ def split_time_verdict(without: ReplicaRun, with_splits: ReplicaRun, cfg: Config
     text = (f"a step took {with_splits.step_time.scaled(1e3):.1f} ms with splits and "
             f"{without.step_time.scaled(1e3):.1f} ms without (median (lowest-highest) of the timed steps). ")
     if few_cores:
-        verdict = "within noise"
+        verdict = "too few cores"  # not "within noise": the ranges may well differ, but shared cores decide them
         text += (f"Here {cfg.world_size} processes drive {threads} virtual devices on {cores} cores: too few cores for "
                  "splits to save time. Work that overlaps on the timeline was interleaved on shared cores, so an overlap "
                  "here shows what ran at once, not time saved. With two GPUs per replica each device computes on its "
