@@ -7,9 +7,13 @@ written in a notebook cell travels by value), and collects what each rank return
 caller's side: start, wait, blame the right rank, leave nothing behind. What runs inside each rank
 is in `pipelab.worker`.
 
-The same worker runs under torchrun, which is how you go multi-node:
+The same worker runs under torchrun, which is how you go multi-node (`python -m
+torch.distributed.run` is torchrun, started by this interpreter):
 
-    torchrun --nproc-per-node 2 -m pipelab.launch mypackage.mymodule:my_worker
+    python -m torch.distributed.run --nproc-per-node 2 -m pipelab.launch mypackage.mymodule:my_worker
+
+`torchrun_nodes` starts one torchrun per "node" on this machine, as a cluster does on its nodes
+(lesson 05, section 6).
 """
 
 from __future__ import annotations
@@ -424,7 +428,11 @@ def save_node_result(ctx: RankContext, result) -> str:
     then renamed: never half a file). Returns a line for the node's log."""
     from pipelab.worker import dump_pickle
 
-    dump_pickle(result, os.path.join(os.environ[NODES_OUT], f"rank{ctx.rank}.pkl"))
+    out = os.environ.get(NODES_OUT)
+    if not out:
+        raise RuntimeError(f"{NODES_OUT} is not set: start this target with pipelab.launch.torchrun_nodes, which "
+                           "sets it to the folder the caller reads the results from")
+    dump_pickle(result, os.path.join(out, f"rank{ctx.rank}.pkl"))
     return f"rank {ctx.rank} of {ctx.world_size} saved its result"
 
 

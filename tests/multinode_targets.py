@@ -5,7 +5,7 @@ here builds its lesson's inputs itself (fixed seed: every process, and the test,
 ones), calls the lesson's worker, and saves what the worker returned to
 `$PIPELAB_MULTINODE_OUT/<target>-rank<R>.pt` for the test to read. Run by hand:
 
-    PYTHONPATH=tests PIPELAB_MULTINODE_OUT=/tmp/out torchrun --nproc-per-node 2 \
+    PYTHONPATH=tests PIPELAB_MULTINODE_OUT=/tmp/out python -m torch.distributed.run --nproc-per-node 2 \
         -m pipelab.launch multinode_targets:ddp_step
 """
 
