@@ -25,14 +25,13 @@ from torch import nn
 
 from pipelab import hardware, model_parallel as mp
 from pipelab.checks import whole_number
-from pipelab.ddp.flat import FlatAllReduce, average_gradients, flatten, write_back
+from pipelab.ddp.flat import FlatAllReduce, average_gradients, write_back
 from pipelab.models import trainable_parameters
 from pipelab.pipeline.p2p import P2P, TensorSpec
 from pipelab.pipeline.schedules import Action, Schedule
 from pipelab.pipeline.stage import StageRunner
 from pipelab.pipeline.topology import PipeDataParallelTopology, ProcessTopology, axis_groups
 from pipelab.streams import CudaDevice, Device, VirtualDevice
-from pipelab.timeline import Recorder
 from pipelab.worker import RankContext
 
 HALVES = ("seq1", "seq2", "fc")  # a two-device model: seq1 on device 0, seq2 and fc on device 1
@@ -142,34 +141,6 @@ def pipeline_processes(place: RankContext) -> list[int] | None:
     return dist.get_process_group_ranks(group) if group is not None else None
 
 
-class StreamAllReduce:
-    """On CUDA: one flat all-reduce issued on a stream of its own and timed with CUDA events on
-    that stream, so its span and the compute spans (CUDA events too) share one clock. The stream
-    first waits for the caller's stream (the gradients are written); its start event follows; then
-    the all-reduce, and `Work.wait()`, which on CUDA only makes this stream wait for NCCL's work
-    (the host goes on); its end event follows, so it fires when the sum has landed. No host clock,
-    no future callback: with NCCL a callback fires when the work is enqueued, not when it ends."""
-
-    def __init__(self, flat: torch.Tensor, group, rec: Recorder, stream: "torch.cuda.Stream", **meta):
-        self.flat, self.stream = flat, stream
-        stream.wait_stream(torch.cuda.current_stream(flat.device))  # the gradients are flattened
-        with torch.cuda.stream(stream), rec.span("allreduce", lane="comm", stream=stream, bytes=flat.nbytes, **meta):
-            dist.all_reduce(flat, group=group, async_op=True).wait()  # this stream waits; the host does not
-        flat.record_stream(stream)  # the allocator must not hand flat's memory out before the stream is done
-
-    def wait(self) -> torch.Tensor:
-        """Make the caller's stream wait for the sum (the host does not block); return the buffer."""
-        torch.cuda.current_stream(self.flat.device).wait_stream(self.stream)
-        return self.flat
-
-
-def comm_stream(device) -> "torch.cuda.Stream | None":
-    """The stream a rank's all-reduces run on: a CUDA stream of its own on a GPU, None on CPU
-    (gloo's all-reduce runs on its own threads, timed on the host clock or an emulated node's)."""
-    device = torch.device(device) if device is not None else None
-    return torch.cuda.Stream(device) if device is not None and device.type == "cuda" else None
-
-
 class StageAllReduce:
     """Averages each stage's gradients over the stage's data-parallel group: one flat all-reduce
     per stage, launched the moment the stage's gradients are final and waited for at the end of
@@ -177,14 +148,15 @@ class StageAllReduce:
 
     It is `pipelab.ddp.flat`'s all-reduce, as in `BucketedDDP`: the gradients are divided by the
     group size as they are flattened, so the all-reduce's sum is the average, and each all-reduce
-    is drawn on the `comm` lane from launch to arrival. On a GPU it runs on a stream of its own,
-    timed with CUDA events there (`StreamAllReduce`)."""
+    is drawn on the `comm` lane from launch to arrival, on the rank's one clock: on a GPU both ends
+    are CUDA events (the arrival recorded on a stream that waits for the all-reduce, never a
+    future's callback, which NCCL fires when the work is enqueued), on an emulated node the
+    modelled times."""
 
     def __init__(self, place: RankContext, modules: dict[int, nn.Module]):
         self.place, self.modules = place, modules
         self.group = place.groups.get("data")  # the copies of this process's stages (None: no copies)
-        self.stream = comm_stream(place.device) if self.group is not None else None
-        self.inflight: list[tuple[int, FlatAllReduce | StreamAllReduce]] = []  # (stage, its all-reduce in flight)
+        self.inflight: list[tuple[int, FlatAllReduce]] = []  # (stage, its all-reduce in flight)
 
     def params(self, stage: int) -> list[nn.Parameter]:
         return [p for _, p in trainable_parameters(self.modules[stage])]
@@ -193,13 +165,8 @@ class StageAllReduce:
         """Launch the all-reduce of `stage`'s gradients and return at once."""
         if self.group is None:
             return  # one replica: nothing to average
-        if self.stream is not None:
-            params = self.params(stage)
-            op = StreamAllReduce(flatten(params, dist.get_world_size(self.group)), self.group, self.place.rec,
-                                 self.stream, stage=stage)
-        else:
-            op = average_gradients(self.params(stage), self.group, rec=self.place.rec, stage=stage)
-        self.inflight.append((stage, op))
+        self.inflight.append((stage, average_gradients(self.params(stage), self.group, rec=self.place.rec,
+                                                       stage=stage)))
 
     def finish(self) -> None:
         """Wait for every stage's average and write it into `.grad`."""
