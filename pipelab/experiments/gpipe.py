@@ -114,9 +114,9 @@ def memory_estimates(cfg: Config, microbatches: int, checkpoint: bool = False) -
     return [cfg.memory_estimate(s, microbatches, checkpoint).sentence() for s in range(len(cfg.stages))]
 
 
-def memory_measured(cfg: Config, runs: Sequence[PipelineRun]) -> None:
+def memory_measured(cfg: Config, runs: Sequence[PipelineRun]) -> float:
     """06: the emulated memory meter's peak of every rank in every run against the estimate made
-    before it ran (GPipe: all m micro-batches in flight)."""
+    before it ran (GPipe: all m micro-batches in flight); returns the largest relative difference."""
     worst, rows = 0.0, []
     for run in runs:
         m = run.schedule.num_microbatches
@@ -132,6 +132,7 @@ def memory_measured(cfg: Config, runs: Sequence[PipelineRun]) -> None:
              f"{worst:.1e} of the estimates made before the runs; the highest, rank {rank} at m={m}, "
              f"{peak / 1e9:.2f} GB of the {device.memory_bytes / 1e9:g} GB {device.name}.",
              largest_relative_difference=worst, highest_GB=peak / 1e9)
+    return worst
 
 
 def throughput_ratio(run: PipelineRun, base: PipelineRun) -> float:
