@@ -175,7 +175,115 @@ def test_cuts_are_timed_side_by_side_and_judged_round_by_round():
     assert all(len(per_stage) == 2 and len(per_stage[0].values) == 3 for per_stage in times.stage_ms.values())
     assert len(times.speedup(2).values) == 3
     key, verdict, text, figures = deepspeed.profile_verdict(times, 2)
-    assert key == "08.profile_vs_parameters" and verdict in ("faster", "slower", "within noise")
+    assert key == "08.profile_2_stages" and verdict in ("faster", "slower", "within noise")
     assert figures["predicted"] == pytest.approx(6.0 / 4.0)  # slowest stage by the weights: 3+3 against 1+3
     with pytest.raises(ValueError, match="repeats must be a whole number >= 1, got 0"):
         deepspeed.time_cuts(layers, torch.randn(8, 16), layer_ms, ["uniform"], repeats=0)
+
+
+def test_lightest_heaviest_is_the_best_cut_of_whole_layers():
+    import itertools
+    import random
+
+    rng = random.Random(1)
+    for _ in range(200):
+        weights, S = [rng.randint(0, 9) for _ in range(rng.randint(3, 7))], rng.randint(1, 3)
+        n = len(weights)
+        best = min(max(sum(weights[a:b]) for a, b in zip((0, *cut), (*cut, n)))
+                   for cut in itertools.combinations(range(1, n), S - 1))
+        heaviest, parts = deepspeed.lightest_heaviest(weights, S)
+        assert heaviest == best and parts[0] == 0 and parts[-1] == n and len(parts) == S + 1
+        assert max(sum(weights[a:b]) for a, b in zip(parts[:-1], parts[1:])) == best
+    with pytest.raises(ValueError, match="2 layers cannot fill 3 non-empty stages"):
+        deepspeed.lightest_heaviest([1, 2], 3)
+
+
+def test_modelled_cuts_are_exact_and_say_why_the_profile_cut_can_lose():
+    """partition_balanced minimises heaviest - lightest: [8 | 6 3 | 9 6] (spread 7, heaviest 15)
+    against uniform's [8 6 | 3 9 | 6] (spread 8, heaviest 14)."""
+    layers = [nn.Identity() for _ in range(5)]
+    times = deepspeed.model_cuts(layers, [8, 6, 3, 9, 6], ["uniform", "parameters", "profile"], stage_counts=(3,))
+    assert times.modelled and times.cuts[3, "profile"] == [0, 1, 3, 5] and times.cuts[3, "uniform"] == [0, 2, 4, 5]
+    assert [t.values for t in times.stage_ms[3, "profile"]] == [(8.0,), (9.0,), (15.0,)]
+    key, verdict, text, figures = deepspeed.profile_verdict(times, 3)
+    assert key == "08.profile_3_stages" and figures["fastest"] == "uniform" and figures["best_possible_ms"] == 14
+    assert "uniform 14 ms against profile 15 ms" in text
+    assert "(7 ms for the profile cut, 8 ms for the uniform cut)" in text and "[0, 2, 4, 5], at 14 ms" in text
+    # Where the profile's cut is the lightest possible, the text says no cut could do better.
+    times = deepspeed.model_cuts(layers, [1, 1, 1, 1, 4], ["uniform", "parameters", "profile"], stage_counts=(2,))
+    key, verdict, text, figures = deepspeed.profile_verdict(times, 2)
+    assert figures["fastest"] == "profile" and "no cut of whole layers could" in text
+
+
+def test_layers_are_modelled_on_the_meta_device_one_after_another():
+    from pipelab.emulate.cost import stage_seconds
+    from pipelab.emulate.specs import parse_node
+
+    h100 = parse_node("2xH100-nvlink").device
+    relu = nn.ReLU(inplace=True)
+    huge = LayerSpec(nn.Linear, 1 << 16, 1 << 16)  # 17 GB of float32 weights: only ever built on meta
+    layers = [nn.Linear(64, 32), relu, lambda x: x * 2, huge.__class__(nn.Linear, 32, 8)]
+    seconds = deepspeed.modelled_layer_seconds(layers, torch.empty(16, 64, device="meta"), h100, "bfloat16")
+    assert seconds == deepspeed.modelled_layer_seconds(layers, torch.empty(16, 64), h100, "bfloat16")
+    assert seconds[3] == stage_seconds(nn.Linear(32, 8), torch.empty(16, 32), h100, "bfloat16")  # fed layer 2's output
+    assert relu.inplace and all(s["B"] > 0 for s in seconds)
+    wide = deepspeed.modelled_layer_seconds([huge], torch.empty(4, 1 << 16, device="meta"), h100, "bfloat16")
+    assert wide[0]["F"] > 2 * 4 * (1 << 32) / h100.rate("bfloat16")  # the FLOPs of the product, at most the peak
+
+
+def test_the_engine_on_an_emulated_node_lasts_the_modelled_stage_times():
+    from pipelab.emulate.specs import parse_node
+
+    torch.manual_seed(0)
+    x, y = torch.randn(8, 8), torch.randn(8, 4)
+    module = PipelineModule(mlp_specs(), num_stages=2, loss_fn=nn.MSELoss(), partition_method="uniform", verbose=False)
+    wide = [LayerSpec(nn.Linear, 1024, 2048), LayerSpec(nn.ReLU, inplace=True), LayerSpec(nn.Linear, 2048, 2048),
+            LayerSpec(nn.Tanh), LayerSpec(nn.Linear, 2048, 4)]
+    big = torch.empty(512, 1024, device="meta")
+    run = train(module, x, y, num_microbatches=4, steps=2, lr=0.1, emulate="2xH100-nvlink", emulated_layers=wide,
+                emulated_microbatch=big, emulated_dtype="bfloat16")
+    assert_same(run, reference_run(module.build_reference(), x, y, module.loss_fn, steps=2, lr=0.1))
+    seconds = deepspeed.modelled_layer_seconds(wide, big, parse_node("2xH100-nvlink").device, "bfloat16")
+    for stage, (lo, hi) in enumerate(zip(module.parts[:-1], module.parts[1:])):
+        for kind in ("F", "B"):
+            want = sum(s[kind] for s in seconds[lo:hi])
+            spans = run.timeline.filter(rank=stage, kind=kind)
+            assert len(spans) == 4 and all(s.end - s.start == pytest.approx(want, rel=1e-9) for s in spans)
+
+
+def test_an_emulated_run_needs_the_layers_at_the_emulated_size():
+    module = PipelineModule(mlp_specs(), num_stages=2, loss_fn=nn.MSELoss(), verbose=False)
+    x, y = torch.randn(8, 8), torch.randn(8, 4)
+    with pytest.raises(ValueError, match="give emulated_layers="):
+        Config(module=module, inputs=x, targets=y, num_microbatches=2, emulate="2xH100-nvlink")
+    with pytest.raises(ValueError, match="emulated_layers has 1 layers and the module 5"):
+        Config(module=module, inputs=x, targets=y, num_microbatches=2, emulate="2xH100-nvlink",
+               emulated_layers=[LayerSpec(nn.Linear, 8, 8)], emulated_microbatch=torch.empty(4, 8, device="meta"))
+
+
+def test_the_contrast_with_this_machine_names_each_cut_and_why_the_profile_lost():
+    layers = [nn.Conv2d(1, 1, 1), nn.Identity(), nn.Linear(1, 1), nn.Identity()]
+    measured = [3.0, 1.0, 1.0, 1.0]  # one at a time: the profile cut [3 | 1 1 1] beats uniform's [3 1 | 1 1]
+    here = deepspeed.CutTimes({(2, "uniform"): [0, 2, 4], (2, "profile"): [0, 1, 4]},
+                              {(2, "uniform"): [Measured.of([3.0, 3.1, 2.9]), Measured.of([3.0, 3.0, 3.0])],
+                               (2, "profile"): [Measured.of([2.0, 2.2, 1.9]), Measured.of([5.0, 4.0, 6.0])]}, measured)
+    emulated = deepspeed.model_cuts(layers, [1.0, 1.0, 1.0, 3.0], ["uniform", "profile"], stage_counts=(2,))
+    key, verdict, text, figures = deepspeed.contrast_verdict(here, emulated, layers, "H100")
+    assert key == "08.profile_here_and_emulated" and verdict == "noisier than modelled"
+    assert figures["share_here"] == pytest.approx(3 / 6) and figures["share_emulated"] == pytest.approx(1 / 6)
+    assert "the profile cuts at [0, 1, 4] here and at [0, 3, 4] on the H100" in text
+    assert "the fastest slowest stage here is the uniform cut's" in text
+    assert "should have won (slowest stage summed: 3 ms against uniform 4 ms)" in text and "took 67% longer" in text
+    assert "moved by up to 40% of its median" in text
+
+
+def test_the_gpu_profile_counts_its_flops_on_the_meta_device():
+    import nbformat
+
+    from pipelab.models import alexnet_layers
+
+    meta = nbformat.read("notebooks/08_deepspeed_partitioning.ipynb", 4).metadata["pipelab"]
+    gpu, need = meta["profiles"]["gpu"], meta["needs"]["gpu"]
+    flops = deepspeed.run_flops(alexnet_layers(10), 224, gpu["profile_batch"], 3, 1, gpu["width"], 4,
+                                gpu["microbatch_size"], gpu["steps"])
+    assert need["flops"] == pytest.approx(flops, rel=1e-6) and "H100" in need["estimate"]

@@ -230,3 +230,16 @@ def test_standalone_script_sets_its_gpu_before_nccl_and_runs_under_this_python(m
     command = splitting.torchrun_command(path, 2)
     assert command[:3] == [sys.executable, "-m", "torch.distributed.run"] and command[-1] == path
     assert not any(part.endswith("torchrun") for part in command)
+
+
+def test_the_gpu_profile_counts_its_flops_on_the_meta_device():
+    """Nine forward+backward passes and four forwards of the batch: linear in the batch, and the
+    notebook's `needs.gpu.flops` is the count at its gpu profile's size."""
+    import nbformat
+
+    small = splitting.run_flops(ARGS, 4, 8)
+    assert splitting.run_flops(ARGS, 8, 8) == pytest.approx(2 * small, rel=1e-9)
+    meta = nbformat.read("notebooks/09_automatic_splitting.ipynb", 4).metadata["pipelab"]
+    gpu = meta["profiles"]["gpu"]
+    args = ModelArgs(dim=gpu["dim"], n_layers=gpu["n_layers"], n_heads=gpu["n_heads"], vocab_size=gpu["vocab_size"])
+    assert meta["needs"]["gpu"]["flops"] == pytest.approx(splitting.run_flops(args, gpu["batch"], gpu["seq_len"]), rel=1e-6)

@@ -1,5 +1,6 @@
-"""Lesson 08 from a notebook: AlexNet's cuts timed, the DeepSpeed-style engine trained on real
-ranks, the real DeepSpeed beside it, and the verdicts the lesson concludes.
+"""Lesson 08 from a notebook: AlexNet's cuts timed (modelled on an emulated device, or measured),
+the DeepSpeed-style engine trained on real ranks, the real DeepSpeed beside it, and the verdicts the
+lesson concludes.
 
     cfg = deepspeed.Config(module=mlp, inputs=x, targets=y, num_microbatches=4, steps=8, lr=0.5)
     run = experiments.run(deepspeed.worker, cfg, deepspeed.gather)  # a TrainRun
@@ -11,35 +12,98 @@ partitions and the same training.
 """
 from __future__ import annotations
 
+import copy
 import math
 from dataclasses import dataclass, field
+from itertools import accumulate
 
 import torch
+import torch.nn as nn
 
 from pipelab import experiments
 from pipelab.checks import divides, mean_loss, positive_number, same_batch, whole_number
+from pipelab.emulate.cost import meta_module, stage_seconds, to_meta
+from pipelab.emulate.specs import torch_dtype
 from pipelab.measure import Measured, RankSteps, Steps, TimedSteps, compare, gather_steps, ratios, time_steps
 from pipelab.pipeline.engine import PipelineEngine
 from pipelab.pipeline.instructions import TrainSchedule
 from pipelab.pipeline.module import LayerSpec, PipelineModule, TiedLayerSpec
-from pipelab.pipeline.partition import (check_method, measure_partitions, partition_layers, slowest_stage,
-                                        stage_sums)
+from pipelab.pipeline.partition import (check_method, layer_name, measure_partitions, partition_layers,
+                                        profile_layers, slowest_stage, stage_sums)
 from pipelab.pipeline.topology import PipeDataParallelTopology, ProcessTopology
 from pipelab.timeline import Timeline
 from pipelab.worker import RankContext
 
 # ---------------------------------------------------------------------------------------------
-# AlexNet's cuts, timed in this process
+# AlexNet's cuts: each layer's time modelled on an emulated device, or measured in this process
 # ---------------------------------------------------------------------------------------------
+
+
+class Apply(nn.Module):
+    """A plain function of one tensor (or a tied module's `forward_fn`) as a module, so that the
+    cost model can count it; `module`, if given, is what the function uses (its weights count)."""
+
+    def __init__(self, fn, module: nn.Module | None = None):
+        super().__init__()
+        self.fn, self.module = fn, module
+
+    def forward(self, x):
+        return self.fn(x) if self.module is None else self.fn(self.module, x)
+
+
+def counted_layer(layer) -> nn.Module:
+    """A META copy of `layer` to count (a spec built there, a function wrapped, the caller's layer
+    untouched), in-place operators made out-of-place: they move the same bytes, and the counted
+    input is a leaf, which autograd does not let an operator overwrite."""
+    if isinstance(layer, LayerSpec):
+        with torch.device("meta"):
+            built = layer.build()
+        forward_fn = getattr(layer, "forward_fn", None)
+        module = built if forward_fn is None else Apply(forward_fn, built)
+    elif isinstance(layer, nn.Module):
+        module = copy.deepcopy(meta_module(layer))
+    else:
+        module = Apply(layer)
+    for m in module.modules():
+        if getattr(m, "inplace", False):
+            m.inplace = False
+    return module
+
+
+def modelled_layer_seconds(layers: list, example: torch.Tensor, device, dtype="float32") -> list[dict[str, float]]:
+    """Each layer's modelled F, B, I and W seconds on `device` (an `emulate.specs.Device`) in
+    `dtype` for one micro-batch shaped like `example` (a META tensor will do), each layer fed the one
+    before's output. Counted on the meta device (`emulate.cost.stage_seconds`): any size costs no
+    memory, and the same layers always get the same times."""
+    x, seconds = to_meta(example), []
+    for layer in layers:
+        module = counted_layer(layer)
+        seconds.append(stage_seconds(module, x, device, dtype))
+        with torch.no_grad():
+            x = module(x)
+    return seconds
+
+
+def layer_profile(layers: list, sample: torch.Tensor, device=None, dtype="float32", repeats: int = 3,
+                  tries: int = 1) -> list[Measured]:
+    """Each layer's forward+backward milliseconds, the 'profile' method's weights: modelled on
+    `device` (an emulated node's `specs.Device`; one exact value per layer) or, with device=None,
+    measured here on `sample` (`partition.profile_layers`: `repeats` rounds, each layer's time in
+    a round the fastest of `tries` runs)."""
+    if device is not None:
+        return [Measured.of([1e3 * (s["F"] + s["B"])]) for s in modelled_layer_seconds(layers, sample, device, dtype)]
+    return [t.scaled(1e3) for t in profile_layers(layers, sample, repeats=repeats, tries=tries)]
 
 
 @dataclass
 class CutTimes:
-    """Layers cut by each method into each number of stages, and every cut's stages timed."""
+    """Layers cut by each method into each number of stages, and every cut's stage times: measured
+    in rounds, or `modelled` (one exact value per stage)."""
 
     cuts: dict[tuple[int, str], list[int]]  # (num_stages, method) -> boundaries
     stage_ms: dict[tuple[int, str], list[Measured]]  # (num_stages, method) -> per stage, every round (ms)
-    layer_ms: list[float]  # per layer, the median forward+backward: the 'profile' method's weights
+    layer_ms: list[float]  # per layer, forward+backward: the 'profile' method's weights
+    modelled: bool = False
 
     @property
     def slowest(self) -> dict[tuple[int, str], Measured]:
@@ -53,9 +117,23 @@ class CutTimes:
 
     def table(self) -> str:
         slowest = self.slowest
-        lines = [f"{'stages':>6}  {'method':20s} {'boundaries':24s} slowest stage, ms: median (min-max)"]
-        lines += [f"{S:>6}  {m:20s} {str(parts):24s} {slowest[S, m]:.0f}" for (S, m), parts in self.cuts.items()]
+        how = "modelled" if self.modelled else "median (min-max)"
+        lines = [f"{'stages':>6}  {'method':20s} {'boundaries':24s} slowest stage, ms: {how}"]
+        lines += [f"{S:>6}  {m:20s} {str(parts):24s} {slowest[S, m]:.4g}" for (S, m), parts in self.cuts.items()]
         return "\n".join(lines)
+
+
+def _cuts(layers: list, layer_ms: list[float], methods: list[str], stage_counts) -> dict:
+    return {(S, m): partition_layers(layers, S, m, profile=lambda: list(layer_ms)) for S in stage_counts for m in methods}
+
+
+def model_cuts(layers: list, layer_ms: list[float], methods: list[str], stage_counts: tuple[int, ...] = (2, 4)) -> CutTimes:
+    """Cut `layers` by each method ('profile' weighs a layer by its modelled `layer_ms`) into each
+    of `stage_counts` stages; a stage's modelled time is the sum of its layers' (the device runs
+    them one after another), so it cannot vary from run to run."""
+    cuts = _cuts(layers, layer_ms, methods, stage_counts)
+    stage_ms = {key: [Measured.of([ms]) for ms in stage_sums(layer_ms, parts)] for key, parts in cuts.items()}
+    return CutTimes(cuts, stage_ms, list(layer_ms), modelled=True)
 
 
 def time_cuts(layers: list, sample: torch.Tensor, layer_ms: list[float], methods: list[str],
@@ -68,14 +146,31 @@ def time_cuts(layers: list, sample: torch.Tensor, layer_ms: list[float], methods
     just been profiled."""
     whole_number("repeats", repeats, example="repeats=3")
     whole_number("tries", tries, example="tries=2")
-    cuts = {(S, m): partition_layers(layers, S, m, profile=lambda: list(layer_ms))
-            for S in stage_counts for m in methods}
+    cuts = _cuts(layers, layer_ms, methods, stage_counts)
     fewest = min(stage_counts)
     pair = [tuple(cuts[fewest, m]) for m in ("parameters", "profile") if (fewest, m) in cuts]
     distinct = list(dict.fromkeys(pair + sorted({tuple(parts) for parts in cuts.values()})))  # each cut once
     timed = measure_partitions(layers, distinct, sample, repeats=repeats, tries=tries, warmup=warmup)
     measured = {parts: [t.scaled(1e3) for t in per_stage] for parts, per_stage in zip(distinct, timed)}
     return CutTimes(cuts, {key: measured[tuple(parts)] for key, parts in cuts.items()}, list(layer_ms))
+
+
+def lightest_heaviest(weights: list[float], num_stages: int) -> tuple[float, list[int]]:
+    """The lightest heaviest stage any cut of `weights` into `num_stages` non-empty contiguous
+    stages reaches, and that cut (the earliest on a tie): what a partition that balances the
+    pipeline's pace would choose. DeepSpeed's `partition_balanced` minimises heaviest minus
+    lightest instead, which need not give the same cut."""
+    whole_number("num_stages", num_stages, example="num_stages=2")
+    n = len(weights)
+    if n < num_stages:
+        raise ValueError(f"{n} layers cannot fill {num_stages} non-empty stages; use at most {n} stages")
+    prefix = [0.0, *accumulate(float(w) for w in weights)]
+    best = {(0, 0): (0.0, [0])}  # (layers, stages) -> (heaviest, boundaries) of the best cut
+    for j in range(1, num_stages + 1):
+        for i in range(j, n - (num_stages - j) + 1):
+            best[i, j] = min(((max(best[k, j - 1][0], prefix[i] - prefix[k]), best[k, j - 1][1] + [i])
+                              for k in range(j - 1, i) if (k, j - 1) in best), key=lambda option: option[0])
+    return best[n, num_stages]
 
 
 def speedup_verdict(speedup: Measured, new: str = "new cut", same_cut: bool = False,
@@ -99,19 +194,107 @@ def speedup_verdict(speedup: Measured, new: str = "new cut", same_cut: bool = Fa
                             "machine's noise is as large as the effect, so read the prediction instead")
 
 
+def modelled_verdict(speedup: float, same_cut: bool) -> tuple[str, str]:
+    """(verdict, phrase) for a modelled ratio "parameters cut's slowest stage / profile cut's": exact,
+    so one value decides."""
+    if same_cut:
+        return "same cut", "both methods chose the same cut, so there is nothing to compare"
+    if speedup == 1:
+        return "as fast", "their slowest stages take the same modelled time"
+    word = "faster" if speedup > 1 else "slower"
+    return word, f"the profile cut's slowest stage is the {word}, by {speedup:.2f}x (modelled, exactly)"
+
+
+def _spread(weights: list[float], parts: list[int]) -> float:
+    sums = stage_sums(weights, parts)
+    return max(sums) - min(sums)
+
+
+def why_not_profile(times: CutTimes, num_stages: int, winner: str) -> str:
+    """Why the `winner` method's slowest stage beat the 'profile' cut's, from the figures: by the
+    profile's own weights (DeepSpeed's rule balances the spread, not the heaviest stage), or, when
+    the weights predicted the opposite, measurement (layers timed alone, this machine's noise)."""
+    S, w = num_stages, times.layer_ms
+    mine, theirs = times.cuts[S, "profile"], times.cuts[S, winner]
+    predicted_mine, predicted_theirs = max(stage_sums(w, mine)), max(stage_sums(w, theirs))
+    if predicted_theirs < predicted_mine:
+        best_ms, best_cut = lightest_heaviest(w, S)
+        tie = " (a tie, which it breaks toward the later cut)" if _spread(w, mine) == _spread(w, theirs) else ""
+        return (f"The profile's own layer times say so too ({winner} {predicted_theirs:.4g} ms against profile "
+                f"{predicted_mine:.4g} ms): partition_balanced, as DeepSpeed's, picks the cut with the smallest "
+                f"heaviest-minus-lightest ({_spread(w, mine):.4g} ms for the profile cut, {_spread(w, theirs):.4g} ms "
+                f"for the {winner} cut{tie}), not the lightest heaviest stage; that is {best_cut}, at {best_ms:.4g} ms.")
+    slowest = times.slowest
+    gap = slowest[S, "profile"].median / slowest[S, winner].median - 1
+    noise = max(t.relative_spread for t in slowest.values())
+    return (f"By the layer times taken one at a time the profile cut should have won (slowest stage summed: "
+            f"{predicted_mine:.4g} ms against {winner} {predicted_theirs:.4g} ms), but run whole, its slowest stage "
+            f"took {gap:.0%} longer than the {winner} cut's: layers timed alone do not add up to a stage, and a "
+            f"slowest stage moved by up to {noise:.0%} of its median between rounds on this machine.")
+
+
 def profile_verdict(times: CutTimes, num_stages: int = 2) -> tuple[str, str, str, dict]:
-    """(key, verdict, text, figures): did the 'profile' cut's slowest stage beat the 'parameters'
-    cut's in every round, beside what the per-layer medians predict?"""
-    by_params, by_profile = times.cuts[num_stages, "parameters"], times.cuts[num_stages, "profile"]
-    slowest, speedup = times.slowest, times.speedup(num_stages)
+    """(key, verdict, text, figures) for `num_stages` stages: is the 'profile' cut's slowest stage
+    faster than the 'parameters' cut's (modelled: exactly; measured: in every round)? The text
+    gives every method's slowest stage and, where another method beat 'profile', why."""
+    S = num_stages
+    by_params, by_profile = times.cuts[S, "parameters"], times.cuts[S, "profile"]
+    slowest, speedup = {m: t for (s, m), t in times.slowest.items() if s == S}, times.speedup(S)
     predicted = max(stage_sums(times.layer_ms, by_params)) / max(stage_sums(times.layer_ms, by_profile))
-    verdict, how = speedup_verdict(speedup, "profile cut", same_cut=by_params == by_profile)
-    params_ms, profile_ms = slowest[num_stages, "parameters"], slowest[num_stages, "profile"]
-    text = (f"{num_stages} stages, slowest stage: parameters cut {by_params} {params_ms:.0f} ms, profile cut "
-            f"{by_profile} {profile_ms:.0f} ms; {how}. Summed from the per-layer medians, the profile "
-            f"predicts {predicted:.2f}x.")
-    return "08.profile_vs_parameters", verdict, text, {"speedup": speedup, "predicted": predicted,
-                                                       "parameters_ms": params_ms, "profile_ms": profile_ms}
+    if times.modelled:
+        verdict, how = modelled_verdict(speedup.median, same_cut=by_params == by_profile)
+    else:
+        verdict, how = speedup_verdict(speedup, "profile cut", same_cut=by_params == by_profile)
+    each = ", ".join(f"{m} {t:.4g}" for m, t in slowest.items())
+    text = (f"{S} stages, slowest stage ({'modelled' if times.modelled else 'measured'}, ms): {each}. "
+            f"Parameters cut {by_params} against profile cut {by_profile}: {how}.")
+    if not times.modelled:
+        text += f" Summed from the per-layer medians, the profile predicts {predicted:.2f}x."
+    winner = min(slowest, key=lambda m: (slowest[m].median, m != "profile"))
+    best_ms, best_cut = lightest_heaviest(times.layer_ms, S)
+    if winner != "profile":
+        text += " The " + winner + " cut's slowest stage beat the profile's. " + why_not_profile(times, S, winner)
+    elif max(stage_sums(times.layer_ms, by_profile)) > best_ms * (1 + 1e-9):
+        text += (f" No method's slowest stage beat the profile's, yet by the profile's own weights its heaviest "
+                 f"stage sums to {max(stage_sums(times.layer_ms, by_profile)):.4g} ms where the cut {best_cut} "
+                 f"would give {best_ms:.4g} ms: partition_balanced minimises heaviest minus lightest.")
+    else:
+        text += " No method's slowest stage beat the profile's, and by its weights no cut of whole layers could."
+    return f"08.profile_{S}_stages", verdict, text, {
+        "speedup": speedup, "predicted": predicted, "parameters_ms": slowest["parameters"],
+        "profile_ms": slowest["profile"], "fastest": winner, "best_possible_ms": best_ms}
+
+
+def contrast_verdict(here: CutTimes, emulated: CutTimes, layers: list, device_name: str,
+                     kind: str = "Conv2d") -> tuple[str, str, str, dict]:
+    """(key, verdict, text, figures): the same cuts measured on this machine's cores (`here`) beside
+    their modelled times on the emulated device (`emulated`). What differs: where each profile cuts
+    (the share of the time in the `kind` layers), which method's slowest stage was the fastest here
+    and, where not the profile's, why; and the measured rounds' spread, which a model does not have."""
+    which = [i for i, layer in enumerate(layers) if layer_name(layer) == kind]
+    share_here = sum(here.layer_ms[i] for i in which) / sum(here.layer_ms)
+    share_there = sum(emulated.layer_ms[i] for i in which) / sum(emulated.layer_ms)
+    noise = max(t.relative_spread for t in here.slowest.values())
+    rounds = min(len(t.values) for t in here.slowest.values())
+    counts = sorted({S for S, _ in here.cuts})
+    text = (f"The {len(which)} {kind} layers take {share_here:.0%} of the layer time measured here and "
+            f"{share_there:.0%} of the {device_name}'s modelled time.")
+    for S in counts:
+        slowest = {m: t for (s, m), t in here.slowest.items() if s == S}
+        winner = min(slowest, key=lambda m: (slowest[m].median, m != "profile"))
+        text += (f" {S} stages: the profile cuts at {here.cuts[S, 'profile']} here and at {emulated.cuts[S, 'profile']} "
+                 f"on the {device_name}; the fastest slowest stage here is the {winner} cut's ({slowest[winner]:.4g} ms).")
+        if winner != "profile":
+            text += " " + why_not_profile(here, S, winner)
+    if rounds < 2:
+        text += " One measured round cannot show how much a measurement moves; a modelled one never does."
+        verdict = "one round"
+    else:
+        text += (f" Measured here, a cut's slowest stage moved by up to {noise:.0%} of its median between rounds; "
+                 f"modelled, it is the same on every run.")
+        verdict = "noisier than modelled" if noise > 0 else "as steady as modelled"
+    return "08.profile_here_and_emulated", verdict, text, {
+        "share_here": share_here, "share_emulated": share_there, "spread_here": noise}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -123,7 +306,12 @@ def profile_verdict(times: CutTimes, num_stages: int = 2) -> tuple[str, str, str
 class Config(experiments.Config):
     """One training run of the engine: `steps` SGD steps (learning rate `lr`) on the same batch,
     each replica's share cut into `num_microbatches`. `world_size` defaults to the module's
-    topology, else one rank per stage; a larger multiple of num_stages adds data-parallel replicas."""
+    topology, else one rank per stage; a larger multiple of num_stages adds data-parallel replicas.
+
+    On an emulated node (`emulate="2xH100-nvlink"`) each stage's forward and backward last what the
+    same layers take at the emulated size: `emulated_layers` (the module's layer list, wider), on
+    micro-batches like `emulated_microbatch` (a META tensor will do), in `emulated_dtype`; its
+    messages are timed at that size too. Off an emulated node these three are not used."""
 
     module: PipelineModule
     inputs: torch.Tensor
@@ -132,6 +320,9 @@ class Config(experiments.Config):
     steps: int = 1
     lr: float = 0.1
     world_size: int | None = None
+    emulated_layers: list | None = None
+    emulated_microbatch: torch.Tensor | None = None
+    emulated_dtype: str = "float32"
 
     @property
     def topology(self) -> ProcessTopology:
@@ -173,6 +364,18 @@ class Config(experiments.Config):
                 raise ValueError(f"{name} must be a tensor with one row per sample, got {type(t).__name__}")
         batch = same_batch(self.inputs, self.targets)
         divides("batch", batch, "num_microbatches" if dp == 1 else f"num_microbatches x {dp} replicas", dp * M)
+        self.check_emulated()
+
+    def check_emulated(self) -> None:
+        """On an emulated node the stages' compute needs the layers at the emulated size."""
+        layers, microbatch = self.emulated_layers, self.emulated_microbatch
+        if self.emulate is not None and (layers is None or microbatch is None):
+            raise ValueError(f"emulate={self.emulate!r} times each stage at the emulated size: give "
+                             "emulated_layers= (the module's layer list at that size) and emulated_microbatch= "
+                             "(one micro-batch there, e.g. torch.empty(1024, 4096, device='meta')), or leave emulate out")
+        if layers is not None and len(layers) != len(self.module):
+            raise ValueError(f"emulated_layers has {len(layers)} layers and the module {len(self.module)}: give "
+                             "the module's own layer list at the emulated size, layer for layer")
 
 
 @dataclass
@@ -191,7 +394,8 @@ class Result:
 def worker(ctx: RankContext, cfg: Config) -> Result:
     """Build this rank's stage, train `cfg.steps` batches on its replica's share of the batch."""
     topology, M = cfg.topology, cfg.num_microbatches
-    engine = PipelineEngine(ctx, cfg.module, topology, M, cfg.lr)
+    engine = PipelineEngine(ctx, cfg.module, topology, M, cfg.lr,
+                            costs=stage_costs(ctx, cfg, topology.get_coord(ctx.rank).pipe))
     dp, replica = topology.get_dim("data"), topology.get_coord(ctx.rank).data
     x, y = cfg.inputs.chunk(dp)[replica], cfg.targets.chunk(dp)[replica]
     data = list(zip(x.chunk(M), y.chunk(M)))
@@ -199,6 +403,33 @@ def worker(ctx: RankContext, cfg: Config) -> Result:
     weights = {n: p.detach().cpu().clone() for n, p in engine.module.named_parameters()}
     return Result(ctx.rank, engine.stage_id, [loss for loss, _ in measured.results],
                   [list(mbs) for _, mbs in measured.results], engine.step_grads, weights, measured)
+
+
+def activation_bytes(layers: list, example: torch.Tensor, upto: int, dtype=None) -> int:
+    """Bytes of what layer `upto` receives (what the first `upto` layers make of `example`), counted
+    on the meta device, its floating values in `dtype` if given."""
+    x = to_meta(example)
+    with torch.no_grad():
+        for layer in layers[:upto]:
+            x = counted_layer(layer)(x)
+    return x.numel() * (torch_dtype(dtype).itemsize if dtype is not None and x.is_floating_point() else x.element_size())
+
+
+def stage_costs(ctx: RankContext, cfg: Config, stage: int) -> dict[str, float] | None:
+    """On an emulated node, this stage's modelled F and B seconds: its layers at the emulated size
+    one after another (`modelled_layer_seconds`); its messages are timed at that size too (the
+    activations it sends, or on the last stage receives). None elsewhere: spans take what they take."""
+    if ctx.emulator is None or cfg.emulated_layers is None:
+        return None
+    parts, S = cfg.module.partitions(), cfg.module.num_stages
+    lo, hi = parts[stage], parts[stage + 1]
+    seconds = modelled_layer_seconds(cfg.emulated_layers[:hi], cfg.emulated_microbatch, ctx.emulator.node.device,
+                                     cfg.emulated_dtype)[lo:]
+    boundary = hi if stage < S - 1 else lo
+    real_microbatch = cfg.inputs[: cfg.inputs.shape[0] // (cfg.topology.get_dim("data") * cfg.num_microbatches)]
+    ctx.emulator.scale_messages(activation_bytes(cfg.emulated_layers, cfg.emulated_microbatch, boundary, cfg.emulated_dtype),
+                                activation_bytes(cfg.module._layer_specs, real_microbatch, boundary))
+    return {kind: sum(s[kind] for s in seconds) for kind in ("F", "B")}
 
 
 @dataclass
@@ -424,3 +655,40 @@ def gather_deepspeed(cfg: DeepSpeedConfig, results: list[DeepSpeedResult]) -> De
     topology = cfg.topology
     last = topology.get_rank(pipe=topology.get_dim("pipe") - 1, data=0)
     return DeepSpeedRun(results[0].parts, results[last].losses, [r.weights for r in results])
+
+
+# ---------------------------------------------------------------------------------------------
+# What the lesson costs at a profile's size
+# ---------------------------------------------------------------------------------------------
+
+
+def run_flops(layers: list, image_size: int, profile_batch: int, profile_repeats: int, profile_tries: int,
+              width: int, num_microbatches: int, microbatch_size: int, steps: int, methods: int = 4,
+              stage_counts: int = 2) -> float:
+    """FLOPs of the lesson's run with its profile's figures measured (a GPU node), counted on the
+    meta device: AlexNet's (`layers`) forward and backward on `profile_batch` images, once per
+    round of the layer profile (a warm-up and `profile_repeats` rounds) and once per cut and round
+    of `time_cuts` (at most `methods` x `stage_counts` distinct cuts), each `profile_tries` times;
+    and the MLP's `steps` batches three times (the engine, one process, DeepSpeed). The tied
+    model's are too small to count. What the `gpu` profile's time budget is estimated from."""
+    from pipelab.emulate.cost import forward_backward_counts
+
+    image = torch.empty(profile_batch, 3, image_size, image_size, device="meta")
+    alexnet = sum(sum(c.flops for c in forward_backward_counts(layer, x))
+                  for layer, x in zip(*_chained([counted_layer(l) for l in layers], image)))
+    passes = profile_tries * ((1 + profile_repeats) + profile_repeats * methods * stage_counts)
+    with torch.device("meta"):  # the lesson's MLP, never allocated
+        mlp = nn.Sequential(*[m for _ in range(3) for m in (nn.Linear(width, width), nn.ReLU())], nn.Linear(width, 8))
+    rows = torch.empty(num_microbatches * microbatch_size, width, device="meta")
+    step = sum(c.flops for c in forward_backward_counts(mlp, rows))
+    return passes * alexnet + 3 * steps * step
+
+
+def _chained(modules: list, x: torch.Tensor) -> tuple[list, list]:
+    """The modules and the input each receives when they run one after another from `x`."""
+    inputs = []
+    with torch.no_grad():
+        for module in modules:
+            inputs.append(x)
+            x = module(x)
+    return modules, inputs

@@ -428,3 +428,25 @@ def run_torchrun(command: list[str], timeout: float = 120.0) -> str:
 def parse_losses(output: str) -> list[float]:
     """The per-micro-batch losses the standalone script printed."""
     return [float(line.split()[-1]) for line in output.splitlines() if line.startswith("micro-batch ")]
+
+
+# ---------------------------------------------------------------------------------------------
+# What the lesson costs at a profile's size
+# ---------------------------------------------------------------------------------------------
+
+
+def run_flops(args: ModelArgs, batch: int, seq_len: int) -> float:
+    """FLOPs of the lesson's run at its size, counted on the meta device (no memory): the whole
+    batch's forward and backward nine times (the one-process reference and the tied model's; the
+    manual split, torch's and the standalone script's GPipe steps; pipelab's tracer under GPipe,
+    1F1B, ZB-H1 and, tied, 1F1B) and four forwards more (the one-process micro-batch losses, and
+    the micro-batch forwards that trace and compare the splits, about three batches' worth). What
+    the `gpu` profile's time budget is estimated from (`pipelab profiles`). Micro-batches change
+    how the work is cut, not how much of it there is."""
+    from pipelab.emulate.cost import count, forward_backward_counts
+
+    with torch.device("meta"):
+        model = Transformer(args)
+    tokens = torch.zeros(batch, seq_len, dtype=torch.long, device="meta")
+    forward, grad_input, grad_weight = forward_backward_counts(model, tokens)
+    return 9 * (forward.flops + grad_input.flops + grad_weight.flops) + 4 * count(model, tokens).flops
