@@ -424,3 +424,125 @@ def test_split_size_explorer_reruns_the_split_the_slider_picks(devs, monkeypatch
     slider.value = 9 - slider.value  # the other split size
     assert picked == [Forward("pipelined", s) for s in (9 - slider.value, slider.value)]
     plt.close("all")
+
+
+# ---------------------------------------------------------------------------------------------
+# The emulated node: the tutorial's ResNet-50 paces the virtual devices
+# ---------------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def emulated():
+    from pipelab.experiments import model_parallel as ex
+    from pipelab.streams import devices
+
+    pace = ex.ResNet50Pace("2xH100-nvlink", 12)
+    ds = devices(2, pace=pace)
+    torch.manual_seed(0)
+    cfg = Config.resnet(ds, channels=4, blocks=1, batch=12, size=8, repeats=2)
+    yield ex, pace, cfg
+    ds.close()
+
+
+def test_half_counts_are_affine_in_the_images():
+    from pipelab.emulate import cost
+    from pipelab.experiments import model_parallel as ex
+
+    pace = ex.ResNet50Pace("2xH100-nvlink", 120)
+    first, _ = ex.resnet50_halves("layer2")
+    three = cost.count(first, torch.empty(3, 3, 128, 128))
+    assert pace.half("seq1", 3).flops == pytest.approx(three.flops)
+    assert pace.half("seq1", 3).bytes == pytest.approx(three.bytes)
+    assert pace.counts["cut"] == (512, 16, 16)  # the tutorial's cut after layer2
+    with pytest.raises(ValueError, match="layer2"):
+        ex.resnet50_halves("layer9")
+
+
+def test_emulated_sweep_is_the_pipeline_formula_and_the_same_every_round(emulated):
+    ex, pace, cfg = emulated
+    sizes = [1, 2, 3, 4, 6, 12]
+    run = split_sweep(cfg, sizes, ("split_by_split", "pipelined"))
+    piped = run["pipelined"]
+    formula = ex.modelled_speedups(pace.node, "layer2", sizes, batch=12)
+    for s in sizes:
+        assert piped.speedup[s].low == piped.speedup[s].high  # modelled time: no noise
+        assert piped.speedup[s].median == pytest.approx(formula[s])
+    assert run["split_by_split"].speedup[12].values == (1.0, 1.0)  # one split IS the baseline
+    assert run.where.startswith("the emulated")
+    key, verdict, text, figures = ex.curve_verdict(run)
+    assert "emulated" in text and figures["best_split"] == piped.best_split
+
+
+def test_emulated_naive_is_slower_by_the_copy_and_prints_the_figures_it_is_computed_from(emulated):
+    ex, pace, cfg = emulated
+    run = ex.naive_run(cfg)
+    copy_s = pace.copy_seconds(12 * pace.images_per_row)
+    assert run.naive.seconds.median - run.one_device.seconds.median == pytest.approx(copy_s)
+    rows = run.rounds()
+    assert len(rows) == 2 and float(rows[0]["one device / naive"]) == pytest.approx(run.speedup.median, abs=1e-3)
+    key, verdict, text, figures = ex.naive_verdict(run)
+    assert verdict == "no faster" and "7%" in text and "PCIe 4" in text
+
+
+def test_emulated_pace_refuses_work_it_cannot_time(emulated):
+    ex, pace, cfg = emulated
+    with pytest.raises(ValueError, match="emulate=None"):
+        pace.seconds("F", torch.relu, (torch.ones(2),))
+
+
+def test_emulated_checks_still_hold_against_the_one_device_model(emulated):
+    ex, pace, cfg = emulated
+    check_against_one_device(cfg, Forward("dual_stream", 5))
+    late = hazard_report(cfg, 3, use_events=False, late_producer=True)
+    assert late.raw_hazards == list(range(late.splits))
+
+
+def test_copy_stream_verdict_names_the_devices_and_never_blames_cpu_cores_when_emulated(emulated):
+    ex, pace, cfg = emulated
+    run = split_sweep(cfg, [3, 6], ("pipelined", "dual_stream"))
+    key, verdict, text, figures = ex.copy_stream_verdict(run)
+    assert "emulated" in text and "CPU cores" not in text and verdict in ("faster", "slower", "within noise")
+
+
+def test_anchor_rows_and_verdict_put_the_tutorial_beside_the_run(emulated):
+    ex, pace, cfg = emulated
+    run = split_sweep(cfg, [1, 3, 12], ("split_by_split", "pipelined"))
+    rows = ex.anchor_rows(run)
+    assert rows[0]["published"] == "1.49x" and rows[1]["published"] == "1.54x"
+    key, verdict, text, figures = ex.anchor_verdict(run)
+    assert "+49%" in text and "+54%" in text and "T4" in text
+
+
+def test_gpu_checks_turn_tf32_off_and_use_the_stated_tolerance(devs):
+    from pipelab.experiments.model_parallel import GPU_TOLERANCE, tf32_off, tolerance
+
+    saved = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
+    with tf32_off():
+        assert not torch.backends.cuda.matmul.allow_tf32 and not torch.backends.cudnn.allow_tf32
+    assert (torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32) == saved
+    assert tolerance(devs) == 1e-5
+
+    class FakeGpu:
+        torch_device = torch.device("cuda", 0)
+    assert tolerance([FakeGpu()]) == GPU_TOLERANCE
+
+
+def test_input_is_moved_to_the_first_device_once(devs):
+    cfg = _cfg("resnet", devs)
+    assert cfg.x_first is cfg.x_first  # placed once, before any timing
+    assert devs[0].owner(cfg.x_first) == devs[0].name
+
+
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2, reason="needs 2 GPUs")
+def test_two_gpus_copy_on_the_destinations_stream_from_pinned_memory():
+    from pipelab.streams import devices
+
+    with devices(2) as ds:
+        x = torch.randn(4, 8)
+        on0 = ds[0].own(x)
+        assert on0.device == ds[0].torch_device
+        moved = ds[1].stream("copy").copy(on0).result()
+        assert moved.device == ds[1].torch_device and torch.equal(moved.cpu(), x)
+        torch.manual_seed(0)
+        cfg = Config.resnet(ds, channels=4, blocks=1, batch=12, size=8)
+        check_against_one_device(cfg, Forward("dual_stream", 5))

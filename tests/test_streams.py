@@ -8,8 +8,8 @@ import time
 import pytest
 import torch
 
-from pipelab.streams import (CudaDevice, CudaStream, Device, Event, Stream, VirtualDevice, VirtualStream, chunk_rows,
-                             device, devices, timeline)
+from pipelab.streams import (CudaDevice, CudaStream, Device, Event, Pace, Stream, VirtualDevice, VirtualStream,
+                             chunk_rows, device, devices, timeline)
 
 
 @pytest.fixture
@@ -312,3 +312,79 @@ def test_describe_devices_names_the_path_streams_devices_takes():
     assert "ranks" not in line and "gloo" not in line and "one process drives 2" in line
     with devices(2) as devs:
         assert ("virtual CPU devices" in line) == isinstance(devs[0], VirtualDevice)
+
+
+# ---------------------------------------------------------------------------------------------
+# Paced virtual devices: a logical clock per stream, ordered by Futures and events only
+# ---------------------------------------------------------------------------------------------
+
+
+class _FixedPace(Pace):
+    """Compute 2 s, a copy 1 s: small round figures to reason about."""
+
+    def seconds(self, kind, fn, args):
+        return 1.0 if kind == "copy" else 2.0
+
+
+@pytest.fixture
+def paced():
+    pace = _FixedPace()
+    ds = devices(2, pace=pace)
+    yield ds
+    ds.close()
+
+
+def _spans(dev, kind):
+    return sorted((s.start, s.end) for s in dev.timeline().filter(kind=kind))
+
+
+def test_paced_work_lasts_the_modelled_time_and_a_copy_waits_for_the_compute_it_follows(paced):
+    d0, d1 = paced
+    h = d0.stream("compute").submit(torch.relu, d0.own(torch.ones(3)), kind="F")
+    moved = d1.stream("copy").copy(h)  # handed the Future: starts when the compute ends
+    out = d1.stream("compute").submit(torch.neg, moved, kind="F")
+    assert torch.equal(out.result(), -torch.ones(3))
+    assert _spans(d0, "F") == [(0.0, 2.0)]
+    assert _spans(d1, "copy") == [(2.0, 3.0)]
+    assert _spans(d1, "F") == [(3.0, 5.0)]
+    assert out.modelled_end == 5.0
+
+
+def test_an_events_time_is_the_modelled_time_and_without_it_the_reader_starts_early(paced):
+    d0, d1 = paced
+    for wait in (True, False):
+        for d in paced:
+            d.synchronize()
+            d.rec.clear()
+            d.restart_clock()
+        h = d0.stream("compute").submit(torch.relu, d0.own(torch.ones(3)), kind="F", mb=0)
+        buf = d1.stream("copy").empty((3,))
+        d1.stream("copy").copy(h, out=buf, mb=0)
+        landed = Event()
+        landed.record(d1.stream("copy"))
+        if wait:
+            d1.stream("compute").wait(landed)
+        d1.stream("compute").submit(torch.neg, buf, kind="F", mb=0).result()
+        landed.synchronize()
+        assert landed._marker.t == 3.0  # the copy stream's modelled time at the marker
+        assert _spans(d1, "F") == ([(3.0, 5.0)] if wait else [(0.0, 2.0)])
+        from pipelab.model_parallel import raw_hazards
+        assert raw_hazards(d1.timeline(), d1.label) == ([] if wait else [0])
+
+
+def test_paced_timeline_is_the_same_every_run_and_a_held_stream_is_let_go_after_the_rest(paced):
+    d0, d1 = paced
+    release = d0.stream("compute").hold()
+    d1.stream("compute").submit(torch.neg, d1.own(torch.ones(2)), kind="F").result()
+    release()
+    d0.stream("compute").submit(torch.neg, d0.own(torch.ones(2)), kind="F").result()
+    assert _spans(d0, "held") == [(0.0, 2.0)]  # let go when device 1's 2 s had passed
+    assert _spans(d0, "F") == [(2.0, 4.0)]
+
+
+def test_devices_with_a_pace_are_virtual_and_paced():
+    pace = _FixedPace()
+    with devices(2, pace=pace) as ds:
+        assert all(isinstance(d, VirtualDevice) and d.pace is pace for d in ds)
+    with devices(2) as ds:
+        assert all(getattr(d, "pace", None) is None for d in ds)

@@ -8,6 +8,8 @@ Every kernel and copy is recorded as a Span (rank = device label, lane = stream 
 Both kinds have one interface, `Device` with its `Stream`s: a `VirtualDevice` has `VirtualStream`s
 (CPU worker threads; `streams.virtual`), a `CudaDevice` has `CudaStream`s (a `torch.cuda.Stream`
 each; `streams.cuda`), and `device(name)` / `devices(n)` pick the kind (`streams.device`).
+Virtual devices given a `Pace` run on modelled time, a logical clock per stream (an emulated
+node; see `streams.virtual`).
 
 A tensor goes from one stream to another in one of two ways:
 
@@ -21,7 +23,7 @@ A tensor goes from one stream to another in one of two ways:
 from pipelab.streams.base import CHUNK_BYTES, Device, Event, Stream, Work, chunk_rows
 from pipelab.streams.cuda import CudaDevice, CudaStream, CudaWork
 from pipelab.streams.device import Devices, device, devices, timeline
-from pipelab.streams.virtual import VirtualDevice, VirtualStream
+from pipelab.streams.virtual import Pace, VirtualDevice, VirtualStream
 
-__all__ = ["CHUNK_BYTES", "CudaDevice", "CudaStream", "CudaWork", "Device", "Devices", "Event", "Stream",
+__all__ = ["CHUNK_BYTES", "CudaDevice", "CudaStream", "CudaWork", "Device", "Devices", "Event", "Pace", "Stream",
            "VirtualDevice", "VirtualStream", "Work", "chunk_rows", "device", "devices", "timeline"]

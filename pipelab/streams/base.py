@@ -45,7 +45,10 @@ class Work(Future):
 
     `result()` hands the value over so that it is safe to use: on a virtual device it blocks
     until the work has run; on CUDA (`CudaWork`) it returns at once and makes the current stream
-    of the value's device wait for the work first, as a CUDA event would."""
+    of the value's device wait for the work first, as a CUDA event would. On a paced virtual
+    device `modelled_end` is when the work ended in modelled time."""
+
+    modelled_end: float | None = None
 
 
 class Event:
@@ -222,6 +225,9 @@ class Device(ABC):
 
     def timeline(self) -> Timeline:
         return self.rec.timeline()
+
+    def restart_clock(self) -> None:
+        """A paced device's streams start again at modelled time 0 (nothing to do elsewhere)."""
 
     def close(self) -> None:
         """Run the work already queued, then stop the streams."""

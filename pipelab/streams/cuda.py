@@ -26,6 +26,18 @@ def _side_stream(device: torch.device) -> torch.cuda.Stream:
     return _SIDE_STREAMS[device]
 
 
+_OUTGOING: dict[tuple, torch.cuda.Stream] = {}
+
+
+def _outgoing_stream(source: torch.device, dest: "CudaStream") -> torch.cuda.Stream:
+    """The stream of `source` that copies from it to `dest`'s stream run on (one per pair, so the
+    copies of one destination stream keep their order)."""
+    key = (source, id(dest.cuda))
+    if key not in _OUTGOING:
+        _OUTGOING[key] = torch.cuda.Stream(source)
+    return _OUTGOING[key]
+
+
 class CudaWork(Work):
     """A Future of work queued on a CUDA stream, with the CUDA event recorded right after it."""
 
@@ -106,6 +118,17 @@ class CudaStream(Stream):
     def _land(self, src: torch.Tensor, out: torch.Tensor | None, chunk_bytes: int) -> torch.Tensor:
         # one non_blocking copy: the copy engine moves it in packets already (chunk_bytes unused)
         dst = torch.empty_like(src, device=self.device.torch_device) if out is None else out
+        if src.device.type == "cpu" and not src.is_pinned():
+            src = src.pin_memory()  # from pageable memory the copy would block the host
+        if src.is_cuda and src.device != dst.device:
+            # PyTorch issues a copy between two GPUs on the SOURCE device's current stream and orders
+            # it both ways with the destination's current stream (this one). Make the source's
+            # current stream a stream of its own for this one, so the copy leaves the source's
+            # compute stream free and stays in this stream's order.
+            out_stream = _outgoing_stream(src.device, self)
+            src.record_stream(out_stream)
+            with torch.cuda.stream(out_stream):
+                return dst.copy_(src, non_blocking=True)
         return dst.copy_(src, non_blocking=True)
 
     def _mark(self) -> torch.cuda.Event:
@@ -132,8 +155,13 @@ class CudaDevice(Device):
         return str(tensor.device)
 
     def own(self, tensor: torch.Tensor) -> torch.Tensor:
-        """A copy of a host tensor in this GPU's memory."""
-        return tensor.to(self.torch_device)
+        """`tensor` in this GPU's memory: as it is if it already lives here, else copied from pinned
+        memory without blocking the host (move a batch once, before timing, not split by split)."""
+        if tensor.device == self.torch_device:
+            return tensor
+        if tensor.device.type == "cpu" and not tensor.is_pinned():
+            tensor = tensor.pin_memory()
+        return tensor.to(self.torch_device, non_blocking=True)
 
     def synchronize(self) -> None:
         super().synchronize()

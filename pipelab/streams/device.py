@@ -7,7 +7,7 @@ import torch
 from pipelab.checks import whole_number
 from pipelab.streams.base import Device
 from pipelab.streams.cuda import CudaDevice
-from pipelab.streams.virtual import VirtualDevice
+from pipelab.streams.virtual import Pace, VirtualDevice
 from pipelab.timeline import Recorder, Timeline
 
 
@@ -39,16 +39,17 @@ class Devices(list):
         self.close()
 
 
-def devices(n: int) -> Devices:
+def devices(n: int, pace: Pace | None = None) -> Devices:
     """n CUDA devices when the machine has n GPUs, otherwise n virtual CPU devices.
 
     With fewer GPUs than n (e.g. one GPU and n = 2) we use virtual CPU devices: putting two
-    "devices" on one GPU would share its SMs and teach nothing about idle devices.
+    "devices" on one GPU would share its SMs and teach nothing about idle devices. With a `pace`
+    (`streams.virtual.Pace`: an emulated node was asked for) they are paced virtual devices.
     Use it as `with devices(2) as devs:`, or call `devs.close()`, to stop their threads."""
     whole_number("n", n, example="devices(2)")
-    if torch.cuda.is_available() and torch.cuda.device_count() >= n:
+    if pace is None and torch.cuda.is_available() and torch.cuda.device_count() >= n:
         return Devices(CudaDevice(f"cuda:{i}") for i in range(n))
-    return Devices(VirtualDevice(f"cpu:{i}") for i in range(n))
+    return Devices(VirtualDevice(f"cpu:{i}", pace=pace) for i in range(n))
 
 
 def timeline(devs: list[Device]) -> Timeline:

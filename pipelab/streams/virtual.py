@@ -4,6 +4,24 @@ it, in order.
 All virtual devices share CPU memory, so a tag says which device a tensor lives on: that is what
 lets a stream refuse a tensor handed to the wrong device without a copy, as CUDA would. Each
 device keeps freed buffers for reuse (`BufferCache`), as CUDA's caching allocator does.
+
+**Paced devices** (an emulated node). A device given a `Pace` keeps the real threads and the real
+math, but its timeline runs on modelled time, one logical clock per stream:
+
+- a work item starts when its stream is free (the end of the stream's previous item, in modelled
+  time) and every Future it was handed has landed (that Future's modelled end); it lasts what
+  `pace.seconds(kind, fn, args)` gives for it at the emulated size. So a copy stream's copy starts
+  after the compute that produced its source, and a compute stream handed the copy's Future after
+  the copy: the dependencies that order the real threads order the modelled times too;
+- an `Event` recorded on a stream carries that stream's modelled time at the marker, and a stream
+  that waits for it moves its clock up to that time: an event's time is the modelled time;
+- nothing else orders the clocks. A compute stream that reads a buffer without waiting for the
+  event starts at its own time, before the copy lands, as on a GPU: `raw_hazards` then finds it.
+
+The clocks never wait out the modelled time (no sleeping), so a run is as fast as its real math and
+its timeline is the same on a loaded laptop and an idle one. The alternative, each thread doing its
+math and then sleeping until its modelled end, would keep real and modelled time together but put
+the machine's scheduling noise back into every figure.
 """
 
 from __future__ import annotations
@@ -89,8 +107,39 @@ class BufferCache:
             self._free.setdefault(key, []).append(block)
 
 
+class Pace:
+    """How long work on paced virtual devices lasts in modelled time (an emulated node).
+
+    A subclass gives `seconds(kind, fn, args)`: the modelled duration of `fn(*args)` submitted as
+    `kind` (a copy's `fn` is the stream's copy, its `args` the source and the buffer). One Pace is
+    shared by the devices of one program; it remembers the latest modelled time any stream reached
+    (`latest`), which is when a held stream is let go (`hold`)."""
+
+    def __init__(self) -> None:
+        self._latest = 0.0
+        self._lock = threading.Lock()
+
+    def seconds(self, kind: str, fn: Callable, args: tuple) -> float:
+        raise NotImplementedError
+
+    def reached(self, t: float) -> None:
+        with self._lock:
+            self._latest = max(self._latest, t)
+
+    def latest(self) -> float:
+        with self._lock:
+            return self._latest
+
+    def restart(self) -> None:
+        with self._lock:
+            self._latest = 0.0
+
+
 class _Marker(threading.Event):
-    """A marker in a virtual stream's queue: set when the stream's thread reaches it."""
+    """A marker in a virtual stream's queue: set when the stream's thread reaches it; `t` is the
+    stream's modelled time there (paced devices)."""
+
+    t = 0.0
 
     def query(self) -> bool:
         return self.is_set()
@@ -102,10 +151,12 @@ class _Marker(threading.Event):
 class VirtualStream(Stream):
     """A stream of a virtual CPU device: a worker thread runs the queued work in order.
 
-    Each work item is timed on the shared clock; its tensor results are tagged as this device's."""
+    Each work item is timed on the shared clock, or on this stream's logical clock `t` when the
+    device is paced; its tensor results are tagged as this device's."""
 
     def __init__(self, device: "VirtualDevice", name: str) -> None:
         super().__init__(device, name)
+        self.t = 0.0  # paced devices: the modelled end of this stream's last work
         self._cache = device.cache  # where its buffers come from: the device's freed blocks
         self._queue: queue.Queue = queue.Queue()
         self._thread = threading.Thread(target=_serve, args=(self._queue,), name=f"{device.label}/{name}",
@@ -124,8 +175,14 @@ class VirtualStream(Stream):
 
     def wait(self, event: Event) -> None:
         self._check_open()
-        if event._marker is not None:  # never recorded: nothing to wait for
-            self._queue.put(event._marker.synchronize)
+        marker = event._marker
+        if marker is None:  # never recorded: nothing to wait for
+            return
+
+        def wait_for_marker() -> None:
+            marker.synchronize()
+            self.t = max(self.t, getattr(marker, "t", 0.0))  # modelled time: not before the event
+        self._queue.put(wait_for_marker)
 
     def hold(self) -> Callable[[], None]:
         # the thread waits on a gate; 60 s: a forgotten gate cannot hang for ever
@@ -143,6 +200,9 @@ class VirtualStream(Stream):
     def closed(self) -> bool:
         return not self._stop.alive
 
+    def restart_clock(self) -> None:
+        self.t = 0.0
+
     def _enqueue(self, fn, args, kind, mb, lane) -> Work:
         self._check_open()
         fut, dev = Work(), self.device
@@ -154,7 +214,10 @@ class VirtualStream(Stream):
                 t0 = now()
                 with torch.set_grad_enabled(grad_mode):
                     out = fn(*real)
-                dev.rec.add(kind, t0, now(), lane=lane, mb=mb)
+                if dev.pace is None:
+                    dev.rec.add(kind, t0, now(), lane=lane, mb=mb)
+                else:
+                    fut.modelled_end = self._pace(kind, fn, real, args, lane, mb)
                 for t in tensors_in(out):
                     tag(t, dev.name)
                 fut.set_result(out)
@@ -163,6 +226,20 @@ class VirtualStream(Stream):
 
         self._queue.put(work)
         return fut
+
+    def _pace(self, kind, fn, real, args, lane, mb) -> float:
+        """Record the work just run in modelled time (a paced device); return its modelled end."""
+        pace = self.device.pace
+        landed = [a.modelled_end for a in args if getattr(a, "modelled_end", None) is not None]
+        start = max([self.t, *landed])  # the stream is free and every input has landed
+        if kind == "held":
+            end = max(start, pace.latest())  # let go by the host after what ran meanwhile
+        else:
+            end = start + pace.seconds(kind, fn, tuple(real))
+        self.t = end
+        pace.reached(end)
+        self.device.rec.add(kind, start, end, lane=lane, mb=mb)
+        return end
 
     def _land(self, src: torch.Tensor, out: torch.Tensor | None, chunk_bytes: int) -> torch.Tensor:
         dst = self._cache.empty(src.shape, src.dtype) if out is None else out
@@ -176,10 +253,14 @@ class VirtualStream(Stream):
 
     def _mark(self) -> _Marker:
         marker = _Marker()
+
+        def reach() -> None:
+            marker.t = self.t  # the stream's modelled time at the marker
+            marker.set()
         if self.closed:
-            marker.set()  # close ran all queued work: nothing is left to wait for
+            reach()  # close ran all queued work: nothing is left to wait for
         else:
-            self._queue.put(marker.set)
+            self._queue.put(reach)
         return marker
 
     def _check_open(self) -> None:
@@ -193,18 +274,28 @@ class VirtualDevice(Device):
     of this process, and its tensors are host tensors tagged with its name.
 
     Each device computes with one intra-op thread, so two devices use two cores. A device nobody
-    references any more stops its threads when it is garbage collected."""
+    references any more stops its threads when it is garbage collected. With a `pace` (see the
+    module's docstring) its timeline runs on modelled time, a logical clock per stream."""
 
     stream_class = VirtualStream
 
-    def __init__(self, name: str, rec: Recorder | None = None, label: str | None = None) -> None:
+    def __init__(self, name: str, rec: Recorder | None = None, label: str | None = None,
+                 pace: Pace | None = None) -> None:
         super().__init__(name, rec, label)
+        self.pace = pace
         self.torch_device = torch.device("cpu")
         self.cache = BufferCache(self.name)
         torch.set_num_threads(1)  # one intra-op thread per virtual device (process-wide)
 
     def owner(self, tensor: torch.Tensor) -> str | None:
         return owner_of(tensor)
+
+    def restart_clock(self) -> None:
+        """Paced: every stream's logical clock back to 0 (call with no work in flight)."""
+        for s in self._streams.values():
+            s.restart_clock()
+        if self.pace is not None:
+            self.pace.restart()
 
     def own(self, tensor: torch.Tensor) -> torch.Tensor:
         """Tag a host tensor as this device's (no copy: all virtual devices share host memory)."""
