@@ -275,6 +275,11 @@ def test_the_contrast_with_this_machine_names_each_cut_and_why_the_profile_lost(
     assert "the fastest slowest stage here is the uniform cut's" in text
     assert "should have won (slowest stage summed: 3 ms against uniform 4 ms)" in text and "took 67% longer" in text
     assert "moved by up to 40% of its median" in text
+    one_round = deepspeed.CutTimes(here.cuts, {key: [Measured.of(t.values[:1]) for t in per_stage]
+                                               for key, per_stage in here.stage_ms.items()}, measured)
+    key, verdict, text, figures = deepspeed.contrast_verdict(one_round, emulated, layers, "H100")
+    assert verdict == "one round" and "one round cannot tell this machine's noise from the effect" in text
+    assert "moved by up to" not in text
 
 
 def test_the_gpu_profile_counts_its_flops_on_the_meta_device():

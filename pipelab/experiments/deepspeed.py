@@ -227,10 +227,13 @@ def why_not_profile(times: CutTimes, num_stages: int, winner: str) -> str:
     slowest = times.slowest
     gap = slowest[S, "profile"].median / slowest[S, winner].median - 1
     noise = max(t.relative_spread for t in slowest.values())
+    rounds = min(len(t.values) for t in slowest.values())
+    moved = (f"a slowest stage moved by up to {noise:.0%} of its median between rounds on this machine" if rounds > 1
+             else "one round cannot tell this machine's noise from the effect")
     return (f"By the layer times taken one at a time the profile cut should have won (slowest stage summed: "
             f"{predicted_mine:.4g} ms against {winner} {predicted_theirs:.4g} ms), but run whole, its slowest stage "
-            f"took {gap:.0%} longer than the {winner} cut's: layers timed alone do not add up to a stage, and a "
-            f"slowest stage moved by up to {noise:.0%} of its median between rounds on this machine.")
+            f"took {gap:.0%} longer than the {winner} cut's: layers timed alone do not add up to a stage, and "
+            f"{moved}.")
 
 
 def profile_verdict(times: CutTimes, num_stages: int = 2) -> tuple[str, str, str, dict]:
