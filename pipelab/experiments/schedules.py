@@ -97,16 +97,17 @@ def ranks_and_cores(ranks: int) -> str:
 def runtime_adds(name: str, run: PipelineRun, free: SimResult, linked: SimResult) -> None:
     """07: what the runtime adds to the simulator playing the same costs: `free` with free
     messages, `linked` with each message taking its link time. The step beyond `free` is what
-    messages and their waits cost; beyond `linked`, waits the simulator does not have (NCCL's order:
-    a message waits for the ones issued before it on the same pair of ranks)."""
+    messages and their waits cost; beyond `linked`, waits the simulator does not have (a pair of
+    ranks carries one message at a time, in issue order, as NCCL runs them; the simulator lets
+    every message travel at once)."""
     step = run.step_time.median * 1e3
     messages, waits = linked.makespan_ms - free.makespan_ms, step - linked.makespan_ms
     conclude(f"07.runtime_adds.{name}", "adds" if step > free.makespan_ms * (1 + 1e-9) else "adds nothing",
              f"{run.schedule.name}: the step took {step:.2f} ms against the simulator's {free.makespan_ms:.2f} ms with the "
              f"same F, I and W costs and free messages ({step / free.makespan_ms:.3f}x): the messages' link time "
              f"adds {messages:.2f} ms in the simulator, " + (
-                 f"and the runtime {waits:.2f} ms more: messages waiting behind others issued before them on the same "
-                 "pair of ranks, as NCCL orders them." if waits >= 0.005 else
+                 f"and the runtime {waits:.2f} ms more: messages waiting behind others on the same pair of ranks, "
+                 "which carry one message at a time in the order they were issued, as NCCL runs them." if waits >= 0.005 else
                  "and the runtime nothing more: no message waited behind another."),
              step_ms=step, free_ms=free.makespan_ms, linked_ms=linked.makespan_ms)
 
