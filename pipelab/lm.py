@@ -184,10 +184,12 @@ def generate(model: nn.Module, vocab, prompt: str, words: int = 20, top_k: int =
     """Continue `prompt` by `words` words: greedy (`top_k=1`) or sampled among the k likeliest."""
     from pipelab.data import tokenize
     model.eval()
+    device = next(model.parameters()).device  # the prompt goes where the model is (a GPU, if there)
     ids = [vocab.index.get(w, 0) for w in tokenize(prompt)] or [1]
     gen = torch.Generator().manual_seed(seed)
     for _ in range(words):
-        logits = model(torch.tensor([ids[-bptt:]]))[0, -1]
+        with torch.no_grad():
+            logits = model(torch.tensor([ids[-bptt:]], device=device))[0, -1].cpu()
         top = torch.topk(logits, top_k)
         choice = top.indices[torch.multinomial(torch.softmax(top.values, -1), 1, generator=gen)]
         ids.append(int(choice))

@@ -1,15 +1,19 @@
 """Lesson 10's model: causal, cut into stages; global-norm clipping across a pipeline; the grid's
-first steps (and each micro-batch's loss) equal one process's; a bad recipe refused when its Config
-is built; the progress bar leaves one output in a notebook."""
+first steps (and each micro-batch's loss) equal one process's, on this machine's clock and on an
+emulated node (modelled time: deterministic tokens/s against one emulated device); the tutorial's
+`evaluate` reproduced exactly; a bad recipe refused when its Config is built; TF32 off around the
+equality checks; the progress bar leaves one output in a notebook."""
 
 import copy
+import math
 from dataclasses import replace
 
 import pytest
 import torch
 
 from pipelab.data import batchify, get_batch, load_corpus
-from pipelab.experiments.capstone import Config, memory_plan, perplexity, single_process_losses, train, tutorial_perplexity
+from pipelab.experiments.capstone import (Config, memory_plan, perplexity, single_process_losses, train, tutorial_evaluate_figures,
+                                          tutorial_perplexity)
 from pipelab.launch import spawn
 from pipelab.lm import TransformerLM, check_fits, clip_grad_norm_, generate, lm_loss, stage_memory, stages_of
 from pipelab.pipeline.partition import partition_layers
@@ -95,10 +99,114 @@ def test_grid_first_steps_equal_one_process(schedule, capsys):
     assert [nbytes for _, nbytes in run.stash] == pytest.approx([row["activations"] for row in plan], rel=1e-3)
 
 
-def test_tutorial_normalisation_is_too_small_on_a_long_set():
-    losses = [(5.0, 35)] * 100
-    assert perplexity(losses) == pytest.approx(torch.tensor(5.0).exp().item())
-    assert tutorial_perplexity(losses, rows=3501, bptt=35) == pytest.approx(torch.tensor(2.5).exp().item())
+def test_on_an_emulated_node_the_grid_trains_the_same_and_its_clock_is_modelled(capsys):
+    from pipelab.emulate.cost import collective_seconds
+    from pipelab.emulate.specs import parse_node
+    from pipelab.experiments import capstone
+
+    corpus = load_corpus(max_lines=600)
+    cfg = Config(emsize=16, nhead=2, nhid=32, nlayers=2, batch_size=8, num_microbatches=2, max_batches=4,
+                 log_interval=1, emulate="4xH100-nvlink")
+    run = train(cfg, corpus, progress=False)
+    torch.testing.assert_close(run.losses, single_process_losses(corpus, cfg, 4), atol=1e-5, rtol=1e-5)
+    rate = run.tokens_per_second  # the log intervals after the first: the same modelled step each time
+    assert run.emulated and len(rate.values) == 3 and rate.high - rate.low < 1e-6 * rate.median
+    model = capstone.emulated_step(cfg, len(corpus.vocab))
+    step = cfg.step_tokens(emulated=True) / rate.median
+    all_reduce = collective_seconds("all_reduce", model["gradient_bytes"], cfg.data, parse_node(cfg.emulate).link)
+    assert model["schedule_s"] + model["update_s"] + all_reduce < step < model["schedule_s"] + model["update_s"] + 2 * all_reduce
+    assert run.step_time.median == pytest.approx(step, rel=0.01)  # the Gantt's steps: the same modelled step, timed alone
+    one = capstone.baseline_tokens_per_second(corpus, cfg)  # ONE emulated device: its modelled step, no timing
+    assert list(one.values) == [capstone.one_device_tokens_per_second(cfg, len(corpus.vocab))]
+    assert capstone.speed_verdict(run, one, len(corpus.vocab)) == "faster"
+    assert "one NVIDIA H100 SXM alone" in capsys.readouterr().out
+
+
+def test_one_emulated_device_does_every_stages_work_on_the_whole_batch():
+    from pipelab.emulate.specs import parse_node
+    from pipelab.experiments import capstone
+
+    cfg = Config(emulate="4xH100-nvlink")
+    h100 = parse_node(cfg.emulate).device
+    stages = capstone.emulated_stages(cfg, 3000, h100)
+    assert [r["stage"] for r in stages] == [0, 1] and stages[0]["I"] == 0  # token ids need no gradient
+    microbatches = cfg.data * cfg.num_microbatches
+    by_stage = sum(microbatches * (r["F"] + r["B"]) + r["clip"] + r["optimizer"] for r in stages)
+    assert capstone.one_device_seconds(cfg, 3000, h100) == pytest.approx(by_stage, rel=0.05)
+    # clipping and SGD over n bfloat16 parameters read and write 3 x 2n bytes each, at half the bandwidth
+    n = stages[1]["parameters"]
+    assert stages[1]["optimizer"] == pytest.approx(3 * 2 * n / h100.memory_bandwidth / 0.5, rel=0.01)
+    with pytest.raises(ValueError, match="emsize=4096 must be a multiple of nhead=3"):
+        Config(emulate="4xH100-nvlink", emulated_nhead=3)
+    with pytest.raises(ValueError, match="more emulated_nlayers"):
+        Config(emulate="8xH100-nvlink", pipe=8, data=1, batch_size=8, nlayers=8, emulated_nlayers=1)  # 4 layers, 8 stages
+
+
+def test_equality_checks_run_without_tf32_and_the_reference_is_on_the_grids_device():
+    from pipelab.experiments import capstone
+
+    before = torch.backends.cuda.matmul.allow_tf32, torch.get_float32_matmul_precision()
+    torch.backends.cuda.matmul.allow_tf32 = True
+    torch.set_float32_matmul_precision("high")
+    try:
+        with capstone.exact_float32():
+            assert not torch.backends.cuda.matmul.allow_tf32 and not torch.backends.cudnn.allow_tf32
+            assert torch.get_float32_matmul_precision() == "highest"
+        assert torch.backends.cuda.matmul.allow_tf32 and torch.get_float32_matmul_precision() == "high"  # restored
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = before[0]
+        torch.set_float32_matmul_precision(before[1])
+    want = "cuda" if torch.cuda.is_available() else "cpu"
+    assert capstone.reference_device().type == want
+    cfg = Config(emsize=16, nhead=2, nhid=32, nlayers=1, batch_size=4, pipe=1, data=1, num_microbatches=1)
+    corpus = load_corpus(max_lines=300)
+    assert capstone.train_one_process(corpus, cfg, 2, device="cpu") > 0
+    if torch.cuda.is_available():  # the GPU's reference equals the CPU's within the stated tolerance
+        torch.testing.assert_close(single_process_losses(corpus, cfg, 3, device="cuda:0"),
+                                   single_process_losses(corpus, cfg, 3, device="cpu"), atol=capstone.LOSS_TOLERANCE, rtol=0)
+
+
+def test_tutorial_evaluate_is_its_formula_exactly():
+    losses = [(4.0, 35)] * 68
+    # 50 windows (min(50 x 35, 2399) = 1750 rows), each weighed by its 10 columns, over 2400 - 1 rows
+    assert tutorial_perplexity(losses, 2400, 35, columns=10) == pytest.approx(math.exp(50 * 10 * 4.0 / 2399))
+    assert round(tutorial_perplexity(losses, 2400, 35, columns=10), 2) == 2.30  # weighing by 35 tokens gave 18.50
+    # a short set: every window scored, the short last one weighed like the others
+    short = [(2.0, 35), (3.0, 35), (6.0, 29)]  # 100 rows: windows at 0, 35, 70
+    assert tutorial_perplexity(short, 100, 35, columns=4) == pytest.approx(math.exp(4 * (2.0 + 3.0 + 6.0) / 99))
+    with pytest.raises(ValueError, match="scores 3 windows"):
+        tutorial_perplexity(short[:2], 100, 35, columns=4)
+    f = tutorial_evaluate_figures(short, 100, 35, 4)
+    assert (f["weight per window"], f["tokens per window"], f["divisor"], f["tokens scored"]) == (4, 140, 99, 4 * 99)
+    assert f["right"] == pytest.approx(perplexity(short)) == pytest.approx(math.exp((70 + 105 + 6 * 29) / 99))
+    assert perplexity(losses) == pytest.approx(math.exp(4.0))
+
+
+def test_tutorial_perplexity_equals_the_tutorials_evaluate_run_on_a_model():
+    """The tutorial's code, transcribed (its get_batch returns data.t(), batch first), against
+    `tutorial_perplexity` of the same model's window losses: equal."""
+    corpus = load_corpus()
+    model, bptt, columns = Config(emsize=16, nhead=2, nhid=32, nlayers=1).model(len(corpus.vocab)), 7, 10
+    data_source = batchify(corpus.valid, columns)  # (rows, columns), as the tutorial's batchify
+    assert data_source.shape[0] - 1 > 50 * bptt  # long enough that the 50-window cap matters
+
+    def tutorial_get_batch(source, i):
+        seq_len = min(bptt, len(source) - 1 - i)
+        data = source[i:i + seq_len]
+        target = source[i + 1:i + 1 + seq_len]
+        return data.t(), target.t()  # the targets batch first too, so that each loss is the window's own
+
+    total_loss = 0.0
+    model.eval()
+    with torch.no_grad():
+        for i in range(0, min(50 * bptt, data_source.size(0) - 1), bptt):
+            data, targets = tutorial_get_batch(data_source, i)
+            total_loss += len(data) * lm_loss(model(data), targets).item()
+    tutorial = math.exp(total_loss / (len(data_source) - 1))
+    from pipelab.experiments.capstone import window_losses
+
+    mine = tutorial_perplexity(window_losses(model, data_source, bptt), len(data_source), bptt, columns)
+    assert mine == pytest.approx(tutorial, rel=1e-6)
 
 
 def test_bad_recipe_is_refused_when_its_config_is_built():
@@ -192,5 +300,8 @@ def test_verdicts_are_read_off_the_figures(capsys):
     late_high, late_low = [20.0, 9.0, 9.5, 9.1], [8.5, 7.0, 6.9, 7.2]  # the verdict reads the last half
     assert capstone.lr_verdict({5.0: late_high, 1.0: late_low}, 3000, 64) == "tutorial's rate above, ours below"
     assert capstone.lr_verdict({5.0: late_low, 1.0: late_low}, 3000, 64) == "tutorial's rate below, ours below"
-    assert capstone.evaluate_verdict(right=110.0, wrong=3.9, windows_summed=165, bptt=35, rows=5747) == "tutorial's too low"
-    assert "On this run:" in capsys.readouterr().out
+    figures = tutorial_evaluate_figures([(4.7, 35)] * 16 + [(4.9, 13)], 574, 35, 10)
+    assert capstone.evaluate_verdict(figures) == "tutorial's too low"
+    out = capsys.readouterr().out
+    assert "On this run:" in out and "10 columns" in out and "35x too little" in out and "573 rows" in out
+    assert "5,730 tokens" in out  # 16 x 35 + 13 = 573 rows scored, 10 tokens each

@@ -13,6 +13,14 @@ whole model, gathered from the stages of the first pipeline, and the right norma
 any process starts, `memory_plan` estimates each stage's memory and a recipe that does not fit is
 refused. An `LMRun` holds every step's loss and each micro-batch's, as the last stages computed
 them; the verdict functions below turn it into the lesson's conclusions.
+
+On an emulated node (`Config(emulate="4xH100-nvlink")`, what the notebook runs where the machine
+lacks the GPUs) the processes, their math and messages stay real and small, and each rank's clock
+is modelled: its stage's forward and backward last what an H100 takes for the same stage of the
+tutorial's model (`emulated_stages`, counted on the meta device), its messages what the link takes
+at that size. The tokens/s then come from the modelled clocks, and the one-process baseline is
+one emulated device's modelled time for the whole model on the whole batch
+(`one_device_seconds`): both deterministic. Losses and perplexities are the real training's.
 """
 
 from __future__ import annotations
@@ -20,7 +28,7 @@ from __future__ import annotations
 import copy
 import math
 import time
-from contextlib import nullcontext
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field, replace
 from typing import Sequence
 
@@ -28,16 +36,19 @@ import torch
 import torch.distributed as dist
 
 from pipelab import experiments, hardware
+from pipelab.build import materialize
 from pipelab.checks import positive_number, whole_number
 from pipelab.data import Corpus, batchify, data_columns, get_batch
 from pipelab.display import conclude, human_bytes
+from pipelab.emulate.cost import Counts, compute_seconds, stage_seconds
+from pipelab.emulate.specs import parse_node, torch_dtype
 from pipelab.hybrid import check_grid, grid_place, microbatch_losses, run_grid_step
 from pipelab.lm import TransformerLM, check_fits, clip_grad_norm_, lm_loss, stage_memory, stages_of
 from pipelab.measure import Measured, RankSteps, Steps, TimedSteps, compare_medians, gather_steps, time_steps
 from pipelab.pipeline.p2p import message_specs
 from pipelab.pipeline.partition import partition_layers
 from pipelab.pipeline.schedules import make_schedule
-from pipelab.pipeline.simulate import simulate
+from pipelab.pipeline.simulate import Costs, simulate
 from pipelab.progress import ProgressFile, progress_bar
 from pipelab.worker import RankContext
 
@@ -78,9 +89,18 @@ class Config(experiments.Config):
     check_steps: int = 3  # first steps compared with one process
     speed_steps: int = 10  # one-process steps per timing repeat
     speed_repeats: int = 3
+    # On an emulated node (`emulate`) each stage's F and B last what the device takes for the same
+    # stage of the tutorial's model (these sizes, cut by `partition` into `pipe` stages) on
+    # micro-batches of `emulated_columns` columns of `bptt` tokens, in bfloat16.
+    emulated_emsize: int = 4096
+    emulated_nhid: int = 4096
+    emulated_nhead: int = 16
+    emulated_nlayers: int = 8
+    emulated_columns: int = 128
     timeout: float = 600.0
     corpus: Corpus | None = field(default=None, repr=False)
     progress: str | None = None
+    stage_costs: list[dict] | None = field(default=None, repr=False)  # `emulated_stages`, counted once by `train`
     world_size: int = field(init=False, default=0)  # the grid's processes: pipe x data
 
     def __post_init__(self) -> None:
@@ -91,7 +111,8 @@ class Config(experiments.Config):
     def check(self) -> None:
         super().check()
         for name in ("emsize", "nhead", "nhid", "nlayers", "bptt", "batch_size", "eval_batch_size", "epochs",
-                     "num_microbatches", "log_interval", "timeline_steps", "check_steps", "speed_steps", "speed_repeats"):
+                     "num_microbatches", "log_interval", "timeline_steps", "check_steps", "speed_steps", "speed_repeats",
+                     "emulated_emsize", "emulated_nhid", "emulated_nhead", "emulated_nlayers", "emulated_columns"):
             whole_number(name, getattr(self, name), example=f"{name}=4")
         whole_number("seed", self.seed, minimum=0, example="seed=0")
         if self.max_batches is not None:
@@ -109,11 +130,9 @@ class Config(experiments.Config):
                              "stage per process, whose stash `lm.activation_bytes` counts)")
         with torch.device("meta"):  # sizes only: refuses emsize % nhead, an unknown partition, too many stages
             layers = TransformerLM(2, self.emsize, self.nhead, self.nhid, self.nlayers, self.dropout)
-        parts = partition_layers(list(layers), self.pipe, self.partition)
-        if any(hi == lo for lo, hi in zip(parts[:-1], parts[1:])):
-            raise ValueError(f"pipe={self.pipe} stages cut by {self.partition!r} leave a stage without layers (cuts at "
-                             f"{parts}; the model has {len(layers)} layers: embedding, positional encoding, "
-                             f"{self.nlayers} encoder layers, decoder); use fewer stages (pipe) or more nlayers")
+        check_stages(layers, self.pipe, self.partition, "nlayers")
+        if self.emulate is not None:  # the emulated model is cut the same way
+            check_stages(emulated_model(self, 2), self.pipe, self.partition, "emulated_nlayers")
         if self.corpus is not None:
             check_memory(self, len(self.corpus.vocab))
 
@@ -130,6 +149,21 @@ class Config(experiments.Config):
         """Training steps of the whole run: windows per epoch times epochs."""
         return self.epochs * len(windows(batchify(corpus.train, self.batch_size), self.bptt, self.max_batches))
 
+    def step_tokens(self, emulated: bool = False) -> int:
+        """Tokens one training step takes in over the whole grid: `batch_size` columns of `bptt`
+        tokens; on an emulated node, `emulated_columns` per micro-batch of each replica."""
+        columns = self.data * self.num_microbatches * self.emulated_columns if emulated else self.batch_size
+        return columns * self.bptt
+
+
+def check_stages(model, pipe: int, partition: str, layers_name: str) -> None:
+    """Refuse a cut of `model` into `pipe` stages by `partition` that leaves a stage empty."""
+    parts = partition_layers(list(model), pipe, partition)
+    if any(hi == lo for lo, hi in zip(parts[:-1], parts[1:])):
+        raise ValueError(f"pipe={pipe} stages cut by {partition!r} leave a stage without layers (cuts at {parts}; "
+                         f"the model has {len(model)} layers: embedding, positional encoding, {len(model) - 3} "
+                         f"encoder layers, decoder); use fewer stages (pipe) or more {layers_name}")
+
 
 def windows(source: torch.Tensor, bptt: int, limit: int | None = None) -> list[int]:
     """Start rows of the full `bptt`-long windows (the short last one is left out: one message shape)."""
@@ -141,9 +175,10 @@ def window_losses(model, source: torch.Tensor, bptt: int) -> list[tuple[float, i
     """(mean token loss, seq_len) of every window of `source`, the short last one included."""
     model.eval()
     out = []
+    device = next(model.parameters()).device
     with torch.no_grad():
         for i in range(0, source.shape[0] - 1, bptt):
-            x, y = get_batch(source, i, bptt)
+            x, y = (t.to(device) for t in get_batch(source, i, bptt))
             out.append((float(lm_loss(model(x), y)), x.shape[1]))
     model.train()
     return out
@@ -154,10 +189,53 @@ def perplexity(losses: list[tuple[float, int]]) -> float:
     return math.exp(sum(loss * n for loss, n in losses) / sum(n for _, n in losses))
 
 
-def tutorial_perplexity(losses: list[tuple[float, int]], rows: int, bptt: int, max_windows: int = 50) -> float:
-    """The tutorial's `evaluate`: the loss summed over at most 50 windows, divided by the length of
-    the whole validation set (`len(data_source) - 1` rows): too small when the set is longer."""
-    return math.exp(sum(loss * n for loss, n in losses[:max_windows]) / (rows - 1))
+def tutorial_windows(rows: int, bptt: int, max_windows: int = 50) -> int:
+    """How many windows the tutorial's `evaluate` scores: `range(0, min(50 * bptt, rows - 1), bptt)`."""
+    return len(range(0, min(max_windows * bptt, rows - 1), bptt))
+
+
+def tutorial_perplexity(losses: list[tuple[float, int]], rows: int, bptt: int, columns: int, max_windows: int = 50) -> float:
+    """The tutorial's `evaluate`, exactly. Its `get_batch` returns `data.t()`, (columns, seq_len), so
+    `len(data)` is the number of COLUMNS (its eval batch size, 10):
+
+        nbatches = min(50 * bptt, data_source.size(0) - 1)
+        for i in range(0, nbatches, bptt):
+            data, targets = get_batch(data_source, i)
+            total_loss += len(data) * criterion(output_flat, targets).item()
+        return total_loss / (len(data_source) - 1)       # then math.exp of it
+
+    `losses` are (mean token loss, seq_len) of the windows of a `rows` x `columns` set, in order
+    (`window_losses`). Each window weighs `columns`, not its columns x seq_len tokens, and the sum
+    is divided by the set's rows less one, not by the tokens scored."""
+    scored = tutorial_windows(rows, bptt, max_windows)
+    if len(losses) < scored:
+        raise ValueError(f"the tutorial's evaluate scores {scored} windows of a {rows}-row set with bptt={bptt}; "
+                         f"got the losses of {len(losses)}: pass every window's (`window_losses`)")
+    return math.exp(sum(columns * loss for loss, _ in losses[:scored]) / (rows - 1))
+
+
+def tutorial_evaluate_figures(losses: list[tuple[float, int]], rows: int, bptt: int, columns: int) -> dict:
+    """The tutorial's `evaluate` taken apart on the same windows: what it adds up and divides by,
+    beside what the mean loss per token adds up and divides by."""
+    scored = losses[:tutorial_windows(rows, bptt)]
+    return {"windows": len(losses), "windows scored": len(scored), "columns": columns, "rows": rows,
+            "weight per window": columns, "tokens per window": columns * bptt,
+            "divisor": rows - 1, "tokens scored": columns * sum(n for _, n in scored),
+            "tutorial": tutorial_perplexity(losses, rows, bptt, columns),
+            "right, same windows": perplexity(scored), "right": perplexity(losses)}
+
+
+def tutorial_evaluate_table(figures: dict) -> list[dict]:
+    """`tutorial_evaluate_figures` as rows: what the tutorial's formula adds up and divides by,
+    beside the mean loss per token's."""
+    f = figures
+    return [{"": "each window's mean loss weighted by", "the tutorial's evaluate": f"len(data) = {f['columns']} (columns)",
+             "the loss per token": f"its tokens: {f['columns']} x {f['tokens per window'] // f['columns']} = {f['tokens per window']}"},
+            {"": "the sum divided by", "the tutorial's evaluate": f"len(data_source) - 1 = {f['divisor']:,} (rows - 1)",
+             "the loss per token": f"the tokens scored: {f['tokens scored']:,}"},
+            {"": "perplexity", "the tutorial's evaluate": f"{f['tutorial']:.2f}",
+             "the loss per token": (f"{f['right']:.1f}" if f["windows scored"] == f["windows"] else
+                                    f"{f['right, same windows']:.1f} ({f['windows scored']} windows), {f['right']:.1f} (all {f['windows']})")}]
 
 
 def gather_model(model, stage, group):
@@ -170,6 +248,99 @@ def gather_model(model, stage, group):
         pieces = [mine]
     model.load_state_dict({k: v for piece in pieces for k, v in piece.items()})
     return model
+
+
+# ---------------------------------------------------------------------------------------------
+# On an emulated node: what each operation costs at the emulated size
+# ---------------------------------------------------------------------------------------------
+
+EMULATED_DTYPE = "bfloat16"  # what the emulated node computes and communicates in
+EMULATED_ITEMSIZE = torch.empty((), dtype=torch_dtype(EMULATED_DTYPE)).element_size()  # bytes per value
+
+
+def emulated_model(cfg: Config, ntoken: int):
+    """The tutorial's model at the emulated size (`cfg.emulated_*`), on the meta device: sizes, no memory."""
+    with torch.device("meta"):
+        return TransformerLM(ntoken, cfg.emulated_emsize, cfg.emulated_nhead, cfg.emulated_nhid, cfg.emulated_nlayers)
+
+
+def emulated_size(cfg: Config) -> str:
+    """The emulated size in words, for the lesson's first line."""
+    return (f"the tutorial's model (emsize {cfg.emulated_emsize}, nhid {cfg.emulated_nhid}, {cfg.emulated_nhead} heads, "
+            f"{cfg.emulated_nlayers} encoder layers) on micro-batches of {cfg.emulated_columns} columns x {cfg.bptt} "
+            f"tokens, in {EMULATED_DTYPE}")
+
+
+def update_seconds(params: int, device) -> dict[str, float]:
+    """Modelled seconds of clipping and the SGD step over `params` parameters on `device`, both
+    memory-bound: clipping's norm reads every gradient and its scaling reads and writes it; SGD
+    reads each weight and its gradient and writes the weight."""
+    clip = Counts(flops=3 * params, bytes=3 * params * EMULATED_ITEMSIZE, kernels=2)
+    sgd = Counts(flops=2 * params, bytes=3 * params * EMULATED_ITEMSIZE, kernels=1)
+    return {"clip": compute_seconds(clip, device, EMULATED_DTYPE), "optimizer": compute_seconds(sgd, device, EMULATED_DTYPE)}
+
+
+def emulated_stages(cfg: Config, ntoken: int, device) -> list[dict]:
+    """Per stage of the emulated model, cut into `cfg.pipe` stages by `cfg.partition` as the real
+    one is: its parameters and the modelled seconds on `device` of its F, I, W and B on one
+    micro-batch (`cfg.emulated_columns` x `cfg.bptt` tokens), counted on the meta device, and of its
+    clipping and SGD step."""
+    key = (cfg.emulated_emsize, cfg.emulated_nhid, cfg.emulated_nhead, cfg.emulated_nlayers, cfg.emulated_columns,
+           cfg.bptt, cfg.pipe, cfg.partition, ntoken, device.name)
+    if key not in _COUNTED:  # the notebook asks more than once: count once
+        model = emulated_model(cfg, ntoken)
+        parts = partition_layers(list(model), cfg.pipe, cfg.partition)
+        rows = []
+        for s, stage in enumerate(stages_of(model, parts)):
+            shape = (cfg.emulated_columns, cfg.bptt)
+            example = (torch.zeros(shape, dtype=torch.long, device="meta") if s == 0  # token ids
+                       else torch.empty(*shape, cfg.emulated_emsize, device="meta"))
+            params = sum(p.numel() for p in stage.parameters())
+            rows.append({"stage": s, "parameters": params, **stage_seconds(stage, example, device, EMULATED_DTYPE),
+                         **update_seconds(params, device)})
+        _COUNTED[key] = rows
+    return copy.deepcopy(_COUNTED[key])
+
+
+_COUNTED: dict[tuple, list] = {}  # emulated_stages' rows by sizes and device
+
+
+def emulated_stage_table(cfg: Config, ntoken: int) -> list[dict]:
+    """`emulated_stages` on `cfg.emulate`'s device as table rows: what each rank's spans last."""
+    return [{"stage": r["stage"], "parameters": f"{r['parameters'] / 1e6:,.0f} M",
+             "F (ms per micro-batch)": f"{r['F'] * 1e3:.2f}", "B (ms)": f"{r['B'] * 1e3:.2f}",
+             "clip + SGD (ms per step)": f"{(r['clip'] + r['optimizer']) * 1e3:.2f}",
+             "gradients": human_bytes(r["parameters"] * EMULATED_ITEMSIZE)}
+            for r in emulated_stages(cfg, ntoken, parse_node(cfg.emulate).device)]
+
+
+def emulate_stage(ctx: RankContext, cfg: Config, ntoken: int, stage: int, real: torch.nn.Module) -> dict | None:
+    """On an emulated node, this rank's stage costs at the emulated size (`emulated_stages`, as
+    `train` counted them), and its messages timed at that size: every message scaled by the stage's
+    emulated gradient bytes over its real ones, so its data-parallel all-reduce, the largest
+    message, lasts what it would. None elsewhere."""
+    if ctx.emulator is None:
+        return None
+    row = (cfg.stage_costs or emulated_stages(cfg, ntoken, ctx.emulator.node.device))[stage]
+    real_bytes = sum(p.numel() * p.element_size() for p in real.parameters())
+    ctx.emulator.scale_messages(row["parameters"] * EMULATED_ITEMSIZE, real_bytes)
+    return row
+
+
+def one_device_seconds(cfg: Config, ntoken: int, device) -> float:
+    """Modelled seconds of one training step on ONE emulated `device`: the whole emulated model's
+    forward and backward on the whole step's columns (every replica's micro-batches at once),
+    then clipping and the SGD step over all its parameters. No messages: nothing to send."""
+    model = emulated_model(cfg, ntoken)
+    columns = cfg.data * cfg.num_microbatches * cfg.emulated_columns
+    seconds = stage_seconds(model, torch.zeros(columns, cfg.bptt, dtype=torch.long, device="meta"), device, EMULATED_DTYPE)
+    update = update_seconds(sum(p.numel() for p in model.parameters()), device)
+    return seconds["F"] + seconds["B"] + update["clip"] + update["optimizer"]
+
+
+def one_device_tokens_per_second(cfg: Config, ntoken: int) -> float:
+    """Tokens/s of one emulated device of `cfg.emulate`'s node training the whole model alone."""
+    return cfg.step_tokens(emulated=True) / one_device_seconds(cfg, ntoken, parse_node(cfg.emulate).device)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -198,7 +369,7 @@ class GridTrainer:
         self.model = cfg.model(len(corpus.vocab))
         self.parts = partition_layers(list(self.model), cfg.pipe, cfg.partition)
         stages = stages_of(self.model, self.parts)
-        self.stage = copy.deepcopy(stages[self.place.rank]).to(ctx.device)
+        self.stage = materialize(copy.deepcopy(stages[self.place.rank]), ctx.device)  # on meta: this stage only
         self.modules = {self.place.rank: self.stage}
         self.opt = torch.optim.SGD(self.stage.parameters(), lr=cfg.lr)
         self.lr_steps = torch.optim.lr_scheduler.StepLR(self.opt, 1.0, gamma=cfg.gamma)
@@ -208,27 +379,31 @@ class GridTrainer:
         self.logger = self.place.rank == cfg.pipe - 1 and self.replica == 0
         self.progress = ProgressFile(progress) if progress and self.logger else None
         self.stash_peak = (0, 0)  # the most micro-batches stashed at once, and their bytes, any step
+        # On an emulated node: this stage's modelled seconds at the emulated size (None: real time)
+        self.emulated = emulate_stage(ctx, cfg, len(corpus.vocab), self.place.rank, self.stage)
+        self.costs = {self.place.rank: self.emulated} if self.emulated else None
 
     def step(self, i: int) -> list[float] | None:
         """One SGD step on the window at row `i`: the pipeline, the clip over it, the update. The
         micro-batch losses where this process holds the last stage."""
         x, y = (t.to(self.ctx.device) for t in get_batch(self.train, i, self.cfg.bptt))
         self.opt.zero_grad(set_to_none=True)
-        runner = run_grid_step(self.place, self.schedule, self.modules, lm_loss, x, y, self.specs)
+        runner = run_grid_step(self.place, self.schedule, self.modules, lm_loss, x, y, self.specs, self.costs)
         self.stash_peak = max(self.stash_peak, (runner.meter.peak, runner.meter.peak_bytes))
-        with self.ctx.rec.span("clip", lane="comm"):
+        with self.ctx.rec.span("clip", lane="comm", cost=self.emulated and self.emulated["clip"]):
             clip_grad_norm_(self.stage.parameters(), self.cfg.clip, self.pipe_group)
-        with self.ctx.rec.span("optimizer"):
+        with self.ctx.rec.span("optimizer", cost=self.emulated and self.emulated["optimizer"]):
             self.opt.step()
         return microbatch_losses(runner) or None
 
     def validate(self) -> float | None:
-        """Valid perplexity of the whole model, on the first pipeline's last stage (None elsewhere)."""
+        """Valid perplexity of the whole model, on the first pipeline's last stage (None elsewhere),
+        computed on that process's device (its GPU on a GPU node)."""
         model = gather_model(self.model, self.stage, self.pipe_group)
         if not self.logger:
             return None
         valid = batchify(self.corpus.valid, self.cfg.eval_batch_size)
-        return perplexity(window_losses(model, valid, self.cfg.bptt))
+        return perplexity(window_losses(model.to(self.ctx.device), valid, self.cfg.bptt))
 
     def say(self, line: str) -> None:
         """A log line: above the caller's progress bar, or printed (tagged with this rank)."""
@@ -239,7 +414,7 @@ class GridTrainer:
 
     def epoch(self, epoch: int, log: TrainingLog) -> None:
         starts = windows(self.train, self.cfg.bptt, self.cfg.max_batches)
-        clock, interval = time.perf_counter(), []
+        clock, interval = self.ctx.now(), []  # the rank's clock: modelled on an emulated node
         for batch, i in enumerate(starts, 1):
             self.ctx.rec.clear()  # the Gantt comes from time_steps below
             losses = self.step(i)
@@ -249,7 +424,7 @@ class GridTrainer:
             if self.progress is not None:  # one line per batch: the caller's progress bar follows it
                 self.progress.advance(f"{loss:.4f}")
             if batch % self.cfg.log_interval == 0 or batch == len(starts):
-                seconds = time.perf_counter() - clock
+                seconds = self.ctx.now() - clock
                 log.intervals.append((len(interval), seconds))
                 ms = seconds * 1e3 / len(interval)
                 valid = self.validate()
@@ -258,7 +433,7 @@ class GridTrainer:
                     self.say(LOG_LINE.format(epoch, batch, len(starts), self.lr_steps.get_last_lr()[0], ms, mean,
                                              math.exp(min(mean, 50))))
                     log.curve.append((len(log.mb_losses), math.exp(mean), valid))
-                clock, interval = time.perf_counter(), []
+                clock, interval = self.ctx.now(), []
         self.lr_steps.step()
 
 
@@ -270,7 +445,7 @@ class Result:
     replica: int  # its data coordinate
     parts: list[int]  # the partition's boundaries
     weights: dict[str, torch.Tensor]  # its stage's weights after training
-    seconds: float  # the whole training, validations included
+    seconds: float  # the whole training, validations included, on the rank's clock
     steps: RankSteps  # the steps timed after training (on copies)
     stash: tuple[int, int]  # the most micro-batches stashed at once, and their bytes
     log: TrainingLog
@@ -279,16 +454,17 @@ class Result:
 def worker(ctx: RankContext, cfg: Config) -> Result:
     """Worker: train for `cfg.epochs` on `cfg.corpus`; then time `cfg.timeline_steps` steps on a copy (the Gantt)."""
     torch.set_num_threads(1)
-    trainer = GridTrainer(ctx, cfg, cfg.corpus, cfg.progress)
-    log = TrainingLog()
-    start = time.perf_counter()
-    for epoch in range(1, cfg.epochs + 1):
-        trainer.epoch(epoch, log)
-    seconds = time.perf_counter() - start
-    weights = {k: v.detach().cpu() for k, v in trainer.stage.state_dict().items()}
-    trainer.stage, trainer.opt = copy.deepcopy(trainer.stage), torch.optim.SGD([torch.zeros(1)], lr=0.0)
-    trainer.modules = {trainer.place.rank: trainer.stage}
-    steps = time_steps(ctx, lambda k: trainer.step(k * cfg.bptt), cfg.timeline_steps)
+    with exact_float32():  # on a GPU, full float32 products: the losses are compared with one process's
+        trainer = GridTrainer(ctx, cfg, cfg.corpus, cfg.progress)
+        log = TrainingLog()
+        start = ctx.now()
+        for epoch in range(1, cfg.epochs + 1):
+            trainer.epoch(epoch, log)
+        seconds = ctx.now() - start
+        weights = {k: v.detach().cpu() for k, v in trainer.stage.state_dict().items()}
+        trainer.stage, trainer.opt = copy.deepcopy(trainer.stage), torch.optim.SGD([torch.zeros(1)], lr=0.0)
+        trainer.modules = {trainer.place.rank: trainer.stage}
+        steps = time_steps(ctx, lambda k: trainer.step(k * cfg.bptt), cfg.timeline_steps)
     return Result(trainer.place.rank, trainer.replica, trainer.parts, weights, seconds, steps, trainer.stash_peak, log)
 
 
@@ -309,16 +485,23 @@ class LMRun(TimedSteps):
     curve: list[tuple[int, float, float]]  # (step, train ppl of the interval, valid ppl)
     weights: list[dict[str, torch.Tensor]]  # one per stage (first replica)
     parts: list[int]
-    seconds: float  # the whole training, validations included
+    seconds: float  # the whole training, validations included, on the rank's clock
     steps: Steps = field(repr=False)  # the steps timed after training
     intervals: list[tuple[int, float]] = field(default_factory=list)  # (batches, seconds) per log line
     stash: list[tuple[int, int]] = field(default_factory=list)  # per stage: peak micro-batches, bytes
     name: str = "pipe x data grid"
 
     @property
+    def emulated(self) -> bool:
+        """Whether its clocks were an emulated node's (`cfg.emulate`): modelled time at the emulated size."""
+        return self.cfg.emulate is not None
+
+    @property
     def tokens_per_second(self) -> Measured:
-        """Training tokens/s of each log interval, the first one (warm-up) dropped when there are more."""
-        rates = [n * self.cfg.batch_size * self.cfg.bptt / sec for n, sec in self.intervals]
+        """Training tokens/s of each log interval, the first one (warm-up) dropped when there are more;
+        on an emulated node, the emulated step's tokens over the modelled time."""
+        tokens = self.cfg.step_tokens(self.emulated)
+        rates = [n * tokens / sec for n, sec in self.intervals]
         return Measured.of(rates[1:] if len(rates) > 1 else rates)
 
     def load_into(self, model):
@@ -370,6 +553,8 @@ def train(cfg: Config, corpus: Corpus, progress: bool = True) -> LMRun:
     """Train over cfg.pipe x cfg.data processes on `corpus`, with a progress bar here; refuses a
     recipe whose stages will not fit in memory before starting any."""
     cfg = replace(cfg, corpus=corpus, progress=None)  # checks the memory, before any process starts
+    if cfg.emulate is not None:  # counted once here, not on every rank
+        cfg = replace(cfg, stage_costs=emulated_stages(cfg, len(corpus.vocab), parse_node(cfg.emulate).device))
     with progress_bar(cfg.batches(corpus), f"{cfg.pipe} x {cfg.data} grid") if progress else nullcontext() as path:
         return experiments.run(worker, replace(cfg, progress=path), gather)
 
@@ -379,32 +564,78 @@ def train(cfg: Config, corpus: Corpus, progress: bool = True) -> LMRun:
 # ---------------------------------------------------------------------------------------------
 
 
-def single_process_losses(corpus: Corpus, cfg: Config, steps: int) -> list[float]:
-    """The same model, batches, SGD, clipping and rate on one process, for `steps` steps: the
-    losses the grid must reproduce."""
-    model = cfg.model(len(corpus.vocab))
-    opt = torch.optim.SGD(model.parameters(), lr=cfg.lr)
-    train_ids = batchify(corpus.train, cfg.batch_size)
+LOSS_TOLERANCE = 1e-4  # float32 on CPU, or on a GPU with TF32 off: the grid sums in another order (micro-batches,
+# replicas), which moves a loss of ~8 by ~1e-6 a step; TF32 (10-bit mantissas) would move it by ~1e-3.
+
+
+def reference_device() -> torch.device:
+    """Where this process checks and times the one-process baseline: the first GPU when there is
+    one (the device a grid rank computes on), else the CPU."""
+    return torch.device("cuda:0") if torch.cuda.is_available() else torch.device("cpu")
+
+
+@contextmanager
+def exact_float32():
+    """Full float32 matrix products for the block (TF32 off in cuBLAS and cuDNN), restored after:
+    the grid's losses are compared with one process's to `LOSS_TOLERANCE`, which TF32 would exceed.
+    A no-op for the math on a CPU, which has no TF32."""
+    saved = (torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32, torch.get_float32_matmul_precision())
+    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
+    torch.set_float32_matmul_precision("highest")
+    try:
+        yield
+    finally:
+        torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = saved[:2]
+        torch.set_float32_matmul_precision(saved[2])
+
+
+def sgd_steps(model, opt, source: torch.Tensor, cfg: Config, starts: Sequence[int]) -> list[torch.Tensor]:
+    """One process's training steps on the windows at rows `starts` of `source`: the model's loss,
+    its backward, clipping with the whole model's norm, SGD. The losses, left on the model's device."""
+    device = next(model.parameters()).device
     losses = []
-    for i in windows(train_ids, cfg.bptt, steps):
-        x, y = get_batch(train_ids, i, cfg.bptt)
+    for i in starts:
+        x, y = (t.to(device) for t in get_batch(source, i, cfg.bptt))
         opt.zero_grad()
         loss = lm_loss(model(x), y)
         loss.backward()
         clip_grad_norm_(model.parameters(), cfg.clip)
         opt.step()
-        losses.append(float(loss.detach()))
+        losses.append(loss.detach())
     return losses
 
 
-def train_one_process(corpus: Corpus, cfg: Config, steps: int) -> float:
-    """Tokens/s of `steps` training steps of the whole model on this process, one thread (as a worker)."""
+def single_process_losses(corpus: Corpus, cfg: Config, steps: int, device=None) -> list[float]:
+    """The same model, batches, SGD, clipping and rate on one process, for `steps` steps: the
+    losses the grid must reproduce. On `device` (default `reference_device()`: the GPU where the
+    grid's ranks compute on GPUs), with TF32 off."""
+    device = torch.device(device) if device is not None else reference_device()
+    model = cfg.model(len(corpus.vocab)).to(device)
+    opt = torch.optim.SGD(model.parameters(), lr=cfg.lr)
+    train_ids = batchify(corpus.train, cfg.batch_size)
+    with exact_float32():
+        return [float(loss) for loss in sgd_steps(model, opt, train_ids, cfg, windows(train_ids, cfg.bptt, steps))]
+
+
+def train_one_process(corpus: Corpus, cfg: Config, steps: int, device=None) -> float:
+    """Tokens/s of `steps` training steps of the whole model on this process, after one step of
+    warm-up: on `device` (default `reference_device()`: the first GPU when there is one, timed to
+    the end of its queued work), else on one CPU thread, as a worker computes."""
+    device = torch.device(device) if device is not None else reference_device()
+    model = cfg.model(len(corpus.vocab)).to(device)
+    opt = torch.optim.SGD(model.parameters(), lr=cfg.lr)
+    train_ids = batchify(corpus.train, cfg.batch_size)
+    starts = windows(train_ids, cfg.bptt, steps + 1)
     threads = torch.get_num_threads()
-    torch.set_num_threads(1)
+    if device.type == "cpu":
+        torch.set_num_threads(1)
     try:
+        sgd_steps(model, opt, train_ids, cfg, starts[:1])  # warm-up: first allocations, kernel choices
+        hardware.synchronize(device)
         start = time.perf_counter()
-        single_process_losses(corpus, cfg, steps)
-        return steps * cfg.batch_size * cfg.bptt / (time.perf_counter() - start)
+        sgd_steps(model, opt, train_ids, cfg, starts[1:])
+        hardware.synchronize(device)  # a GPU's clock stops when its queued kernels end, not when they are launched
+        return (len(starts) - 1) * cfg.batch_size * cfg.bptt / (time.perf_counter() - start)
     finally:
         torch.set_num_threads(threads)
 
@@ -412,6 +643,16 @@ def train_one_process(corpus: Corpus, cfg: Config, steps: int) -> float:
 def one_process_tokens_per_second(corpus: Corpus, cfg: Config) -> Measured:
     """`train_one_process` repeated: tokens/s of each of `cfg.speed_repeats` runs of `cfg.speed_steps` steps."""
     return Measured.of(train_one_process(corpus, cfg, cfg.speed_steps) for _ in range(cfg.speed_repeats))
+
+
+def baseline_tokens_per_second(corpus: Corpus, cfg: Config) -> Measured:
+    """The one-process rate the grid's tokens/s is compared with. On an emulated node, ONE emulated
+    device's modelled rate for the whole model on the whole batch (`one_device_tokens_per_second`):
+    one deterministic figure. Elsewhere, `one_process_tokens_per_second`: timed on the first GPU
+    when there is one, else on one CPU thread."""
+    if cfg.emulate is not None:
+        return Measured.of([one_device_tokens_per_second(cfg, len(corpus.vocab))])
+    return one_process_tokens_per_second(corpus, cfg)
 
 
 def lr_experiment(corpus: Corpus, cfg: Config, rates: Sequence[float]) -> dict[float, list[float]]:
@@ -440,11 +681,12 @@ def loss_at_step_0_verdict(loss: float, logit_spread: float, vocab_size: int) ->
 def first_losses_verdict(run: LMRun, one: Sequence[float]) -> str:
     """Conclude whether the grid's first losses equal one process's."""
     gap = max(abs(a - b) for a, b in zip(run.losses, one))
-    verdict = "equal" if gap < 1e-4 else "differ"
+    verdict = "equal" if gap < LOSS_TOLERANCE else "differ"
     conclude("10.first_losses", verdict,
-             f"the grid's first {len(one)} losses differ from one process's by at most {gap:.1e}: "
-             + ("equal to float rounding, as predicted." if gap < 1e-4 else "not the same computation."),
-             max_difference=gap)
+             f"the grid's first {len(one)} losses differ from one process's by at most {gap:.1e} (tolerance "
+             f"{LOSS_TOLERANCE:.0e}, float32 without TF32): "
+             + ("equal to float rounding, as predicted." if gap < LOSS_TOLERANCE else "not the same computation."),
+             max_difference=gap, tolerance=LOSS_TOLERANCE)
     return verdict
 
 
@@ -482,9 +724,15 @@ def stash_verdict(plan: list[dict], run: LMRun) -> str:
     return verdict
 
 
-def speed_verdict(run: LMRun, one_rate: Measured) -> str:
-    """Conclude how the grid's tokens/s compares with one process's, beside the bound the
-    simulated schedule allows with one device per process (equal costs, free messages)."""
+def speed_verdict(run: LMRun, one_rate: Measured, vocab_size: int | None = None) -> str:
+    """Conclude how the grid's tokens/s compares with one process's (`baseline_tokens_per_second`):
+    on an emulated node from the modelled clocks (`emulated_speed_verdict`, which needs
+    `vocab_size`), else from the measured rates, beside the bound the simulated schedule allows
+    with one device per process (equal costs, free messages)."""
+    if run.emulated:
+        if vocab_size is None:
+            raise ValueError("an emulated run's speed verdict counts the emulated model: pass vocab_size=len(corpus.vocab)")
+        return emulated_speed_verdict(run, one_rate, vocab_size)
     cfg, grid_rate = run.cfg, run.tokens_per_second
     ideal = simulate(make_schedule(cfg.schedule, cfg.pipe, cfg.num_microbatches))
     work = cfg.pipe * cfg.num_microbatches * (ideal.costs.forward + ideal.costs.backward_input + ideal.costs.backward_weight)
@@ -492,8 +740,9 @@ def speed_verdict(run: LMRun, one_rate: Measured) -> str:
     enough = min(len(grid_rate.values), len(one_rate.values)) >= 3  # a range needs a few repeats
     verdict = compare_medians(grid_rate, one_rate) if enough else "too few repeats"  # beyond a run's noise (30 %)
     ratio = grid_rate.median / one_rate.median
+    where = "on the first GPU" if reference_device().type == "cuda" else "on one thread"
     text = (f"the grid trained {grid_rate:,.0f} tokens/s (median, min-max over {len(grid_rate.values)} log interval(s)), "
-            f"one process on one thread {one_rate:,.0f} (over {len(one_rate.values)} repeat(s)): ")
+            f"one process {where} {one_rate:,.0f} (over {len(one_rate.values)} repeat(s)): ")
     text += {"lower": f"the grid was slower, {ratio:.2f}x.", "higher": f"the grid was faster, {ratio:.2f}x.",
              "within noise": f"within this machine's run-to-run noise ({ratio:.2f}x by the medians).",
              "too few repeats": f"{ratio:.2f}x by the medians, too few repeats to tell a direction from noise "
@@ -507,13 +756,61 @@ def speed_verdict(run: LMRun, one_rate: Measured) -> str:
     return verdict
 
 
-def evaluate_verdict(right: float, wrong: float, windows_summed: int, bptt: int, rows: int) -> str:
-    """Conclude whether the tutorial's `evaluate` gives a perplexity below the right one."""
-    verdict = "tutorial's too low" if wrong < right else "tutorial's not too low"
+def emulated_step(cfg: Config, vocab_size: int) -> dict:
+    """What the grid's step should take on the emulated node, from the same costs its ranks spend:
+    the schedule played by the simulator with each stage's modelled F and B (free messages), the
+    slowest stage's clipping and SGD step, and each stage's gradient bytes (what its data-parallel
+    all-reduce carries)."""
+    stages = emulated_stages(cfg, vocab_size, parse_node(cfg.emulate).device)
+    costs = Costs(per_stage={r["stage"]: (r["F"] * 1e3, r["B"] * 1e3, 0.0) for r in stages})  # whole backwards
+    sim = simulate(make_schedule(cfg.schedule, cfg.pipe, cfg.num_microbatches), costs)
+    return {"schedule_s": sim.makespan_ms / 1e3, "bubble": sim.bubble_fraction,
+            "update_s": max(r["clip"] + r["optimizer"] for r in stages),
+            "parameters": sum(r["parameters"] for r in stages),
+            "gradient_bytes": max(r["parameters"] for r in stages) * EMULATED_ITEMSIZE}
+
+
+def emulated_speed_verdict(run: LMRun, one_rate: Measured, vocab_size: int) -> str:
+    """Conclude how the grid's modelled tokens/s compares with one emulated device's, and where
+    the grid's modelled step goes: the schedule's compute and bubble (the simulator, same costs),
+    clipping and the SGD step, and the rest (the messages and the data-parallel all-reduce). Both
+    rates come from logical clocks: the same figures on every run."""
+    cfg, node = run.cfg, parse_node(run.cfg.emulate)
+    grid, one = run.tokens_per_second.median, one_rate.median
+    tokens, ratio = cfg.step_tokens(emulated=True), grid / one
+    step, one_step, model = tokens / grid, tokens / one, emulated_step(cfg, vocab_size)
+    rest = step - model["schedule_s"] - model["update_s"]
+    verdict = "faster" if ratio > 1 else "slower"
+    text = (f"on the emulated node ({node}), training {model['parameters'] / 1e9:.2f} B parameters on {tokens:,} tokens "
+            f"a step, the {cfg.pipe} x {cfg.data} grid trained {grid:,.0f} tokens/s and one {node.device.name} alone "
+            f"{one:,.0f} (its modelled step: {one_step * 1e3:.1f} ms for the whole model on the whole batch): the grid is "
+            f"{ratio:.2f}x {verdict} with {cfg.world_size} devices. Of the grid's {step * 1e3:.1f} ms step, the "
+            f"{cfg.schedule} schedule's compute takes {model['schedule_s'] * 1e3:.1f} ms as the simulator plays it with "
+            f"the same stage costs (bubble {model['bubble']:.2f}), clipping and the SGD step "
+            f"{model['update_s'] * 1e3:.1f} ms, and the messages and each stage's data-parallel all-reduce (up to "
+            f"{human_bytes(model['gradient_bytes'])} of {EMULATED_DTYPE} gradients) the remaining {rest * 1e3:.1f} ms.")
+    conclude("10.grid_vs_one_process", verdict, text, grid=grid, one_device=one, speedup=ratio,
+             schedule_ms=model["schedule_s"] * 1e3, update_ms=model["update_s"] * 1e3, rest_ms=rest * 1e3)
+    return verdict
+
+
+def evaluate_verdict(figures: dict) -> str:
+    """Conclude whether the tutorial's `evaluate` (`tutorial_evaluate_figures`) gives a perplexity
+    below the right one, and by which two mistakes."""
+    f = figures
+    verdict = "tutorial's too low" if f["tutorial"] < f["right"] else "tutorial's not too low"
+    scored = (f"it scores all {f['windows']} windows" if f["windows scored"] == f["windows"] else
+              f"{f['right, same windows']:.1f} over the {f['windows scored']} of {f['windows']} windows it scores")
     conclude("10.tutorial_evaluate", verdict,
-             f"on the same trained model the tutorial's `evaluate` gives {wrong:.2f}, the right perplexity is {right:.1f}: "
-             f"it divides {min(windows_summed, 50) * bptt} tokens' loss by {rows - 1} tokens. "
-             "A perplexity near 1 would mean knowing every next word for sure.", tutorial=wrong, right=right)
+             f"on the same trained model and the same {f['rows']:,} x {f['columns']} validation set, the tutorial's "
+             f"`evaluate` gives {f['tutorial']:.2f}; the right perplexity is {f['right']:.1f} ({scored}). "
+             f"Mistake 1, the weight: `len(data)` is the {f['weight per window']} columns of `data.t()`, not the "
+             f"{f['tokens per window']} tokens of a full window, so each window's loss counts "
+             f"{f['tokens per window'] // f['weight per window']}x too little. Mistake 2, the divisor: "
+             f"`len(data_source) - 1` is the set's {f['divisor']:,} rows less one, not the {f['tokens scored']:,} tokens "
+             f"it scored. A perplexity near 1 would mean knowing every next word for sure.",
+             tutorial=f["tutorial"], right=f["right"], weight=f["weight per window"], tokens_per_window=f["tokens per window"],
+             divisor=f["divisor"], tokens_scored=f["tokens scored"])
     return verdict
 
 
@@ -537,19 +834,22 @@ def lr_verdict(by_rate: dict[float, list[float]], vocab_size: int, width: int) -
 
 
 def run_flops(cfg: Config, vocab: int, train_tokens: int, valid_tokens: int) -> float:
-    """FLOPs of the recipe's whole run at its size, counted on the meta device (no memory): each
-    training window's forward and backward (`epochs` x the training split, or `max_batches`
-    windows), the validation's forwards, and the one-process baseline's timed steps. What a GPU
+    """FLOPs of the lesson's whole run at the recipe's size, counted on the meta device (no memory):
+    each training window's forward and backward (`epochs` x the training split, or `max_batches`
+    windows), the validation's forwards at every log line and once more for section 4 (each window
+    counted full), the one-process baseline's timed steps and their warm-up, the reference's
+    first steps, the steps timed for the Gantt, and the untrained model's first forward. What a GPU
     profile's time budget is estimated from (`pipelab profiles`)."""
     from pipelab.emulate.cost import count, forward_backward_counts
 
-    model = TransformerLM(vocab, cfg.emsize, cfg.nhead, cfg.nhid, cfg.nlayers).to("meta")
+    with torch.device("meta"):  # sizes only: a 1B-parameter recipe costs no memory here
+        model = TransformerLM(vocab, cfg.emsize, cfg.nhead, cfg.nhid, cfg.nlayers)
     ids = torch.zeros(cfg.batch_size, cfg.bptt, dtype=torch.long, device="meta")
     forward, grad_in, grad_w = forward_backward_counts(model, ids)
     step = forward.flops + grad_in.flops + grad_w.flops
-    windows_per_epoch = train_tokens // (cfg.batch_size * cfg.bptt)
-    steps = cfg.epochs * min(windows_per_epoch, cfg.max_batches or windows_per_epoch)
-    steps += cfg.speed_steps * cfg.speed_repeats + cfg.check_steps + cfg.timeline_steps
+    train_windows = len(windows(torch.empty(train_tokens // cfg.batch_size, 0), cfg.bptt, cfg.max_batches))
+    log_lines = -(-train_windows // cfg.log_interval)  # a validation every log_interval windows and at the end
+    steps = cfg.epochs * train_windows + cfg.speed_repeats * (cfg.speed_steps + 1) + cfg.check_steps + cfg.timeline_steps
     valid = count(model, torch.zeros(cfg.eval_batch_size, cfg.bptt, dtype=torch.long, device="meta")).flops
-    valid_windows = valid_tokens // (cfg.eval_batch_size * cfg.bptt)
-    return steps * step + cfg.epochs * valid_windows * valid
+    valid_windows = len(range(0, valid_tokens // cfg.eval_batch_size - 1, cfg.bptt))
+    return steps * step + (cfg.epochs * log_lines + 1) * valid_windows * valid + forward.flops
