@@ -11,6 +11,10 @@ stream (dual stream).
     python benchmarks/model_parallel.py                      # lessons 02-03's model
     python benchmarks/model_parallel.py --channels 16 --blocks 1 2 --expansion 8 --batch 32 --size 32
                                                              # lesson 04's wide cut
+    python benchmarks/model_parallel.py --emulate 2xH100-nvlink --channels 8 --batch 120 --size 8
+                                                             # paced as 2 emulated H100s running the
+                                                             # tutorial's ResNet-50 (its split sizes),
+                                                             # the tutorial's published figures beside
 
 Last line: one JSON object of the figures (a measured figure X comes with X_min and X_max).
 """
@@ -19,7 +23,8 @@ import argparse
 import json
 
 from pipelab import hardware
-from pipelab.experiments.model_parallel import Config, Forward, speedup, time_forwards
+from pipelab.emulate import anchors
+from pipelab.experiments.model_parallel import TUTORIAL_SPLITS, Config, Forward, ResNet50Pace, speedup, time_forwards
 from pipelab.measure import Measured
 from pipelab.streams import devices
 
@@ -30,11 +35,13 @@ def _figure(name: str, m: Measured, digits: int = 3) -> dict:
 
 
 def main(channels: int = 64, blocks: tuple[int, int] = (2, 2), batch: int = 64, size: int = 16,
-         repeats: int = 5, expansion: int = 1) -> dict:
-    devs = devices(2)
+         repeats: int = 5, expansion: int = 1, emulate: str | None = None, cut: str = "layer2") -> dict:
+    pace = ResNet50Pace.on(emulate, batch, cut)  # None: real time on what the machine has
+    devs = devices(2, pace=pace)
     cfg = Config.resnet(devs, channels=channels, blocks=tuple(blocks), batch=batch, size=size, expansion=expansion,
                         repeats=repeats)
-    sizes = [s for s in (2, 4, 8, 16, 32, 64, 128, 256) if s <= batch]
+    choices = TUTORIAL_SPLITS if pace is not None else (2, 4, 8, 16, 32, 64, 128, 256)
+    sizes = [s for s in choices if s <= batch]
     forwards = {"one_device": Forward("one_device"), "naive": Forward("naive")}
     forwards.update({(v, s): Forward(v, s) for v in ("pipelined", "dual_stream") for s in sizes})
     runs = time_forwards(cfg, forwards)  # all of them in alternating rounds
@@ -46,7 +53,7 @@ def main(channels: int = 64, blocks: tuple[int, int] = (2, 2), batch: int = 64, 
     copy_share = runs[("pipelined", best)].copy_share  # per round
     overlap = runs[("dual_stream", best_dual)].overlap  # per round
 
-    print(hardware.describe_devices(2))
+    print(hardware.describe_devices(2, emulate, size=pace and pace.size))
     print(f"SplitResNet(channels={channels}, blocks={tuple(blocks)}, expansion={expansion}), "
           f"batch {batch}, {size}x{size} images; median (min-max) of {repeats} alternating rounds")
     print(f"{'variant':<26}{'forward ms':>24}{'speedup':>22}")
@@ -57,7 +64,16 @@ def main(channels: int = 64, blocks: tuple[int, int] = (2, 2), batch: int = 64, 
     print(f"copy stream's best (split {best_dual}) over pipelined's best (split {best}): {dual_over_best:.2f}x")
     print(f"copies take {copy_share.scaled(100):.0f} % of device 1's compute stream when pipelined (split {best}); "
           f"with a copy stream {overlap.scaled(100):.0f} % of the copy time overlaps compute (split {best_dual})")
-    return {"device": devs[0].name.split(":")[0], "repeats": repeats,
+    published = {}
+    if pace is not None:  # the tutorial's figures beside the emulated ones, where it ran the same split
+        published = {"published_naive_speedup": round(1 / anchors.anchor("tutorial_naive_mp_slowdown").value, 3),
+                     "published_split20_speedup": round(anchors.anchor("tutorial_pipeline_split20_speedup").value, 3),
+                     "published_split12_speedup": round(anchors.anchor("tutorial_pipeline_split12_speedup").value, 3),
+                     **{f"split{s}_speedup": round(gain[("pipelined", s)].median, 3) for s in (12, 20) if s in sizes}}
+        print(f"published (the tutorial, training steps on its GPUs): naive {published['published_naive_speedup']}x, "
+              f"split 20 {published['published_split20_speedup']}x, split 12 {published['published_split12_speedup']}x")
+    return {"device": f"emulated {pace.node}" if pace is not None else devs[0].name.split(":")[0], "repeats": repeats,
+            **published,
             **_figure("one_device_ms", base.seconds.scaled(1e3), 2),
             **_figure("naive_speedup", gain["naive"]), "best_split": best,
             **_figure("best_split_speedup", gain[("pipelined", best)]),
@@ -74,5 +90,8 @@ if __name__ == "__main__":
     parser.add_argument("--batch", type=int, default=64)
     parser.add_argument("--size", type=int, default=16)
     parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--emulate", default=None, help="an emulated node, e.g. 2xH100-nvlink (default: none)")
+    parser.add_argument("--cut", default="layer2", help="where the emulated ResNet-50 is cut (layer1-layer3)")
     args = parser.parse_args()
-    print(json.dumps(main(args.channels, tuple(args.blocks), args.batch, args.size, args.repeats, args.expansion)))
+    print(json.dumps(main(args.channels, tuple(args.blocks), args.batch, args.size, args.repeats, args.expansion,
+                          args.emulate, args.cut)))
