@@ -120,11 +120,11 @@ def fit_latency_bandwidth(rows: list[MessageTime], small_bytes: int = 4096, larg
     latency included) always lies below the fitted one, which is the slope the line tends to."""
     latency = small_message_latency(rows, small_bytes).median
     biggest = sorted(rows, key=lambda r: r.bytes)[-large:]
-    # A message whose bytes take under a tenth of its time (too small to show the bandwidth, or
-    # noise) would give a near-infinite bandwidth: it is left out, and if every one of them is
-    # such, the largest one's whole time is counted as bytes.
+    # A message whose bytes take under 5 % of its time (too small to show the bandwidth, or noise)
+    # would give a near-infinite bandwidth: it is left out, and if every one of them is such, the
+    # largest one's whole time is counted as bytes.
     rates = [row.bytes / (row.one_way.median - latency) for row in biggest
-             if row.one_way.median - latency > 0.1 * row.one_way.median]
+             if row.one_way.median - latency > 0.05 * row.one_way.median]
     return latency, statistics.median(rates) if rates else biggest[-1].bytes / biggest[-1].one_way.median
 
 

@@ -286,4 +286,4 @@ def test_own_cores_verdict_compares_with_the_link_and_says_two_levels_only_when_
                for r in steady]
     own = lesson.PingPongRun(bimodal, small_message_latency(bimodal), 3e9)
     verdict, text = lesson.own_cores_verdict(emulated, own)[1:3]
-    assert verdict == "two levels" and "6 rounds near" in text and "3 near" in text
+    assert verdict == "two levels" and "6 near" in text and "3 near" in text

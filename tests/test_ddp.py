@@ -450,7 +450,9 @@ def test_emulated_layer_costs_are_the_wider_layers_counted_by_hand():
     assert all(c.flops == product for c in costs.forward.values())
     assert costs.backward["0"].flops == product  # fed the batch: only its weights' gradient
     assert costs.backward["2"].flops == costs.backward["4"].flops == 2 * product  # and its input's gradient
-    assert isinstance(costs.copy_per_byte(1000), Counts) and costs.copy_per_byte(1000).bytes == 2000 * scale
+    assert isinstance(costs.copy(1000), Counts) and costs.copy(1000).bytes == 2000 * scale
+    assert cfg.layer_costs.backward == ddp.emulated_costs(cfg.model, cfg.x[:4], 16, 256)[0].backward  # counted once
+    assert ddp.torch_on_own_cores(cfg).layer_costs is None
 
 
 def test_emulated_ddp_matches_one_process_and_its_naive_overlap_is_exactly_zero():
@@ -481,7 +483,7 @@ def test_torch_ddp_is_refused_on_an_emulated_node_with_where_to_run_it():
     assert ddp.torch_on_own_cores(emulated_config()).emulate is None
     with pytest.raises(ValueError, match="with_torch=False"):
         sweep.Config(**{k: v for k, v in vars(emulated_config()).items() if k not in ("variants", "bucket_cap_mb",
-                        "find_unused_parameters")}, caps_mb=[1])
+                        "find_unused_parameters", "layer_costs")}, caps_mb=[1])
     with pytest.raises(ValueError, match=r"emulated_width=100 must be a whole multiple of the model's width 16"):
         emulated_config(emulated_width=100)
     with pytest.raises(ValueError, match=r"emulated_batch=512 sizes the modelled work of an emulated node"):

@@ -248,3 +248,45 @@ def test_zero3_on_an_emulated_node_prefetch_hides_the_all_gathers():
 def test_emulated_batch_needs_an_emulated_node():
     with pytest.raises(ValueError, match="emulated_batch=512 sizes the modelled compute"):
         config(2, emulated_batch=512)
+
+
+# ---------------------------------------------------------------------------------------------
+# One clock per rank: a collective's span is stamped on the rank's clock, events on CUDA
+# ---------------------------------------------------------------------------------------------
+
+class _Event:
+    """A CUDA event's timing interface (`elapsed_time` in ms), for the recorder's logic on a CPU."""
+
+    def __init__(self, t: float):
+        self.t = t
+
+    def elapsed_time(self, other: "_Event") -> float:
+        return (other.t - self.t) * 1e3
+
+
+def test_a_synchronous_collective_on_cuda_is_a_pair_of_events_resolved_on_one_clock(monkeypatch):
+    """A collective that ran synchronously on NCCL has only been *enqueued* when it returns: its
+    span ends at an event the stream records after it, resolved with the compute spans' reference
+    event, never at a host time."""
+    from pipelab.sharding.comm import Pending
+    from pipelab.timeline import Recorder
+
+    rec = Recorder(0, device=torch.device("cuda", 0))
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: None)
+    rec._cuda_ref = (_Event(0.0), 100.0)
+    stamps = iter([_Event(2.0)])
+    monkeypatch.setattr(rec, "stamp", lambda stream=None: next(stamps))
+    Pending(None, rec, "allreduce", _Event(1.5), layer="0").wait()
+    (span,) = rec.timeline().spans
+    assert (span.kind, span.lane, span.start, span.end, span.meta) == ("allreduce", "comm", 101.5, 102.0, {"layer": "0"})
+
+
+def test_a_collective_off_cuda_keeps_the_recorders_clock():
+    from pipelab.sharding.comm import Pending
+    from pipelab.timeline import Recorder, now
+
+    rec = Recorder(0)
+    start = now()
+    Pending(None, rec, "allgather", start).wait()
+    (span,) = rec.timeline().spans
+    assert span.start == start <= span.end <= now()

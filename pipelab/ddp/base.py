@@ -7,7 +7,7 @@ from __future__ import annotations
 import threading
 from collections import Counter
 from contextlib import nullcontext
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Callable, Mapping
 
 import torch
@@ -25,14 +25,19 @@ from pipelab.timeline import Recorder
 class LayerCosts:
     """What a wrapper's work lasts on an emulated node (`pipelab.emulate`), where the rank's clock
     moves only by modelled costs: each layer's forward and backward (seconds, or FLOPs and bytes as
-    `emulate.cost.Counts`) by layer name, what copying one byte of gradient costs at the emulated
-    size (`copy`, per real byte: the emulated bytes over the real ones are in it) and the optimizer
-    step's cost."""
+    `emulate.cost.Counts`) by layer name, the optimizer step's cost, and `bytes_scale`, the
+    emulated bytes of gradient per real byte (what a copy of gradients moves, `copy`)."""
 
     forward: dict[str, Any]
     backward: dict[str, Any]
-    copy_per_byte: Callable[[int], Any] = field(default=lambda nbytes: 0.0)
     optimizer: Any = 0.0
+    bytes_scale: float = 1.0
+
+    def copy(self, nbytes: int):
+        """The cost of copying `nbytes` real bytes of gradient: read and write them at the emulated size."""
+        from pipelab.emulate.cost import Counts
+
+        return Counts(0.0, 2.0 * nbytes * self.bytes_scale, 1)
 
     def forward_total(self):
         costs = list(self.forward.values())

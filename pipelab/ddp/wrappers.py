@@ -185,7 +185,7 @@ class BucketedDDP(DDPBase):
             copy_start = self.stamp()
             members = self._members[bucket]
             write_back(flat, [self.params[i][1] for i in members], keep=[self._ready[i] for i in members])
-            self.spend(self.costs.copy_per_byte(flat.nbytes) if self.costs is not None else 0.0)
+            self.spend(self.costs.copy(flat.nbytes) if self.costs is not None else 0.0)
             self.rec.add_stamped("copy", copy_start, self.stamp(), lane=self.buckets[bucket].device or "compute",
                                  bucket=bucket)
         self._inflight = []

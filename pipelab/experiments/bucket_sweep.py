@@ -47,9 +47,11 @@ class Config(Training):
             raise ValueError(TORCH_NOT_EMULATED + "; pass with_torch=False, and torch_on_own_cores(cfg, cap)")
 
 
-def torch_on_own_cores(cfg: Config, cap_mb: float) -> Config:
-    """Ours and torch's DDP at one bucket size on this machine's own cores, in turn round after round."""
-    return replace(cfg, caps_mb=[cap_mb], with_torch=True, emulate=None, emulated_width=None, emulated_batch=None)
+def torch_on_own_cores(cfg: Config, cap_mb: float, rounds: int | None = None, steps: int | None = None) -> Config:
+    """Ours and torch's DDP at one bucket size on this machine's own cores, in turn round after
+    round (`rounds` rounds of `steps` steps, by default `cfg`'s)."""
+    return replace(cfg, caps_mb=[cap_mb], with_torch=True, emulate=None, emulated_width=None, emulated_batch=None,
+                   rounds=cfg.rounds if rounds is None else rounds, steps=cfg.steps if steps is None else steps)
 
 
 @dataclass

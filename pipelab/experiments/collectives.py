@@ -177,15 +177,16 @@ def own_cores_verdict(emulated: PingPongRun, own: PingPongRun, small_bytes: int 
     levels = two_levels(small)
     text = (f"on this machine's own cores a small message took {own.latency.scaled(1e6):.1f} µs one way "
             f"(median, min-max over rounds), {slower:.0f}x the emulated {link.name}'s {emulated.latency.median * 1e6:.1f} µs, "
-            f"and the fitted bandwidth was {own.bandwidth / 1e9:.2g} GB/s, {narrower:.0f}x below its "
+            f"and the fitted bandwidth was {own.bandwidth / 1e9:.3g} GB/s, {narrower:.0f}x below its "
             f"{emulated.bandwidth / 1e9:.3g} GB/s. Here a message is a copy through the kernel's loopback socket: "
             "system calls on both sides, a copy into and out of the kernel's buffers by the same CPU cores that "
             "run the ranks, and a wake-up of the receiving process by the kernel's scheduler; a GPU link moves "
             "the bytes with its own engines. ")
     if levels is not None:
         low, high = levels
-        text += (f"On this run the small messages' times fell into two levels: {len(low)} rounds near "
-                 f"{statistics.median(low) * 1e6:.0f} µs and {len(high)} near {statistics.median(high) * 1e6:.0f} µs "
+        text += (f"On this run the small messages' times (one figure per size and round) fell into two levels: "
+                 f"{len(low)} near {statistics.median(low) * 1e6:.0f} µs and {len(high)} near "
+                 f"{statistics.median(high) * 1e6:.0f} µs "
                  f"({statistics.median(high) / statistics.median(low):.0f}x). The fast level is a receiver that was "
                  "still running; the slow one a receiver the scheduler had put to sleep, or whose core another "
                  "process held, so the message waited for a wake-up and a time slice. Modelled time has one level.")

@@ -87,6 +87,18 @@ class Training(experiments.Config):
         if self.emulated_batch is not None:
             divides("emulated_batch", self.emulated_batch, "world_size", self.world_size)
 
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        # Counted once here, before any rank starts (each rank would pay counting's first-use cost).
+        costs = emulated_costs(self.model, self.x.chunk(self.world_size)[0], self.width_scale, self.rows)[0] \
+            if self.emulate is not None else None
+        object.__setattr__(self, "layer_costs", costs)
+
+    @property
+    def rows(self) -> int:
+        """Rows per rank the modelled work is counted on."""
+        return (self.emulated_batch or self.x.shape[0]) // self.world_size
+
     @property
     def width_scale(self) -> int:
         """How many times wider every Linear layer is counted on an emulated node."""
@@ -125,9 +137,11 @@ TORCH_NOT_EMULATED = ("torch's DistributedDataParallel runs its all-reduces in C
                       "so its time cannot be modelled: run it on this machine's own cores (emulate=None)")
 
 
-def torch_on_own_cores(cfg: Config) -> Config:
-    """torch's DDP on this machine's own cores, with `cfg`'s model, batch and bucket size."""
-    return replace(cfg, variants=("torch",), emulate=None, emulated_width=None, emulated_batch=None)
+def torch_on_own_cores(cfg: Config, steps: int | None = None) -> Config:
+    """torch's DDP on this machine's own cores, with `cfg`'s model, batch and bucket size, for
+    `steps` steps (default `cfg.steps`)."""
+    return replace(cfg, variants=("torch",), emulate=None, emulated_width=None, emulated_batch=None,
+                   steps=cfg.steps if steps is None else steps)
 
 
 def emulated_size(cfg: Training) -> str:
@@ -211,8 +225,8 @@ def emulated_costs(model: nn.Module, x: torch.Tensor, scale: int, rows: int) -> 
         emulated += sum(p.numel() for p in layer.parameters())
     scale_bytes = emulated / real
     params = sum(p.numel() for p in model.parameters()) * x.element_size() * scale_bytes
-    costs = LayerCosts(forward, backward, copy_per_byte=lambda nbytes: Counts(0.0, 2.0 * nbytes * scale_bytes, 1),
-                       optimizer=Counts(2.0 * params / x.element_size(), 3.0 * params, len(list(model.parameters()))))
+    costs = LayerCosts(forward, backward, Counts(2.0 * params / x.element_size(), 3.0 * params,
+                                                 len(list(model.parameters()))), scale_bytes)
     return costs, scale_bytes
 
 
@@ -221,9 +235,8 @@ def emulate_work(ctx: RankContext, cfg: Training, model: nn.Module, xs: torch.Te
     timed at the emulated gradients' size; elsewhere None (the work itself takes the time)."""
     if ctx.emulator is None:
         return None
-    rows = (cfg.emulated_batch or cfg.x.shape[0]) // ctx.world_size
-    costs, scale_bytes = emulated_costs(model, xs, cfg.width_scale, rows)
-    ctx.emulator.scale_messages(scale_bytes, 1.0)
+    costs = cfg.layer_costs if model is cfg.model else emulated_costs(model, xs, cfg.width_scale, cfg.rows)[0]
+    ctx.emulator.scale_messages(costs.bytes_scale, 1.0)
     return costs
 
 
