@@ -136,6 +136,10 @@ def test_one_emulated_device_does_every_stages_work_on_the_whole_batch():
     # clipping and SGD over n bfloat16 parameters read and write 3 x 2n bytes each, at half the bandwidth
     n = stages[1]["parameters"]
     assert stages[1]["optimizer"] == pytest.approx(3 * 2 * n / h100.memory_bandwidth / 0.5, rel=0.01)
+    from pipelab.display import human_bytes
+
+    table = capstone.emulated_stage_table(cfg, 3000)  # what the notebook prints: 2 bytes per bfloat16 gradient
+    assert [row["gradients"] for row in table] == [human_bytes(2 * r["parameters"]) for r in stages]
     with pytest.raises(ValueError, match="emsize=4096 must be a multiple of nhead=3"):
         Config(emulate="4xH100-nvlink", emulated_nhead=3)
     with pytest.raises(ValueError, match="more emulated_nlayers"):

@@ -306,12 +306,24 @@ _COUNTED: dict[tuple, list] = {}  # emulated_stages' rows by sizes and device
 
 
 def emulated_stage_table(cfg: Config, ntoken: int) -> list[dict]:
-    """`emulated_stages` on `cfg.emulate`'s device as table rows: what each rank's spans last."""
-    return [{"stage": r["stage"], "parameters": f"{r['parameters'] / 1e6:,.0f} M",
-             "F (ms per micro-batch)": f"{r['F'] * 1e3:.2f}", "B (ms)": f"{r['B'] * 1e3:.2f}",
-             "clip + SGD (ms per step)": f"{(r['clip'] + r['optimizer']) * 1e3:.2f}",
-             "gradients": human_bytes(r["parameters"] * EMULATED_ITEMSIZE)}
-            for r in emulated_stages(cfg, ntoken, parse_node(cfg.emulate).device)]
+    """`emulated_stages` on `cfg.emulate`'s device as table rows: what each rank's spans last, and
+    how its messages are timed. One factor scales all of a rank's messages (`emulate_stage`): the
+    gradients' (exact for the all-reduce), so an activation sent between stages is timed at its
+    real bytes times that factor, beside its size at the emulated size."""
+    with torch.device("meta"):  # the real model's stages, as the ranks cut them: sizes only
+        model = cfg.model(ntoken)
+    real = stages_of(model, partition_layers(list(model), cfg.pipe, cfg.partition))
+    activation = cfg.batch_size // (cfg.data * cfg.num_microbatches) * cfg.bptt * cfg.emsize * 4  # float32, one micro-batch
+    rows = []
+    for r, stage in zip(emulated_stages(cfg, ntoken, parse_node(cfg.emulate).device), real):
+        scale = r["parameters"] * EMULATED_ITEMSIZE / sum(p.numel() * p.element_size() for p in stage.parameters())
+        rows.append({"stage": r["stage"], "parameters": f"{r['parameters'] / 1e6:,.0f} M",
+                     "F (ms per micro-batch)": f"{r['F'] * 1e3:.2f}", "B (ms)": f"{r['B'] * 1e3:.2f}",
+                     "clip + SGD (ms per step)": f"{(r['clip'] + r['optimizer']) * 1e3:.2f}",
+                     "gradients": human_bytes(r["parameters"] * EMULATED_ITEMSIZE),
+                     "an activation, timed as": human_bytes(activation * scale),
+                     "its emulated size": human_bytes(cfg.emulated_columns * cfg.bptt * cfg.emulated_emsize * EMULATED_ITEMSIZE)})
+    return rows
 
 
 def emulate_stage(ctx: RankContext, cfg: Config, ntoken: int, stage: int, real: torch.nn.Module) -> dict | None:
