@@ -127,12 +127,15 @@ def test_one_emulated_device_does_every_stages_work_on_the_whole_batch():
     from pipelab.experiments import capstone
 
     cfg = Config(emulate="4xH100-nvlink")
-    h100 = parse_node(cfg.emulate).device
-    stages = capstone.emulated_stages(cfg, 3000, h100)
+    node = parse_node(cfg.emulate)
+    h100 = node.device
+    stages = capstone.emulated_stages(cfg, 3000, node)
     assert [r["stage"] for r in stages] == [0, 1] and stages[0]["I"] == 0  # token ids need no gradient
     microbatches = cfg.data * cfg.num_microbatches
     by_stage = sum(microbatches * (r["F"] + r["B"]) + r["clip"] + r["optimizer"] for r in stages)
-    assert capstone.one_device_seconds(cfg, 3000, h100) == pytest.approx(by_stage, rel=0.05)
+    # the same work in one pass over the whole batch: no more than micro-batch by micro-batch with each
+    # stage's backward priced as I + W (as the simulator prices it), and not much less
+    assert 0.8 * by_stage < capstone.one_device_seconds(cfg, 3000, node) <= by_stage
     # clipping and SGD over n bfloat16 parameters read and write 3 x 2n bytes each, at half the bandwidth
     n = stages[1]["parameters"]
     assert stages[1]["optimizer"] == pytest.approx(3 * 2 * n / h100.memory_bandwidth / 0.5, rel=0.01)

@@ -40,12 +40,13 @@ from pipelab.build import materialize
 from pipelab.checks import positive_number, whole_number
 from pipelab.data import Corpus, batchify, data_columns, get_batch
 from pipelab.display import conclude, human_bytes
-from pipelab.emulate.cost import Counts, compute_seconds, stage_seconds
+from pipelab.emulate.cost import Counts, compute_seconds
 from pipelab.emulate.specs import parse_node, torch_dtype
 from pipelab.hybrid import check_grid, grid_place, microbatch_losses, run_grid_step
 from pipelab.lm import TransformerLM, check_fits, clip_grad_norm_, lm_loss, stage_memory, stages_of
 from pipelab.measure import Measured, RankSteps, Steps, TimedSteps, compare_medians, gather_steps, time_steps
 from pipelab.pipeline.p2p import message_specs
+from pipelab.pipeline.emulated import emulated_stages as count_stages
 from pipelab.pipeline.partition import partition_layers
 from pipelab.pipeline.schedules import make_schedule
 from pipelab.pipeline.simulate import Costs, simulate
@@ -280,24 +281,23 @@ def update_seconds(params: int, device) -> dict[str, float]:
     return {"clip": compute_seconds(clip, device, EMULATED_DTYPE), "optimizer": compute_seconds(sgd, device, EMULATED_DTYPE)}
 
 
-def emulated_stages(cfg: Config, ntoken: int, device) -> list[dict]:
+def emulated_stages(cfg: Config, ntoken: int, node) -> list[dict]:
     """Per stage of the emulated model, cut into `cfg.pipe` stages by `cfg.partition` as the real
-    one is: its parameters and the modelled seconds on `device` of its F, I, W and B on one
-    micro-batch (`cfg.emulated_columns` x `cfg.bptt` tokens), counted on the meta device, and of its
-    clipping and SGD step."""
+    one is: its parameters, the modelled seconds on `node`'s device of its F, I, W and B (= I + W,
+    as the simulator prices it; the last stage with its loss) on one micro-batch of
+    `cfg.emulated_columns` x `cfg.bptt` tokens, counted on the meta device by lesson 06's
+    `pipeline.emulated.emulated_stages`, and of its clipping and SGD step (`update_seconds`)."""
     key = (cfg.emulated_emsize, cfg.emulated_nhid, cfg.emulated_nhead, cfg.emulated_nlayers, cfg.emulated_columns,
-           cfg.bptt, cfg.pipe, cfg.partition, ntoken, device.name)
+           cfg.bptt, cfg.pipe, cfg.partition, ntoken, node.device.name)
     if key not in _COUNTED:  # the notebook asks more than once: count once
         model = emulated_model(cfg, ntoken)
-        parts = partition_layers(list(model), cfg.pipe, cfg.partition)
+        stages = stages_of(model, partition_layers(list(model), cfg.pipe, cfg.partition))
+        ids = torch.zeros(cfg.emulated_columns, cfg.bptt, dtype=torch.long, device="meta")
+        counted = count_stages(stages, ids, lm_loss, node, EMULATED_DTYPE, optimizer="sgd")
         rows = []
-        for s, stage in enumerate(stages_of(model, parts)):
-            shape = (cfg.emulated_columns, cfg.bptt)
-            example = (torch.zeros(shape, dtype=torch.long, device="meta") if s == 0  # token ids
-                       else torch.empty(*shape, cfg.emulated_emsize, device="meta"))
+        for s, stage in enumerate(stages):
             params = sum(p.numel() for p in stage.parameters())
-            rows.append({"stage": s, "parameters": params, **stage_seconds(stage, example, device, EMULATED_DTYPE),
-                         **update_seconds(params, device)})
+            rows.append({"stage": s, "parameters": params, **counted[s].seconds, **update_seconds(params, node.device)})
         _COUNTED[key] = rows
     return copy.deepcopy(_COUNTED[key])
 
@@ -315,7 +315,7 @@ def emulated_stage_table(cfg: Config, ntoken: int) -> list[dict]:
     real = stages_of(model, partition_layers(list(model), cfg.pipe, cfg.partition))
     activation = cfg.batch_size // (cfg.data * cfg.num_microbatches) * cfg.bptt * cfg.emsize * 4  # float32, one micro-batch
     rows = []
-    for r, stage in zip(emulated_stages(cfg, ntoken, parse_node(cfg.emulate).device), real):
+    for r, stage in zip(emulated_stages(cfg, ntoken, parse_node(cfg.emulate)), real):
         scale = r["parameters"] * EMULATED_ITEMSIZE / sum(p.numel() * p.element_size() for p in stage.parameters())
         rows.append({"stage": r["stage"], "parameters": f"{r['parameters'] / 1e6:,.0f} M",
                      "F (ms per micro-batch)": f"{r['F'] * 1e3:.2f}", "B (ms)": f"{r['B'] * 1e3:.2f}",
@@ -333,26 +333,27 @@ def emulate_stage(ctx: RankContext, cfg: Config, ntoken: int, stage: int, real: 
     message, lasts what it would. None elsewhere."""
     if ctx.emulator is None:
         return None
-    row = (cfg.stage_costs or emulated_stages(cfg, ntoken, ctx.emulator.node.device))[stage]
+    row = (cfg.stage_costs or emulated_stages(cfg, ntoken, ctx.emulator.node))[stage]
     real_bytes = sum(p.numel() * p.element_size() for p in real.parameters())
     ctx.emulator.scale_messages(row["parameters"] * EMULATED_ITEMSIZE, real_bytes)
     return row
 
 
-def one_device_seconds(cfg: Config, ntoken: int, device) -> float:
-    """Modelled seconds of one training step on ONE emulated `device`: the whole emulated model's
-    forward and backward on the whole step's columns (every replica's micro-batches at once),
-    then clipping and the SGD step over all its parameters. No messages: nothing to send."""
+def one_device_seconds(cfg: Config, ntoken: int, node) -> float:
+    """Modelled seconds of one training step on ONE emulated device of `node`: the whole emulated
+    model's forward and backward with its loss on the whole step's columns (every replica's
+    micro-batches at once), then clipping and the SGD step over all its parameters. No messages:
+    nothing to send."""
     model = emulated_model(cfg, ntoken)
-    columns = cfg.data * cfg.num_microbatches * cfg.emulated_columns
-    seconds = stage_seconds(model, torch.zeros(columns, cfg.bptt, dtype=torch.long, device="meta"), device, EMULATED_DTYPE)
-    update = update_seconds(sum(p.numel() for p in model.parameters()), device)
+    ids = torch.zeros(cfg.data * cfg.num_microbatches * cfg.emulated_columns, cfg.bptt, dtype=torch.long, device="meta")
+    seconds = count_stages([model], ids, lm_loss, node, EMULATED_DTYPE, optimizer="sgd")[0].seconds
+    update = update_seconds(sum(p.numel() for p in model.parameters()), node.device)
     return seconds["F"] + seconds["B"] + update["clip"] + update["optimizer"]
 
 
 def one_device_tokens_per_second(cfg: Config, ntoken: int) -> float:
     """Tokens/s of one emulated device of `cfg.emulate`'s node training the whole model alone."""
-    return cfg.step_tokens(emulated=True) / one_device_seconds(cfg, ntoken, parse_node(cfg.emulate).device)
+    return cfg.step_tokens(emulated=True) / one_device_seconds(cfg, ntoken, parse_node(cfg.emulate))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -566,7 +567,7 @@ def train(cfg: Config, corpus: Corpus, progress: bool = True) -> LMRun:
     recipe whose stages will not fit in memory before starting any."""
     cfg = replace(cfg, corpus=corpus, progress=None)  # checks the memory, before any process starts
     if cfg.emulate is not None:  # counted once here, not on every rank
-        cfg = replace(cfg, stage_costs=emulated_stages(cfg, len(corpus.vocab), parse_node(cfg.emulate).device))
+        cfg = replace(cfg, stage_costs=emulated_stages(cfg, len(corpus.vocab), parse_node(cfg.emulate)))
     with progress_bar(cfg.batches(corpus), f"{cfg.pipe} x {cfg.data} grid") if progress else nullcontext() as path:
         return experiments.run(worker, replace(cfg, progress=path), gather)
 
@@ -773,7 +774,7 @@ def emulated_step(cfg: Config, vocab_size: int) -> dict:
     the schedule played by the simulator with each stage's modelled F and B (free messages), the
     slowest stage's clipping and SGD step, and each stage's gradient bytes (what its data-parallel
     all-reduce carries)."""
-    stages = emulated_stages(cfg, vocab_size, parse_node(cfg.emulate).device)
+    stages = emulated_stages(cfg, vocab_size, parse_node(cfg.emulate))
     costs = Costs(per_stage={r["stage"]: (r["F"] * 1e3, r["B"] * 1e3, 0.0) for r in stages})  # whole backwards
     sim = simulate(make_schedule(cfg.schedule, cfg.pipe, cfg.num_microbatches), costs)
     return {"schedule_s": sim.makespan_ms / 1e3, "bubble": sim.bubble_fraction,
