@@ -27,8 +27,8 @@ import torch
 from pipelab import hardware
 from pipelab.data import load_corpus
 from pipelab.display import format_table
-from pipelab.experiments.capstone import (LOSS_TOLERANCE, Config, baseline_tokens_per_second, single_process_losses, train,
-                                          train_one_process)
+from pipelab.experiments.capstone import (LOSS_TOLERANCE, Config, baseline_tokens_per_second, emulated_size,
+                                          single_process_losses, train, train_one_process)
 from pipelab.measure import Measured, alternate, ratios
 
 
@@ -48,7 +48,7 @@ def main() -> None:
     cfg = Config(emsize=args.emsize, nhid=args.nhid, nlayers=args.nlayers, pipe=args.pipe, data=args.data,
                  num_microbatches=args.num_microbatches, schedule=args.schedule, max_batches=args.batches,
                  log_interval=max(1, args.batches // 5), timeout=900, emulate=args.emulate)
-    print(hardware.describe(cfg.world_size, args.emulate))
+    print(hardware.describe(cfg.world_size, args.emulate, size=emulated_size(cfg) if args.emulate else None))
     corpus = load_corpus()
     if args.emulate:
         emulated(cfg, corpus)
