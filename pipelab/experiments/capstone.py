@@ -630,32 +630,40 @@ def single_process_losses(corpus: Corpus, cfg: Config, steps: int, device=None) 
         return [float(loss) for loss in sgd_steps(model, opt, train_ids, cfg, windows(train_ids, cfg.bptt, steps))]
 
 
-def train_one_process(corpus: Corpus, cfg: Config, steps: int, device=None) -> float:
-    """Tokens/s of `steps` training steps of the whole model on this process, after one step of
-    warm-up: on `device` (default `reference_device()`: the first GPU when there is one, timed to
-    the end of its queued work), else on one CPU thread, as a worker computes."""
+def one_process_rates(corpus: Corpus, cfg: Config, steps: int, repeats: int, device=None) -> list[float]:
+    """Tokens/s of `repeats` runs of `steps` training steps of the whole model on this process,
+    after one step of warm-up, the model built once: on `device` (default `reference_device()`:
+    the first GPU when there is one, timed to the end of its queued work), else on one CPU thread,
+    as a worker computes."""
     device = torch.device(device) if device is not None else reference_device()
     model = cfg.model(len(corpus.vocab)).to(device)
     opt = torch.optim.SGD(model.parameters(), lr=cfg.lr)
     train_ids = batchify(corpus.train, cfg.batch_size)
     starts = windows(train_ids, cfg.bptt, steps + 1)
-    threads = torch.get_num_threads()
+    threads, rates = torch.get_num_threads(), []
     if device.type == "cpu":
         torch.set_num_threads(1)
     try:
         sgd_steps(model, opt, train_ids, cfg, starts[:1])  # warm-up: first allocations, kernel choices
-        hardware.synchronize(device)
-        start = time.perf_counter()
-        sgd_steps(model, opt, train_ids, cfg, starts[1:])
-        hardware.synchronize(device)  # a GPU's clock stops when its queued kernels end, not when they are launched
-        return (len(starts) - 1) * cfg.batch_size * cfg.bptt / (time.perf_counter() - start)
+        for _ in range(repeats):
+            hardware.synchronize(device)
+            start = time.perf_counter()
+            sgd_steps(model, opt, train_ids, cfg, starts[1:])
+            hardware.synchronize(device)  # a GPU's clock stops when its queued kernels end, not when they are launched
+            rates.append((len(starts) - 1) * cfg.batch_size * cfg.bptt / (time.perf_counter() - start))
+        return rates
     finally:
         torch.set_num_threads(threads)
 
 
+def train_one_process(corpus: Corpus, cfg: Config, steps: int, device=None) -> float:
+    """Tokens/s of `steps` training steps of the whole model on this process (`one_process_rates`, once)."""
+    return one_process_rates(corpus, cfg, steps, 1, device)[0]
+
+
 def one_process_tokens_per_second(corpus: Corpus, cfg: Config) -> Measured:
-    """`train_one_process` repeated: tokens/s of each of `cfg.speed_repeats` runs of `cfg.speed_steps` steps."""
-    return Measured.of(train_one_process(corpus, cfg, cfg.speed_steps) for _ in range(cfg.speed_repeats))
+    """Tokens/s of each of `cfg.speed_repeats` runs of `cfg.speed_steps` steps (`one_process_rates`)."""
+    return Measured.of(one_process_rates(corpus, cfg, cfg.speed_steps, cfg.speed_repeats))
 
 
 def baseline_tokens_per_second(corpus: Corpus, cfg: Config) -> Measured:
@@ -862,7 +870,7 @@ def run_flops(cfg: Config, vocab: int, train_tokens: int, valid_tokens: int) -> 
     step = forward.flops + grad_in.flops + grad_w.flops
     train_windows = len(windows(torch.empty(train_tokens // cfg.batch_size, 0), cfg.bptt, cfg.max_batches))
     log_lines = -(-train_windows // cfg.log_interval)  # a validation every log_interval windows and at the end
-    steps = cfg.epochs * train_windows + cfg.speed_repeats * (cfg.speed_steps + 1) + cfg.check_steps + cfg.timeline_steps
+    steps = cfg.epochs * train_windows + cfg.speed_repeats * cfg.speed_steps + 1 + cfg.check_steps + cfg.timeline_steps
     valid = count(model, torch.zeros(cfg.eval_batch_size, cfg.bptt, dtype=torch.long, device="meta")).flops
     valid_windows = len(range(0, valid_tokens // cfg.eval_batch_size - 1, cfg.bptt))
     return steps * step + (cfg.epochs * log_lines + 1) * valid_windows * valid + forward.flops
