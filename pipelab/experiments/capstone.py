@@ -285,7 +285,7 @@ def emulated_stages(cfg: Config, ntoken: int, node) -> list[dict]:
     """Per stage of the emulated model, cut into `cfg.pipe` stages by `cfg.partition` as the real
     one is: its parameters, the modelled seconds on `node`'s device of its F, I, W and B (= I + W,
     as the simulator prices it; the last stage with its loss) on one micro-batch of
-    `cfg.emulated_columns` x `cfg.bptt` tokens, counted on the meta device by lesson 06's
+    `cfg.emulated_columns` x `cfg.bptt` tokens, counted on the meta device by the pipeline lessons'
     `pipeline.emulated.emulated_stages`, and of its clipping and SGD step (`update_seconds`)."""
     key = (cfg.emulated_emsize, cfg.emulated_nhid, cfg.emulated_nhead, cfg.emulated_nlayers, cfg.emulated_columns,
            cfg.bptt, cfg.pipe, cfg.partition, ntoken, node.device.name)
