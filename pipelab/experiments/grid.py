@@ -673,8 +673,9 @@ def cores_contrast(on_cores: Sequence[GridRun], emulated: Sequence[GridRun], cor
         verdict = "cores shared"
         text += (f"Here {world} processes share {cores} cores: while one waits in its pipeline's bubble or for an "
                  "all-reduce, another computes on its core, so the bubbles and the hidden all-reduces that separate the "
-                 f"layouts on {world} devices cannot show, and the load of the machine moves every step. On the node each "
-                 "process has a device of its own, idle in its bubble, and a clock no load can move.")
+                 f"layouts on {world} devices are not what orders them here: the messages, the overheads and the "
+                 "machine's load are, and the load moves every step. On the node each process has a device of its own, "
+                 "idle in its bubble, and a clock no load can move.")
     else:
         verdict = "same order" if same else "different order"
         text += (f"Each of the {world} processes had a core of its own, as on the node, but a CPU core computes far "
