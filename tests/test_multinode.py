@@ -2,7 +2,7 @@
 starting one worker with `python -m pipelab.launch MODULE:FUNCTION`, exactly as two hosts would
 (`--nnodes 2 --node-rank 0|1 --master-addr ...`). The lesson workers they run (lesson 01's DDP
 step, lesson 06's GPipe step) must compute what `spawn` computes on the same inputs; lesson 05's
-cell runs its worker through `launch.torchrun_nodes` (a c10d rendezvous), which must also stop
+cell runs its worker through `nodes.torchrun_nodes` (a c10d rendezvous), which must also stop
 both nodes at once when one fails.
 
 The targets live in tests/multinode_targets.py; the torchrun processes find it on PYTHONPATH.
@@ -182,18 +182,18 @@ def test_gpipe_step_on_two_nodes_equals_spawn(tmp_path):
 
 def test_lesson_05_s_worker_on_two_c10d_nodes_equals_one_process():
     """Lesson 05's cell: part 1's worker on two torchrun nodes meeting at a c10d rendezvous on
-    127.0.0.1 (`launch.torchrun_nodes`): both wrappers compute what one process computes."""
-    from pipelab import launch
+    127.0.0.1 (`nodes.torchrun_nodes`): both wrappers compute what one process computes."""
+    from pipelab import nodes
     from pipelab.experiments import hybrid
 
-    per_rank = launch.torchrun_nodes("pipelab.experiments.hybrid:on_nodes", nnodes=NODES, timeout=TIMEOUT_S)
+    per_rank = nodes.torchrun_nodes("pipelab.experiments.hybrid:on_nodes", nnodes=NODES, timeout=TIMEOUT_S)
     cfg = hybrid.toy_config(NODES, steps=hybrid.NODE_STEPS)
     runs = hybrid.gather(cfg, per_rank)
     assert set(runs) == {"bucketed", "torch"}
     for run in runs.values():
         assert len(run.losses) == hybrid.NODE_STEPS
         assert_same(run, hybrid.reference(cfg))
-    command = launch.torchrun_command("m:f", 2, 1, "10.0.0.1:29500")
+    command = nodes.torchrun_command("m:f", 2, 1, "10.0.0.1:29500")
     assert command[:3] == TORCHRUN and command[command.index("--node-rank") + 1] == "1"
     assert command[command.index("--rdzv-endpoint") + 1] == "10.0.0.1:29500" and command[-2:] == ["pipelab.launch", "m:f"]
 
@@ -201,16 +201,16 @@ def test_lesson_05_s_worker_on_two_c10d_nodes_equals_one_process():
 def test_torchrun_nodes_stops_both_nodes_when_one_fails_and_leaves_nothing_behind(tmp_path, monkeypatch):
     """A target that does not exist fails on both nodes: a RuntimeError with both logs, well before
     the timeout, and no process of the run left (their environment names the run's folder)."""
-    from pipelab import launch
+    from pipelab import nodes
 
     folders = []
-    real = launch.tempfile.mkdtemp
-    monkeypatch.setattr(launch.tempfile, "mkdtemp", lambda **kw: folders.append(real(dir=tmp_path, **kw)) or folders[-1])
+    real = nodes.tempfile.mkdtemp
+    monkeypatch.setattr(nodes.tempfile, "mkdtemp", lambda **kw: folders.append(real(dir=tmp_path, **kw)) or folders[-1])
     started = time.monotonic()
     with pytest.raises(RuntimeError, match=r"(?s)failed \(exit codes.*--- node 0 ---.*no_such_worker.*--- node 1 ---"):
-        launch.torchrun_nodes("pipelab.experiments.hybrid:no_such_worker", nnodes=NODES, timeout=TIMEOUT_S)
+        nodes.torchrun_nodes("pipelab.experiments.hybrid:no_such_worker", nnodes=NODES, timeout=TIMEOUT_S)
     assert time.monotonic() - started < TIMEOUT_S / 2
-    marker = f"{launch.NODES_OUT}={folders[0]}"
+    marker = f"{nodes.NODES_OUT}={folders[0]}"
     assert not _processes_of_marker(marker) and not os.path.exists(folders[0])
 
 

@@ -156,10 +156,10 @@ NODE_STEPS = 2  # SGD steps of the run on torchrun nodes
 
 
 def on_nodes(ctx: RankContext) -> str:
-    """Lesson 05's worker as a torchrun target: `launch.torchrun_nodes("pipelab.experiments.hybrid:on_nodes")`
+    """Lesson 05's worker as a torchrun target: `nodes.torchrun_nodes("pipelab.experiments.hybrid:on_nodes")`
     runs it on each node's process. It builds part 1's Config itself (`toy_config`, `NODE_STEPS`
-    steps), trains both wrappers, and hands the results back with `launch.save_node_result`."""
-    from pipelab.launch import save_node_result
+    steps), trains both wrappers, and hands the results back with `nodes.save_node_result`."""
+    from pipelab.nodes import save_node_result
 
     return save_node_result(ctx, worker(ctx, toy_config(ctx.world_size, steps=NODE_STEPS)))
 
