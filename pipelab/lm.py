@@ -4,7 +4,9 @@ layers, so that lesson 08's partitioning can cut it into pipeline stages.
 `TransformerLM(...)` is an `nn.Sequential`: a scaled token embedding, the sinusoidal positional
 encoding, `nlayers` encoder layers that each apply a causal mask (a token sees only the tokens
 before it), and a linear decoder to the vocabulary, initialised as the tutorial does
-(`init_weights`). Tokens go in batch first, (batch, seq).
+(`init_weights`). Tokens go in batch first, (batch, seq). Each layer initialises itself with its
+`reset_parameters()`, so the model can be built on the meta device and each rank make only its own
+stage real (`pipelab.build`).
 
 `clip_grad_norm_` clips the gradients of the *whole* model while each process holds one stage:
 the global norm is the square root of the sum of every stage's squared norm, so the squares are
@@ -28,6 +30,9 @@ from pipelab.pipeline.schedules import Schedule
 from pipelab.pipeline.simulate import simulate
 
 
+INITRANGE = 0.1  # the tutorial's: embedding and decoder weights uniform in +-0.1
+
+
 class ScaledEmbedding(nn.Module):
     """Token ids -> vectors, multiplied by sqrt(d_model) as in "Attention is all you need"."""
 
@@ -35,6 +40,11 @@ class ScaledEmbedding(nn.Module):
         super().__init__()
         self.embedding = nn.Embedding(ntoken, d_model)
         self.scale = math.sqrt(d_model)
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        """The tutorial's initialisation: uniform in +-0.1 (after, so in place of, nn.Embedding's)."""
+        nn.init.uniform_(self.embedding.weight, -INITRANGE, INITRANGE)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         return self.embedding(ids) * self.scale
@@ -45,12 +55,17 @@ class PositionalEncoding(nn.Module):
 
     def __init__(self, d_model: int, max_len: int = 5000):
         super().__init__()
-        position = torch.arange(max_len).unsqueeze(1)
-        div_term = torch.exp(torch.arange(0, d_model, 2) * (-math.log(10000.0) / d_model))
-        pe = torch.zeros(max_len, d_model)
-        pe[:, 0::2] = torch.sin(position * div_term)
-        pe[:, 1::2] = torch.cos(position * div_term)
-        self.register_buffer("pe", pe, persistent=False)
+        self.register_buffer("pe", torch.empty(max_len, d_model), persistent=False)
+        self.reset_parameters()
+
+    @torch.no_grad()
+    def reset_parameters(self) -> None:
+        """Compute the buffer (it is no weight: a rank that makes this layer real computes it)."""
+        max_len, d_model = self.pe.shape
+        position = torch.arange(max_len, device=self.pe.device).unsqueeze(1)
+        div_term = torch.exp(torch.arange(0, d_model, 2, device=self.pe.device) * (-math.log(10000.0) / d_model))
+        self.pe[:, 0::2] = torch.sin(position * div_term)
+        self.pe[:, 1::2] = torch.cos(position * div_term)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return x + self.pe[:x.shape[1]]
@@ -67,9 +82,15 @@ class CausalEncoderLayer(nn.TransformerEncoderLayer):
 class Decoder(nn.Linear):
     """The last layer: hidden vectors -> one logit per word of the vocabulary."""
 
+    def reset_parameters(self) -> None:
+        """The tutorial's initialisation, in place of nn.Linear's: weight uniform in +-0.1, bias 0."""
+        nn.init.uniform_(self.weight, -INITRANGE, INITRANGE)
+        nn.init.zeros_(self.bias)
 
-def init_weights(model: nn.Sequential, initrange: float = 0.1) -> None:
-    """The tutorial's initialisation: embedding and decoder weights uniform in +-0.1, decoder bias 0.
+
+def init_weights(model: nn.Sequential, initrange: float = INITRANGE) -> None:
+    """The tutorial's initialisation: embedding and decoder weights uniform in +-0.1, decoder bias 0
+    (what `ScaledEmbedding` and `Decoder` do when they are built, and in `reset_parameters()`).
 
     Width matters with it: after the encoder's last LayerNorm a hidden vector has length about
     sqrt(emsize), so a logit starts with a spread of about 0.1 / sqrt(3) x sqrt(emsize) (0.46 at
@@ -93,9 +114,7 @@ def TransformerLM(ntoken: int, emsize: int = 64, nhead: int = 2, nhid: int = 128
         raise ValueError(f"emsize={emsize} must be a multiple of nhead={nhead} (each head gets emsize/nhead)")
     layers = [ScaledEmbedding(ntoken, emsize), PositionalEncoding(emsize)]
     layers += [CausalEncoderLayer(emsize, nhead, nhid, dropout, batch_first=True) for _ in range(nlayers)]
-    model = nn.Sequential(*layers, Decoder(emsize, ntoken))
-    init_weights(model)
-    return model
+    return nn.Sequential(*layers, Decoder(emsize, ntoken))  # each layer initialised as `init_weights` does
 
 
 def lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
@@ -152,7 +171,8 @@ def stage_memory(model: nn.Sequential, parts: list[int], schedule: Schedule, tok
     state (`optimizer_states` tensors per parameter: plain SGD 0, momentum 1, Adam 2), and the
     activations of one micro-batch of `tokens` tokens times the most micro-batches the schedule
     keeps stashed at once on that stage's rank (`simulate(schedule).peak_stash`, lesson 07). With
-    `host_copy` (processes on CPU) each process also holds the whole model it cut its stage from.
+    `host_copy` the last stage's process also holds the whole model (it gathers the stages' weights
+    to validate); the others build the model on the meta device and hold their own stage only.
     `model` may live on the "meta" device: only sizes are read."""
     peaks = simulate(schedule).peak_stash
     whole = sum(p.numel() * p.element_size() for p in model.parameters())
@@ -163,7 +183,7 @@ def stage_memory(model: nn.Sequential, parts: list[int], schedule: Schedule, tok
         stash = peaks[schedule.rank_of(s)]
         row = {"stage": s, "layers": f"{parts[s]}-{parts[s + 1] - 1}", "parameters": params, "gradients": params,
                "optimizer": optimizer_states * params, "activations/mb": per_microbatch, "peak stash": stash,
-               "activations": per_microbatch * stash, "model copy": whole if host_copy else 0}
+               "activations": per_microbatch * stash, "model copy": whole if host_copy and s == len(parts) - 2 else 0}
         row["total"] = sum(v for k, v in row.items() if k not in ("stage", "layers", "activations/mb", "peak stash"))
         rows.append(row)
     return rows

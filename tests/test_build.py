@@ -167,3 +167,43 @@ def test_a_meta_grid_trains_like_one_process():
     cfg = grid.Config(model=model, x=x, y=y, layouts=(grid.Layout(2, 1, 2),), steps=1, rounds=1)
     [run] = experiments.run(grid.worker, cfg, grid.gather)
     assert_same(run, grid.reference(cfg, steps=len(run.losses)))
+
+
+# --- lesson 10: each process of the grid makes its own stage of the Transformer LM ---------------
+
+def lm_stage_worker(ctx: RankContext, cfg) -> dict:
+    """This process's trainer, as lesson 10's worker builds it: what it holds real, by name."""
+    from pipelab.experiments.capstone import GridTrainer
+
+    trainer = GridTrainer(ctx, cfg, cfg.corpus)
+    real = {n: p for n, p in trainer.stage.named_parameters()}
+    return {"stage": trainer.place.rank, "whole_is_meta": all(p.is_meta for p in trainer.model.parameters()),
+            "names": sorted(real), "bytes": sum(p.numel() * p.element_size() for p in real.values()),
+            "sums": {n: float(p.detach().double().sum()) for n, p in real.items()}}
+
+
+def test_lesson_10_sends_no_weights_and_each_process_holds_its_stage_only():
+    """At emsize 1024, 4 layers (about 140 MB of weights): the config the processes receive
+    pickles to a few kB besides the corpus, each process's model stays on meta, and its stage holds
+    exactly that stage's parameters, with the weights of the whole model built in one process."""
+    from dataclasses import replace
+
+    from pipelab.data import load_corpus
+    from pipelab.experiments.capstone import Config
+    from pipelab.lm import stages_of
+    from pipelab.pipeline.partition import partition_layers
+
+    corpus = load_corpus(max_lines=200)
+    cfg = replace(Config(emsize=1024, nhead=8, nhid=1024, nlayers=4, pipe=2, data=1, batch_size=4,
+                         num_microbatches=2), corpus=corpus)
+    assert len(cloudpickle.dumps(cfg)) - len(cloudpickle.dumps(corpus)) < 8 * 1024  # the recipe, no weights
+    whole = cfg.model(len(corpus.vocab))
+    total = sum(p.numel() * p.element_size() for p in whole.parameters())
+    stages = stages_of(whole, partition_layers(list(whole), cfg.pipe, cfg.partition))
+    ranks = sorted(experiments.run(lm_stage_worker, cfg), key=lambda r: r["stage"])
+    for got, stage in zip(ranks, stages):
+        want = dict(stage.named_parameters())
+        assert got["whole_is_meta"] and got["names"] == sorted(want)
+        assert got["bytes"] == sum(p.numel() * p.element_size() for p in want.values()) < 0.75 * total
+        for name, p in want.items():  # the same weights as the whole model built in one process
+            assert got["sums"][name] == pytest.approx(float(p.detach().double().sum()), rel=1e-9, abs=1e-9)

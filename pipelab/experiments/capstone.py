@@ -4,10 +4,12 @@
     run = capstone.train(cfg, load_corpus())  # refuses a recipe that will not fit, then the grid trains
 
 `train` starts pipe x data processes (`experiments.run(worker, cfg, gather)`). Each finds its place
-with lesson 05's `grid_place`, builds the whole model from the seed, keeps its stage
-(`partition_layers`), and for every `bptt` window of its replica's columns runs `run_grid_step`
-(the schedule, plus the data-parallel all-reduce of its stage), clips with the global norm over
-its pipeline, and steps SGD. The last stage of the first pipeline writes the tutorial's log line
+with lesson 05's `grid_place`, builds the whole model on the meta device (shapes, no storage),
+cuts it (`partition_layers`) and makes only its own stage real (`pipelab.build`: the weights the
+seed gives that stage in the whole model, so a process's memory follows its stage), and for
+every `bptt` window of its replica's columns runs `run_grid_step` (the schedule, plus the
+data-parallel all-reduce of its stage), clips with the global norm over its pipeline, and steps
+SGD. The last stage of the first pipeline writes the tutorial's log line
 and its progress to a small file that a bar in the caller's process follows; validation uses the
 whole model, gathered from the stages of the first pipeline, and the right normalisation. Before
 any process starts, `memory_plan` estimates each stage's memory and a recipe that does not fit is
@@ -36,7 +38,7 @@ import torch
 import torch.distributed as dist
 
 from pipelab import experiments, hardware
-from pipelab.build import materialize
+from pipelab.build import is_meta, materialize, on_meta
 from pipelab.checks import positive_number, whole_number
 from pipelab.data import Corpus, batchify, data_columns, get_batch
 from pipelab.display import conclude, human_bytes
@@ -137,10 +139,13 @@ class Config(experiments.Config):
         if self.corpus is not None:
             check_memory(self, len(self.corpus.vocab))
 
-    def model(self, ntoken: int):
-        """The model of this recipe for a vocabulary of `ntoken` words, its weights from the seed."""
-        torch.manual_seed(self.seed)
-        return TransformerLM(ntoken, self.emsize, self.nhead, self.nhid, self.nlayers, self.dropout)
+    def model(self, ntoken: int, meta: bool = False):
+        """The model of this recipe for a vocabulary of `ntoken` words, its weights from the seed:
+        built on the meta device with `meta` (shapes, no storage: a rank makes its own stage real),
+        else real and whole (one process: the baseline, the reference), the same weights either way."""
+        model = on_meta(lambda: TransformerLM(ntoken, self.emsize, self.nhead, self.nhid, self.nlayers, self.dropout),
+                        seed=self.seed)
+        return model if meta else materialize(model)
 
     def microbatch_tokens(self) -> int:
         """Tokens in one micro-batch of one replica: its columns x bptt."""
@@ -239,16 +244,28 @@ def tutorial_evaluate_table(figures: dict) -> list[dict]:
                                     f"{f['right, same windows']:.1f} ({f['windows scored']} windows), {f['right']:.1f} (all {f['windows']})")}]
 
 
-def gather_model(model, stage, group):
-    """The whole model, its stages' weights gathered from the pipeline `group` (every stage calls)."""
+def gather_model(model, stage, group, keep: bool = True):
+    """The whole model, its stages' weights gathered from the pipeline `group` (every stage calls;
+    only where `keep` is the model loaded, elsewhere None: the others hold their stage only)."""
     pieces = [None] * (dist.get_world_size(group) if group is not None else 1)
     mine = {k: v.detach().cpu() for k, v in stage.state_dict().items()}
     if group is not None:
         dist.all_gather_object(pieces, mine, group=group)
     else:
         pieces = [mine]
-    model.load_state_dict({k: v for piece in pieces for k, v in piece.items()})
-    return model
+    return load_whole(model, pieces) if keep else None
+
+
+def load_whole(model, pieces: Sequence[dict]):
+    """`model` (real, or built on the meta device) with the stages' weights `pieces` loaded. A meta
+    model takes the tensors as its own (`assign=True`: no second copy), and `materialize` computes
+    what no state dict holds (the positional encoding's buffer)."""
+    state = {k: v for piece in pieces for k, v in piece.items()}
+    if not is_meta(model):
+        model.load_state_dict(state)
+        return model
+    model.load_state_dict(state, assign=True)
+    return materialize(model)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -310,8 +327,7 @@ def emulated_stage_table(cfg: Config, ntoken: int) -> list[dict]:
     how its messages are timed. One factor scales all of a rank's messages (`emulate_stage`): the
     gradients' (exact for the all-reduce), so an activation sent between stages is timed at its
     real bytes times that factor, beside its size at the emulated size."""
-    with torch.device("meta"):  # the real model's stages, as the ranks cut them: sizes only
-        model = cfg.model(ntoken)
+    model = cfg.model(ntoken, meta=True)  # the real model's stages, as the ranks cut them: sizes only
     real = stages_of(model, partition_layers(list(model), cfg.pipe, cfg.partition))
     activation = cfg.batch_size // (cfg.data * cfg.num_microbatches) * cfg.bptt * cfg.emsize * 4  # float32, one micro-batch
     rows = []
@@ -379,7 +395,7 @@ class GridTrainer:
         self.place = grid_place(ctx, topology)
         self.pipe_group = self.place.groups["pipe"]
         self.replica = topology.get_coord(ctx.rank).data
-        self.model = cfg.model(len(corpus.vocab))
+        self.model = cfg.model(len(corpus.vocab), meta=True)  # shapes only: the whole model is never real here
         self.parts = partition_layers(list(self.model), cfg.pipe, cfg.partition)
         stages = stages_of(self.model, self.parts)
         self.stage = materialize(copy.deepcopy(stages[self.place.rank]), ctx.device)  # on meta: this stage only
@@ -412,8 +428,8 @@ class GridTrainer:
     def validate(self) -> float | None:
         """Valid perplexity of the whole model, on the first pipeline's last stage (None elsewhere),
         computed on that process's device (its GPU on a GPU node)."""
-        model = gather_model(self.model, self.stage, self.pipe_group)
-        if not self.logger:
+        model = gather_model(self.model, self.stage, self.pipe_group, keep=self.logger)  # real on the logger only
+        if model is None:
             return None
         valid = batchify(self.corpus.valid, self.cfg.eval_batch_size)
         return perplexity(window_losses(model.to(self.ctx.device), valid, self.cfg.bptt))
@@ -518,9 +534,9 @@ class LMRun(TimedSteps):
         return Measured.of(rates[1:] if len(rates) > 1 else rates)
 
     def load_into(self, model):
-        """Load the stages' weights into one unsplit model: the model the pipeline trained."""
-        model.load_state_dict({k: v for w in self.weights for k, v in w.items()})
-        return model
+        """Load the stages' weights into one unsplit model (real, or built on the meta device): the
+        model the pipeline trained."""
+        return load_whole(model, self.weights)
 
 
 def gather(cfg: Config, results: Sequence[Result]) -> LMRun:
@@ -546,13 +562,12 @@ def available_memory(world_size: int) -> tuple[int | None, str]:
 
 def memory_plan(cfg: Config, ntoken: int) -> list[dict]:
     """`lm.stage_memory` for this recipe: the model built on the "meta" device (sizes, no memory),
-    cut as the workers cut it, with the schedule's peak stash; SGD keeps no optimizer state."""
-    with torch.device("meta"):
-        model = cfg.model(ntoken)
+    cut as the workers cut it, with the schedule's peak stash; SGD keeps no optimizer state. The
+    last stage's process also holds the whole model when it validates (on its device)."""
+    model = cfg.model(ntoken, meta=True)
     parts = partition_layers(list(model), cfg.pipe, cfg.partition)
     schedule = make_schedule(cfg.schedule, cfg.pipe, cfg.num_microbatches)
-    on_cpu = hardware.choose_backend(cfg.world_size) != "nccl"
-    return stage_memory(model, parts, schedule, cfg.microbatch_tokens(), optimizer_states=0, host_copy=on_cpu)
+    return stage_memory(model, parts, schedule, cfg.microbatch_tokens(), optimizer_states=0, host_copy=True)
 
 
 def check_memory(cfg: Config, ntoken: int) -> None:
