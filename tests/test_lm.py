@@ -19,6 +19,7 @@ from pipelab.lm import TransformerLM, check_fits, clip_grad_norm_, generate, lm_
 from pipelab.pipeline.partition import partition_layers
 from pipelab.pipeline.schedules import make_schedule
 from pipelab.progress import ProgressFile, progress_bar
+from pipelab.reference import exact_fp32
 from pipelab.worker import RankContext
 
 
@@ -156,7 +157,7 @@ def test_equality_checks_run_without_tf32_and_the_reference_is_on_the_grids_devi
     torch.backends.cuda.matmul.allow_tf32 = True
     torch.set_float32_matmul_precision("high")
     try:
-        with capstone.exact_float32():
+        with exact_fp32():
             assert not torch.backends.cuda.matmul.allow_tf32 and not torch.backends.cudnn.allow_tf32
             assert torch.get_float32_matmul_precision() == "highest"
         assert torch.backends.cuda.matmul.allow_tf32 and torch.get_float32_matmul_precision() == "high"  # restored

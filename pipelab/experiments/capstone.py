@@ -30,7 +30,7 @@ from __future__ import annotations
 import copy
 import math
 import time
-from contextlib import contextmanager, nullcontext
+from contextlib import nullcontext
 from dataclasses import dataclass, field, replace
 from typing import Sequence
 
@@ -50,6 +50,7 @@ from pipelab.measure import Measured, RankSteps, Steps, TimedSteps, compare_medi
 from pipelab.pipeline.p2p import message_specs
 from pipelab.pipeline.emulated import emulated_stages as count_stages
 from pipelab.pipeline.partition import partition_layers
+from pipelab.reference import exact_fp32
 from pipelab.pipeline.schedules import make_schedule
 from pipelab.pipeline.simulate import Costs, simulate
 from pipelab.progress import ProgressFile, progress_bar
@@ -483,7 +484,7 @@ class Result:
 def worker(ctx: RankContext, cfg: Config) -> Result:
     """Worker: train for `cfg.epochs` on `cfg.corpus`; then time `cfg.timeline_steps` steps on a copy (the Gantt)."""
     torch.set_num_threads(1)
-    with exact_float32():  # on a GPU, full float32 products: the losses are compared with one process's
+    with exact_fp32():  # on a GPU, full float32 products: the losses are compared with one process's
         trainer = GridTrainer(ctx, cfg, cfg.corpus, cfg.progress)
         log = TrainingLog()
         start = ctx.now()
@@ -602,21 +603,6 @@ def reference_device() -> torch.device:
     return torch.device("cuda:0") if torch.cuda.is_available() else torch.device("cpu")
 
 
-@contextmanager
-def exact_float32():
-    """Full float32 matrix products for the block (TF32 off in cuBLAS and cuDNN), restored after:
-    the grid's losses are compared with one process's to `LOSS_TOLERANCE`, which TF32 would exceed.
-    A no-op for the math on a CPU, which has no TF32."""
-    saved = (torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32, torch.get_float32_matmul_precision())
-    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
-    torch.set_float32_matmul_precision("highest")
-    try:
-        yield
-    finally:
-        torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = saved[:2]
-        torch.set_float32_matmul_precision(saved[2])
-
-
 def sgd_steps(model, opt, source: torch.Tensor, cfg: Config, starts: Sequence[int]) -> list[torch.Tensor]:
     """One process's training steps on the windows at rows `starts` of `source`: the model's loss,
     its backward, clipping with the whole model's norm, SGD. The losses, left on the model's device."""
@@ -641,7 +627,7 @@ def single_process_losses(corpus: Corpus, cfg: Config, steps: int, device=None) 
     model = cfg.model(len(corpus.vocab)).to(device)
     opt = torch.optim.SGD(model.parameters(), lr=cfg.lr)
     train_ids = batchify(corpus.train, cfg.batch_size)
-    with exact_float32():
+    with exact_fp32():
         return [float(loss) for loss in sgd_steps(model, opt, train_ids, cfg, windows(train_ids, cfg.bptt, steps))]
 
 
