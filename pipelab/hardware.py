@@ -210,19 +210,22 @@ def describe(world_size: int = 2, emulate: str | None = None, size: str | None =
     `size` (e.g. "16 layers of width 8192, micro-batches of 4096 rows in bfloat16"), at which size."""
     hw = detect()
     if emulate is not None:
-        from pipelab.emulate.specs import parse_node
-
-        node = parse_node(emulate)
-        at = f" at the emulated size: {size}" if size else ""
-        path = (f"Emulated node: {world_size} ranks as {node} (real processes, real math and real gloo messages "
-                f"on this machine's CPU; each operation's time modelled from the device and link data sheets{at})")
-        return f"{path} | {_machine(hw)} | torch {hw.torch_version}"
+        return _emulated(f"{world_size} ranks as", "real processes, real math and real gloo messages", emulate, size, hw)
     backend = choose_backend(world_size)
     if backend == "nccl":
         path = f"GPU path: {world_size} ranks on cuda:0..{world_size - 1} with NCCL"
     else:
         path = f"CPU path: {world_size} ranks on CPU with gloo, one thread each"
     return f"{path} | {_machine(hw)} | torch {hw.torch_version}"
+
+
+def _emulated(who: str, real: str, emulate: str, size: str | None, hw) -> str:
+    """The line of an emulated node: who runs as which node, what stays real, what is modelled."""
+    from pipelab.emulate.specs import parse_node
+
+    at = f" at the emulated size: {size}" if size else ""
+    return (f"Emulated node: {who} {parse_node(emulate)} ({real} on this machine's CPU; each operation's "
+            f"time modelled from the device and link data sheets{at}) | {_machine(hw)} | torch {hw.torch_version}")
 
 
 def describe_devices(n: int = 2, emulate: str | None = None, size: str | None = None) -> str:
@@ -232,13 +235,7 @@ def describe_devices(n: int = 2, emulate: str | None = None, size: str | None = 
     With `emulate` (a node name), the virtual devices are paced as that node's devices."""
     hw = detect()
     if emulate is not None:
-        from pipelab.emulate.specs import parse_node
-
-        node = parse_node(emulate)
-        at = f" at the emulated size: {size}" if size else ""
-        path = (f"Emulated node: one process drives {n} virtual devices paced as {node} (real math on this "
-                f"machine's CPU, each operation's time modelled from the device and link data sheets{at})")
-        return f"{path} | {_machine(hw)} | torch {hw.torch_version}"
+        return _emulated(f"one process drives {n} virtual devices paced as", "real math", emulate, size, hw)
     if hw.gpu_count >= n:
         path = f"GPU path: one process drives {n} GPUs (cuda:0..{n - 1}), a CUDA stream per stream"
     else:
