@@ -1,13 +1,36 @@
-"""ipywidgets explorers: move a slider, the lesson re-runs and redraws."""
+"""ipywidgets explorers: move a slider, the lesson re-runs and redraws.
+
+Each explorer writes its figure and text into its `Output` widget's state (`show_in`), never by
+capturing output with `with out:`. A capture makes a headless runner (nbclient, under papermill)
+play the front end: it sends the widget's new state back to the kernel on the shell socket while
+it waits on that socket for the cell's reply, and a reply that lands during that send can go
+unnoticed, leaving the run waiting on an idle kernel for ever.
+"""
 
 from __future__ import annotations
 
+import io
+
 import ipywidgets as widgets
 import matplotlib.pyplot as plt
+from IPython.display import Image
 
 from pipelab import plots
 from pipelab.experiments.model_parallel import Config, Forward, SweepRun, speedup, time_forwards
 from pipelab.plots.model_parallel import speedup_curve
+
+
+def show_in(out: widgets.Output, fig=None, text: str = "") -> None:
+    """Replace what `out` shows with `fig` (as a PNG; the figure is closed) and `text`, by setting
+    the widget's outputs from the kernel: no output capture (see the module's docstring)."""
+    out.outputs = ()
+    if fig is not None:
+        png = io.BytesIO()
+        fig.savefig(png, format="png", bbox_inches="tight")
+        plt.close(fig)
+        out.append_display_data(Image(png.getvalue()))
+    if text:
+        out.append_stdout(text + "\n")
 
 
 def split_size_explorer(cfg: Config, run: SweepRun, variant: str = "pipelined") -> widgets.VBox:
@@ -22,14 +45,11 @@ def split_size_explorer(cfg: Config, run: SweepRun, variant: str = "pipelined") 
     def redraw(split_size: int) -> None:
         runs = time_forwards(cfg, {"one": Forward("one_device"), "split": Forward(variant, split_size)})
         gain = speedup(runs["one"], runs["split"])
-        with out:
-            out.clear_output(wait=True)
-            fig, (ax_t, ax_s) = plt.subplots(1, 2, figsize=(13, 3.2), gridspec_kw={"width_ratios": [2, 1]})
-            plots.gantt(runs["split"].typical, ax=ax_t,
-                        title=f"{variant} forward, split_size={split_size}: median of {cfg.repeats} runs")
-            speedup_curve(sweep, ax=ax_s, batch=cfg.batch, this_run=(split_size, gain))
-            plt.show()
-            print(f"split_size={split_size}: speedup {gain:.2f}x (median, min-max of {cfg.repeats} runs)")
+        fig, (ax_t, ax_s) = plt.subplots(1, 2, figsize=(13, 3.2), gridspec_kw={"width_ratios": [2, 1]})
+        plots.gantt(runs["split"].typical, ax=ax_t,
+                    title=f"{variant} forward, split_size={split_size}: median of {cfg.repeats} runs")
+        speedup_curve(sweep, ax=ax_s, batch=cfg.batch, this_run=(split_size, gain))
+        show_in(out, fig, f"split_size={split_size}: speedup {gain:.2f}x (median, min-max of {cfg.repeats} runs)")
 
     slider.observe(lambda change: redraw(change["new"]), names="value")
     redraw(slider.value)
@@ -55,16 +75,15 @@ def schedule_explorer(name: str = "1f1b", num_ranks: int = 4, num_microbatches: 
     out = widgets.Output()
 
     def redraw(*_):
-        with out:
-            out.clear_output(wait=True)
-            try:
-                fig, ax = plt.subplots(figsize=(11, 0.5 * controls["num_ranks"].value + 1.5))
-                draw_schedule(ax=ax, **{k: w.value for k, w in controls.items()})
-                fig.tight_layout()
-                plt.show()
-            except ValueError as e:  # e.g. an interleaved schedule that cannot take this m
-                plt.close("all")
-                print(f"cannot draw this one: {e}")
+        fig, ax = plt.subplots(figsize=(11, 0.5 * controls["num_ranks"].value + 1.5))
+        try:
+            draw_schedule(ax=ax, **{k: w.value for k, w in controls.items()})
+        except ValueError as e:  # e.g. an interleaved schedule that cannot take this m
+            plt.close(fig)
+            show_in(out, text=f"cannot draw this one: {e}")
+            return
+        fig.tight_layout()
+        show_in(out, fig)
 
     for w in controls.values():
         w.observe(redraw, names="value")

@@ -426,6 +426,27 @@ def test_split_size_explorer_reruns_the_split_the_slider_picks(devs, monkeypatch
     plt.close("all")
 
 
+def test_explorers_set_their_output_state_without_capturing_output(devs):
+    # A capture (`with out:`) makes nbclient send the widget's state back on the shell socket while
+    # it waits there for the cell's reply: a reply landing during that send went unseen and papermill
+    # waited on an idle kernel for ever. The explorers set the Output's outputs from the kernel instead.
+    import matplotlib.pyplot as plt
+
+    from pipelab import widgets
+
+    cfg = _cfg("toy", devs, repeats=1)
+    run = split_sweep(cfg, [3, 6], ("pipelined",))
+    slider, out = widgets.split_size_explorer(cfg, run).children
+    for split_size in (slider.value, 9 - slider.value):
+        slider.value = split_size
+        image, text = out.outputs  # the last draw's only: the one before was replaced
+        assert "image/png" in image["data"] and text["text"].startswith(f"split_size={split_size}: speedup")
+    assert out.msg_id == ""  # nothing was ever captured
+    schedule = widgets.schedule_explorer("1f1b", 2, 4).children[-1]
+    assert [o["output_type"] for o in schedule.outputs] == ["display_data"] and schedule.msg_id == ""
+    assert not plt.get_fignums()  # every figure drawn was closed
+
+
 # ---------------------------------------------------------------------------------------------
 # The emulated node: the tutorial's ResNet-50 paces the virtual devices
 # ---------------------------------------------------------------------------------------------
