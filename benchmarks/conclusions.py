@@ -68,6 +68,8 @@ def main() -> None:
     parser.add_argument("--runs", type=int, default=3)
     parser.add_argument("--out", default="build/conclusions")
     parser.add_argument("--profile", help="run each lesson with this profile (e.g. quick)")
+    parser.add_argument("--timeout", type=float, default=900,
+                        help="seconds a notebook may run before it is stopped and counted as failed")
     parser.add_argument("--loaded-run", type=int, default=0, metavar="K",
                         help="run the K-th run (1-based) with two CPU-bound processes beside it")
     parser.add_argument("--from", dest="existing", nargs="+", metavar="RUN_DIR",
@@ -78,7 +80,7 @@ def main() -> None:
     else:
         if ns.runs < 2:
             raise SystemExit(f"--runs {ns.runs}: comparing needs at least 2 runs, e.g. --runs 3")
-        extra = ["--profile", ns.profile] if ns.profile else []
+        extra = ["--timeout", f"{ns.timeout:g}"] + (["--profile", ns.profile] if ns.profile else [])
         if not 0 <= ns.loaded_run <= ns.runs:
             raise SystemExit(f"--loaded-run {ns.loaded_run}: name one of the runs 1..{ns.runs}, or 0 for none")
         summaries = []
