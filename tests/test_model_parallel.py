@@ -535,10 +535,11 @@ def test_anchor_rows_and_verdict_put_the_tutorial_beside_the_run(emulated):
 
 
 def test_gpu_checks_turn_tf32_off_and_use_the_stated_tolerance(devs):
-    from pipelab.experiments.model_parallel import GPU_TOLERANCE, tf32_off, tolerance
+    from pipelab.experiments.model_parallel import GPU_TOLERANCE, tolerance
+    from pipelab.reference import exact_fp32
 
     saved = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
-    with tf32_off():
+    with exact_fp32():
         assert not torch.backends.cuda.matmul.allow_tf32 and not torch.backends.cudnn.allow_tf32
     assert (torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32) == saved
     assert tolerance(devs) == 1e-5

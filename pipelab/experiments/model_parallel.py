@@ -25,7 +25,6 @@ real math stays the small SplitResNet, checked against the one-device model as e
 
 from __future__ import annotations
 
-import contextlib
 import copy
 import math
 import os
@@ -43,7 +42,7 @@ from pipelab.checks import same_batch, whole_number
 from pipelab.emulate import anchors, cost, specs
 from pipelab.measure import Measured, alternate, compare_medians, ratios
 from pipelab.models import SplitResNet
-from pipelab.reference import assert_same, reference_run
+from pipelab.reference import assert_same, exact_fp32, reference_run
 from pipelab.streams import Device, Pace, timeline
 from pipelab.timeline import Timeline, now
 
@@ -340,19 +339,6 @@ class ModelParallelRun:
 GPU_TOLERANCE = 1e-4  # float32 on GPUs against the CPU reference, TF32 off: other summation orders
 
 
-@contextlib.contextmanager
-def tf32_off():
-    """Full float32 in matrix products and cuDNN convolutions while the block runs. PyTorch lets
-    cuDNN use TF32 (a 10-bit mantissa) by default on A100 and H100: a float32 check at 1e-5 against
-    the CPU would then fail for reasons of precision, not of correctness."""
-    saved = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
-    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
-    try:
-        yield
-    finally:
-        torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = saved
-
-
 def tolerance(devs: Sequence[Device], tol: float = 1e-5) -> float:
     """The tolerance a check against the CPU reference uses: `tol` on CPU devices; on GPUs (TF32
     off) at least `GPU_TOLERANCE`, since cuDNN sums in other orders than the CPU does."""
@@ -367,7 +353,7 @@ def check_against_one_device(cfg: Config, f: Forward, tol: float = 1e-5) -> floa
     host_copy = copy.deepcopy(cfg.model).cpu()  # the halves may sit on two GPUs
     ref = reference_run(host_copy, cfg.x.cpu(), cfg.y.cpu(), nn.functional.cross_entropy, lr=None)
     cfg.model.zero_grad()
-    with tf32_off():
+    with exact_fp32():  # TF32 off: a float32 check at 1e-5 would fail on precision, not correctness
         loss, _ = train_step(cfg, f)
     grads = {name: None if p.grad is None else p.grad.cpu() for name, p in cfg.model.named_parameters()}
     run = ModelParallelRun(str(f), [loss.item()], grads)
