@@ -120,6 +120,15 @@ def resident_bytes() -> int:
         return int(f.read().split()[1]) * resource.getpagesize()
 
 
+def peak_resident_bytes() -> int:
+    """This process's own high-water mark of resident memory (VmHWM). Not getrusage's ru_maxrss: on
+    Linux that carries over from the parent across fork and exec, so a rank started by a large test
+    process would report the parent's peak."""
+    with open("/proc/self/status") as f:
+        kib = next(line.split()[1] for line in f if line.startswith("VmHWM:"))
+    return int(kib) * 1024
+
+
 def memory_worker(ctx: RankContext, cfg: pipeline.Config) -> dict[str, int]:
     """Resident memory when the worker starts (the cfg unpickled), then before and after this rank
     makes its stages as the pipeline's worker does, and the peak: bytes."""
@@ -128,7 +137,7 @@ def memory_worker(ctx: RankContext, cfg: pipeline.Config) -> dict[str, int]:
     before = resident_bytes()
     modules = pipeline.rank_modules(ctx, cfg, cfg.jobs[0].schedule)
     held = {"start": start, "stages": resident_bytes() - before,
-            "peak": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}  # Linux: KiB
+            "peak": peak_resident_bytes()}
     del modules  # measured while held
     return held
 
