@@ -42,15 +42,14 @@ def exact_fp32():
     default, and TF32 keeps 10 bits of mantissa, so a GPU result would miss a float32 reference at
     1e-5). The flags are restored after. Use it (or its decorator form) around what an equality
     check compares; on a CPU the flags change nothing."""
-    saved = (torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32,
-             torch.get_float32_matmul_precision())
+    # Only the two flags: torch 2.13 refuses to read the precision once the flags and
+    # set_float32_matmul_precision have both been used in one process.
+    saved = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
     torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
-    torch.set_float32_matmul_precision("highest")
     try:
         yield
     finally:
-        torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = saved[:2]
-        torch.set_float32_matmul_precision(saved[2])
+        torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = saved
 
 
 @exact_fp32()

@@ -153,17 +153,14 @@ def test_one_emulated_device_does_every_stages_work_on_the_whole_batch():
 def test_equality_checks_run_without_tf32_and_the_reference_is_on_the_grids_device():
     from pipelab.experiments import capstone
 
-    before = torch.backends.cuda.matmul.allow_tf32, torch.get_float32_matmul_precision()
-    torch.backends.cuda.matmul.allow_tf32 = True
-    torch.set_float32_matmul_precision("high")
+    before = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = True
     try:
         with exact_fp32():
             assert not torch.backends.cuda.matmul.allow_tf32 and not torch.backends.cudnn.allow_tf32
-            assert torch.get_float32_matmul_precision() == "highest"
-        assert torch.backends.cuda.matmul.allow_tf32 and torch.get_float32_matmul_precision() == "high"  # restored
+        assert torch.backends.cuda.matmul.allow_tf32 and torch.backends.cudnn.allow_tf32  # restored
     finally:
-        torch.backends.cuda.matmul.allow_tf32 = before[0]
-        torch.set_float32_matmul_precision(before[1])
+        torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = before
     want = "cuda" if torch.cuda.is_available() else "cpu"
     assert capstone.reference_device().type == want
     cfg = Config(emsize=16, nhead=2, nhid=32, nlayers=1, batch_size=4, pipe=1, data=1, num_microbatches=1)
