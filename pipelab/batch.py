@@ -40,7 +40,7 @@ def _kernel_manager_class():
     return QuietShutdownKernelManager
 
 
-Progress = Callable[[int, int, float], None]  # (code cell number, code cells, seconds elapsed)
+Progress = Callable[[int, int, float], None]  # (the cell's number in the notebook, its cells, seconds elapsed)
 
 
 @dataclass
@@ -48,15 +48,15 @@ class NotebookRun:
     """What one notebook run gave: a row of the summary table and of build/summary.json."""
 
     notebook: str  # the notebook's name in tables: its file name, or its path below the batch's folder
-    status: str  # "ok" or "failed"
+    status: str  # "ok", "failed" or "skipped" (never started: `note` says why)
     seconds: float
     headline: dict | None  # reported by this run (pipelab.headline), never read from an older file
-    error: str = ""  # failed runs: "cell 3/9: RuntimeError: ..." (one line)
+    error: str = ""  # failed runs: "cell 3/9: RuntimeError: ..." (one line; the notebook's cell numbers)
     parameters: dict = field(default_factory=dict)  # the values papermill injected
     output: str = ""  # the executed copy
     traceback: str = ""  # the failing cell's traceback, colours removed
     html: str = ""  # the HTML copy, when one was rendered
-    note: str = ""  # e.g. that the notebook has no such profile and ran with its defaults
+    note: str = ""  # e.g. that it had no such profile, how it ran on one GPU, or why it was skipped
     conclusions: list = field(default_factory=list)  # what the run stated (pipelab.conclude), in order
 
     def summary(self) -> dict:
@@ -65,32 +65,41 @@ class NotebookRun:
 
 
 class _Watch:
-    """Follows a notebook's execution through nbclient's hooks: reports progress per code cell and
-    gives each cell the time left before the notebook's deadline."""
+    """Follows a notebook's execution through nbclient's hooks: reports progress as each code cell
+    starts, numbered as in the notebook itself (every cell counts, markdown too; the cell papermill
+    injects with the parameters does not), and gives each cell the time left before the deadline."""
 
     def __init__(self, progress: Progress | None, timeout: float | None):
         self.progress, self.timeout = progress, timeout
         self.start = time.perf_counter()
-        self.code_cells, self.cell = 0, 0
+        self.cells, self.cell = 0, 0
+        self.injected: int | None = None  # where papermill's injected cell is
 
     def elapsed(self) -> float:
         return time.perf_counter() - self.start
 
     def notebook_start(self, notebook, **_) -> None:
-        self.code_cells = sum(1 for c in notebook.cells if _runs(c))
+        found = [i for i, c in enumerate(notebook.cells) if _injected(c)]
+        self.injected = found[0] if found else None
+        self.cells = len(notebook.cells) - len(found)
 
-    def cell_start(self, cell, **_) -> None:
-        if _runs(cell):
-            self.cell += 1
+    def cell_start(self, cell, cell_index: int = 0, **_) -> None:
+        if _runs(cell) and not _injected(cell):
+            injected_before = self.injected is not None and self.injected < cell_index
+            self.cell = cell_index + 1 - injected_before
             if self.progress:
-                self.progress(self.cell, self.code_cells, self.elapsed())
+                self.progress(self.cell, self.cells, self.elapsed())
 
     def cell_timeout(self, cell) -> int:
         """Seconds this cell may take: what is left of the notebook's limit (at least 1)."""
         return max(1, math.ceil(self.timeout - self.elapsed()))
 
     def where(self) -> str:
-        return f"cell {self.cell}/{self.code_cells}" if self.cell else "before the first cell"
+        return f"cell {self.cell}/{self.cells}" if self.cell else "before the first cell"
+
+
+def _injected(cell) -> bool:
+    return "injected-parameters" in cell.get("metadata", {}).get("tags", [])
 
 
 def _runs(cell) -> bool:
@@ -104,7 +113,8 @@ def run_notebook(path: str, out_dir: str = "build", parameters: dict | None = No
 
     The previous executed copy (and its HTML) is removed first, so a run that fails early can never
     show an old figure. `timeout` limits the whole notebook, in seconds; `progress` is called as each
-    code cell starts; `name` is the run's name in tables (default: the file name)."""
+    code cell starts, with its number among the notebook's cells; `name` is the run's name in tables
+    (default: the file name)."""
     import papermill as pm
 
     if timeout is not None:
@@ -213,18 +223,30 @@ def _summary_rows(path: str) -> list[dict]:
 
 @contextmanager
 def _locked(lock_path: str):
-    """Hold an exclusive lock on `lock_path` (POSIX flock; where there is none, no lock)."""
+    """Hold an exclusive lock on `lock_path` (POSIX flock; where there is none, no lock), and remove
+    the lock file when done, so none is left behind. A process that locked a file another has since
+    removed sees that its path names another file (or none) and locks again."""
     try:
         import fcntl
     except ImportError:
         yield
         return
-    with open(lock_path, "a") as f:
+    while True:
+        f = open(lock_path, "a")  # noqa: SIM115 - closed below
         fcntl.flock(f, fcntl.LOCK_EX)
         try:
-            yield
-        finally:
-            fcntl.flock(f, fcntl.LOCK_UN)
+            same = os.path.samestat(os.fstat(f.fileno()), os.stat(lock_path))
+        except FileNotFoundError:
+            same = False
+        if same:
+            break
+        f.close()
+    try:
+        yield
+    finally:
+        os.remove(lock_path)  # still holding the lock: whoever waits on this file locks again
+        fcntl.flock(f, fcntl.LOCK_UN)
+        f.close()
 
 
 def _json_safe(value):

@@ -3,6 +3,7 @@
     pipelab doctor                 what this machine has, and the path the lessons take
     pipelab profiles [NOTEBOOK...] each notebook's named parameter sets
     pipelab run [NOTEBOOK...]      execute notebooks with papermill into build/, then a summary table
+    pipelab calibrate [--out FILE] measure this GPU and write an emulated device's spec (JSON)
 
 Notebooks are chosen by path (`notebooks/06_gpipe.ipynb`), by folder (`notebooks`: its lessons,
 the files named like `06_*.ipynb`) or by lesson number (`06`, looked up in --folder); none means
@@ -10,22 +11,28 @@ every lesson. `pipelab run` options:
 
     -p NAME VALUE     set a parameter (papermill's spelling; VALUE read as papermill reads it:
                       True/False/None, int, float, else text) in every chosen notebook whose
-                      `parameters` cell declares NAME; an error if none does
+                      `parameters` cell declares NAME; an error if none does, or if VALUE is not
+                      of the default's kind (a whole number for `ranks = 2`; None always goes)
     --profile NAME    use each notebook's profile NAME; -p wins over it; a notebook without that
                       profile runs with its defaults and says so
     --timeout SECONDS fail a notebook that runs longer (the others go on)
     --html            also write each executed notebook as HTML beside it
+    --calibration FILE  on a one-GPU machine, the calibration file the emulated nodes are made of
 
 Profiles live in the notebook's metadata, a name -> parameters mapping:
 
     "metadata": {"pipelab": {"profiles": {"gpu": {"batch": 256, "steps": 20},
                                           "quick": {"steps": 2}}}}
 
-`gpu` is for a single GPU node, `quick` the fastest meaningful run. Each executed notebook goes to
---out (default build/) under its path below the chosen notebooks' common folder, so two notebooks
-with the same file name do not collide; --out/summary.json has, per notebook, its status, seconds,
-parameters, headline figure and the failing cell's error. Exit code: 0 when every notebook ran,
-1 when one failed, 2 for a mistake on the command line (nothing runs).
+`gpu` is for a single GPU node, `quick` the fastest meaningful run. A profile's needs
+(metadata["pipelab"]["needs"]) decide where it runs: with the GPUs it asks for, as it is; on a
+machine with one GPU, with the lesson's defaults on an emulated node of eight of this GPU
+calibrated by `pipelab calibrate` (pipelab/planning.py); without GPUs it is skipped. Each executed
+notebook goes to --out (default build/) under its path below the chosen notebooks' common folder,
+so two notebooks with the same file name do not collide; --out/summary.json has, per notebook, its
+status (ok, failed or skipped), seconds, parameters, headline figure, note and the failing cell's
+error. Exit code: 0 when every notebook that was to run ran ok (some may be skipped), 1 when one
+failed, 2 for a mistake on the command line (nothing runs), 3 when no notebook ran (all skipped).
 """
 
 from __future__ import annotations
@@ -36,11 +43,38 @@ import os
 import re
 import sys
 import tempfile
-from dataclasses import dataclass
 
 from pipelab.batch import NotebookRun, render_html, run_notebook, write_summary
+from pipelab.planning import Machine, Needs, PlanError, Planned, parse_value, plan_one, unmet
 
-__all__ = ["NotebookRun", "course_notebooks", "main", "run_notebook", "select_notebooks"]
+
+__all__ = ["Machine", "Needs", "NotebookRun", "Planned", "course_notebooks", "main", "parse_value", "plan_runs",
+           "run_notebook", "select_notebooks", "unmet"]
+
+
+NO_GPU = 3  # `pipelab calibrate`'s exit code on a machine without a GPU
+NOTHING_RAN = 3  # `pipelab run`'s exit code when every chosen notebook was skipped
+
+CALIBRATE_HELP = """\
+Measure this machine's GPU and write what the emulator needs as JSON:
+
+  - matrix products n x n x n, n = 256 .. 8192, in float32, tf32, bfloat16 and float16 (those the GPU
+    has), fitted as time = overhead + FLOPs / rate: the sustained rate and the efficiency-versus-size curve;
+  - a large copy in device memory (1 MiB .. 1 GiB): the achieved memory bandwidth;
+  - a one-element kernel launched back to back: the launch cost;
+  - with two GPUs or more: the copy between two and NCCL's all-reduce, all-gather, reduce-scatter and
+    send/receive over message sizes (1 KiB .. 256 MiB): the link's latency and bandwidth. One GPU
+    cannot measure a link: the file's node then uses the card's data-sheet link.
+
+Timing: CUDA events, a warm-up, the median of repeats; about a minute in all. The file holds the
+GPU's name, driver, CUDA and torch versions, the date, the raw measurements and the fit. Use it as
+an emulated node: emulate="8x:calibration.json" (eight of this GPU; "@pcie5" after the file names
+the link), or `pipelab run --profile gpu` on a one-GPU machine finds it at the default path.
+`pipelab doctor` says which spec is in use.
+
+Exit code: 0 when written, 3 when this machine has no CUDA GPU (nothing is measured), 1 when the
+measurements cannot be fitted (they are written, unfitted, to the file).
+"""
 
 
 class UsageError(Exception):
@@ -87,18 +121,6 @@ def _select(sel: str, folder: str) -> list[str]:
     raise UsageError(f"no such notebook: {sel!r} (give a path, a folder or a lesson number like 06)")
 
 
-def parse_value(text: str):
-    """A command-line parameter value, read as papermill's `-p` reads it."""
-    if text in ("True", "False", "None"):
-        return {"True": True, "False": False, "None": None}[text]
-    for kind in (int, float):
-        try:
-            return kind(text)
-        except ValueError:
-            pass
-    return text
-
-
 def declared_parameters(path: str) -> dict:
     """The names the notebook's `parameters` cell assigns, with their default values (as text)."""
     import papermill as pm
@@ -115,35 +137,6 @@ def notebook_profiles(path: str) -> dict[str, dict]:
     return {name: dict(params) for name, params in profiles.items()}
 
 
-@dataclass
-class Planned:
-    """One notebook of a batch, with the parameters it will get."""
-
-    path: str
-    parameters: dict
-    note: str = ""  # said when it starts, e.g. that it has no such profile
-    skip: str = ""  # why it does not run at all, e.g. its profile needs GPUs this machine lacks
-
-
-@dataclass(frozen=True)
-class Needs:
-    """What a profile needs from the machine (metadata["pipelab"]["needs"][profile]), and what it
-    costs there: `estimate` says how long on which node, from the FLOP count in `flops`."""
-
-    gpus: int = 0
-    gpu_memory_gib: float = 0.0
-    flops: float = 0.0  # the profile's whole run, counted (see the notebook's comment on it)
-    estimate: str = ""
-
-    def __str__(self) -> str:
-        parts = [f"{self.gpus} GPU(s)" + (f" with {self.gpu_memory_gib:g} GiB each" if self.gpu_memory_gib else "")]
-        if self.flops:
-            parts.append(f"{self.flops / 1e12:,.1f} TFLOP")
-        if self.estimate:
-            parts.append(self.estimate)
-        return "needs " + "; ".join(parts)
-
-
 def profile_needs(path: str) -> dict[str, Needs]:
     """Each profile's needs, from the notebook's metadata["pipelab"]["needs"]."""
     import nbformat
@@ -153,58 +146,33 @@ def profile_needs(path: str) -> dict[str, Needs]:
     return {name: Needs(**dict(n)) for name, n in needs.items()}
 
 
-def unmet(needs: Needs, gpus: tuple[str, ...], gpu_memory_gib: list[float]) -> str:
-    """Why this machine cannot run a profile with `needs` ('' if it can)."""
-    if len(gpus) < needs.gpus:
-        return f"profile {needs} but this machine has {len(gpus)} GPU(s): skipped (GPU sizes never run on CPU)"
-    if needs.gpu_memory_gib and gpus and min(gpu_memory_gib) < needs.gpu_memory_gib:
-        return (f"profile {needs} but this machine's smallest GPU has {min(gpu_memory_gib):.0f} GiB: "
-                "skipped")
-    return ""
-
-
-def _gpu_memory_gib() -> list[float]:
-    import torch
-
-    if not torch.cuda.is_available():
-        return []
-    return [torch.cuda.get_device_properties(i).total_memory / 2**30 for i in range(torch.cuda.device_count())]
-
-
-def plan_runs(notebooks: list[str], given: dict, profile: str | None) -> list[Planned]:
+def plan_runs(notebooks: list[str], given: dict, profile: str | None, machine: Machine | None = None,
+              calibration: str | None = None) -> list[Planned]:
     """Each notebook's parameters: its profile (if asked for), then each `-p` it declares.
 
-    Raises UsageError for a `-p` that no notebook declares, a profile that no notebook has, or a
-    profile setting a parameter its notebook does not declare."""
+    `machine` (default: this one) decides which profiles run, which run on one GPU with the emulated
+    node calibrated in `calibration` (default: calibrate.default_path()), which are skipped.
+    Raises UsageError for a `-p` that no notebook declares or whose kind its default rules out, a
+    profile that no notebook has, or a profile setting a parameter its notebook does not declare."""
     plans, used, profiled = [], set(), False
+    if profile is not None and machine is None:
+        machine = Machine.detect()
+    if calibration is None:
+        from pipelab.emulate.calibrate import default_path
+
+        calibration = default_path()
     for path in notebooks:
-        params, note = {}, ""
         if not given and profile is None:
-            plans.append(Planned(path, params))
+            plans.append(Planned(path, {}))
             continue
         declared, profiles = _read_parameters(path)
-        if profile is not None:
-            if profile in profiles:
-                params, profiled = dict(profiles[profile]), True
-                unknown = sorted(set(params) - set(declared))
-                if unknown:
-                    raise UsageError(f"{path}: profile {profile!r} sets {', '.join(unknown)}, which its "
-                                     f"parameters cell does not declare ({', '.join(declared) or 'none'})")
-            else:
-                has = ", ".join(profiles) or "none"
-                note = f"no profile {profile!r} (has: {has}); running with its defaults"
-        for name, value in given.items():
-            if name in declared:
-                params[name] = value
-                used.add(name)
-        skip = ""
-        if profile is not None and profile in profiles:
-            needs = _read_needs(path).get(profile)
-            if needs is not None:
-                from pipelab import hardware
-
-                skip = unmet(needs, hardware.detect().gpus, _gpu_memory_gib())
-        plans.append(Planned(path, params, note, skip))
+        profiled = profiled or (profile in profiles)
+        needs = _read_needs(path) if profile in profiles else {}
+        try:
+            plans.append(plan_one(path, declared, profiles, needs, given, profile, machine or Machine(), calibration))
+        except PlanError as e:
+            raise UsageError(str(e)) from None
+        used.update(name for name in given if name in declared)
     unused = [name for name in given if name not in used]
     if unused:
         raise UsageError(f"no chosen notebook declares parameter {', '.join(unused)} in its parameters cell "
@@ -251,10 +219,11 @@ def format_headline(h: dict | None) -> str:
 
 
 def summary_table(runs: list[NotebookRun]) -> str:
-    """A plain-text table: notebook, status, seconds, headline figure (or the error of a failed run)."""
+    """A plain-text table: notebook, status (ok, failed, skipped), seconds, headline figure (or the
+    error of a failed run; a skipped one's reason was said once, when it was skipped)."""
     rows = [("notebook", "status", "seconds", "headline")]
     for r in runs:
-        figure = (r.error or "-") if r.status != "ok" else format_headline(r.headline)
+        figure = {"ok": format_headline(r.headline), "skipped": "-"}.get(r.status, r.error or "-")
         rows.append((str(r.notebook), str(r.status), f"{r.seconds:.1f}", figure))
     widths = [max(len(row[i]) for row in rows) for i in range(3)]
     lines = []
@@ -284,20 +253,36 @@ def check_out_folder(out: str) -> None:
                          "pass a writable folder, e.g. --out build") from None
 
 
+def ensure_calibration(plans: list[Planned]) -> None:
+    """Calibrate this GPU first when a one-GPU plan's calibration file does not exist yet."""
+    missing = sorted({p.calibration for p in plans if p.calibration and not os.path.exists(p.calibration)})
+    for path in missing:
+        from pipelab.emulate import calibrate as cal
+
+        print(f"no calibration file at {path}: calibrating this GPU first (pipelab calibrate, about a minute)",
+              flush=True)
+        try:
+            print(cal.summary(cal.calibrate(path)), flush=True)
+        except cal.NoGPU as e:
+            raise UsageError(str(e)) from None
+
+
 def cmd_run(ns: argparse.Namespace) -> int:
     given = {name: parse_value(value) for name, value in ns.parameters or []}
-    plans = plan_runs(select_notebooks(ns.notebooks, ns.folder), given, ns.profile)
+    plans = plan_runs(select_notebooks(ns.notebooks, ns.folder), given, ns.profile,
+                      calibration=os.path.expanduser(ns.calibration) if ns.calibration else None)
     check_out_folder(ns.out)
+    ensure_calibration(plans)
     # Mirror the folders below the notebooks' common folder, so equal file names never collide.
     base = os.path.commonpath([os.path.dirname(os.path.abspath(p.path)) for p in plans])
-    runs = []
+    runs, summary = [], os.path.join(ns.out, "summary.json")
     for plan in plans:
         rel = os.path.relpath(os.path.abspath(plan.path), base)
         with_params = f" with {format_parameters(plan.parameters)}" if plan.parameters else ""
         if plan.skip:
             print(f"skipping {plan.path}: {plan.skip}", flush=True)
-            runs.append(NotebookRun(rel, "skipped", 0.0, None, error=plan.skip, parameters=plan.parameters))
-            write_summary(runs, os.path.join(ns.out, "summary.json"), profile=ns.profile)
+            runs.append(NotebookRun(rel, "skipped", 0.0, None, parameters=plan.parameters, note=plan.skip))
+            write_summary(runs, summary, profile=ns.profile)
             continue
         print(f"running {plan.path}{with_params} ...", flush=True)
         if plan.note:
@@ -309,13 +294,24 @@ def cmd_run(ns: argparse.Namespace) -> int:
             run.html = render_html(run.output)
         runs.append(run)
         print(f"  {run.status} in {run.seconds:.1f} s" + (f": {run.error}" if run.error else ""), flush=True)
-        write_summary(runs, os.path.join(ns.out, "summary.json"), profile=ns.profile)
+        write_summary(runs, summary, profile=ns.profile)
     print()
     print(summary_table(runs))
     html = [os.path.relpath(r.html, ns.out) for r in runs if r.html]
     copies = f", their HTML copies ({', '.join(html)})" if html else ""
     print(f"\nexecuted notebooks{copies} and summary.json are in {os.path.abspath(ns.out)}/")
-    return 0 if all(r.status in ("ok", "skipped") for r in runs) else 1
+    return exit_code(runs)
+
+
+def exit_code(runs: list[NotebookRun]) -> int:
+    """0 when every notebook that was to run ran ok (some may be skipped), 1 when one failed,
+    NOTHING_RAN (3) when every notebook was skipped."""
+    if any(r.status == "failed" for r in runs):
+        return 1
+    if runs and all(r.status == "skipped" for r in runs):
+        print(f"pipelab run: no notebook ran (every one skipped): exit code {NOTHING_RAN}", file=sys.stderr)
+        return NOTHING_RAN
+    return 0
 
 
 def cmd_profiles(ns: argparse.Namespace) -> int:
@@ -342,7 +338,40 @@ def cmd_doctor(ns: argparse.Namespace) -> int:
     print(f"CPU cores: {hw.cpu_cores}")
     print(f"GPUs: {', '.join(hw.gpus) if hw.gpus else 'none'}")
     print(f"torch {hw.torch_version}, CUDA {hw.cuda_version or '-'}")
+    print(f"emulated-node spec: {calibration_in_use()}")
     return 0
+
+
+def cmd_calibrate(ns: argparse.Namespace) -> int:
+    from pipelab.emulate import calibrate as cal
+
+    path = ns.out or cal.default_path()
+    problem = cal.gpu_problem()
+    if problem:
+        print(f"pipelab calibrate: {problem}", file=sys.stderr)
+        return NO_GPU
+    try:
+        record = cal.calibrate(path)
+    except ValueError as e:
+        print(f"pipelab calibrate: {e}", file=sys.stderr)
+        return 1
+    print(cal.summary(record))
+    print(f"wrote {path}; emulate a node of eight of this GPU with emulate=\"8x:{path}\"")
+    return 0
+
+
+def calibration_in_use(path: str | None = None) -> str:
+    """Which spec the emulated nodes of `pipelab run --profile gpu` on one GPU use: the calibration
+    file at `path` (default: calibrate.default_path()), or the data sheets when there is none."""
+    from pipelab.emulate import calibrate as cal
+
+    path = path or cal.default_path()
+    if not os.path.exists(path):
+        return f"data sheets (pipelab/emulate/specs.py); no calibration file at {path} (`pipelab calibrate` writes one)"
+    try:
+        return f"calibration file {path}: {cal.describe(cal.load(path))}"
+    except (ValueError, KeyError) as e:
+        return f"data sheets (pipelab/emulate/specs.py); the calibration file at {path} is unusable: {e}"
 
 
 def cmd_exercises(ns: argparse.Namespace) -> int:
@@ -401,6 +430,9 @@ def parser() -> argparse.ArgumentParser:
     run.add_argument("--profile", help="use each notebook's named profile (e.g. gpu, quick)")
     run.add_argument("--timeout", type=_seconds, metavar="SECONDS", help="time limit per notebook")
     run.add_argument("--html", action="store_true", help="also render each executed notebook to HTML")
+    run.add_argument("--calibration", metavar="FILE", help="on a one-GPU machine, the `pipelab calibrate` file "
+                     "the lessons' emulated nodes are made from (default: $PIPELAB_CALIBRATION, else "
+                     "~/.cache/pipelab/calibration.json; written first when missing)")
     run.set_defaults(func=cmd_run)
 
     profiles = sub.add_parser("profiles", help="list each notebook's profiles and their parameters")
@@ -411,6 +443,13 @@ def parser() -> argparse.ArgumentParser:
     doctor = sub.add_parser("doctor", help="what this machine has and which path the lessons take")
     doctor.add_argument("--world-size", type=int, default=2)
     doctor.set_defaults(func=cmd_doctor)
+
+    calibrate = sub.add_parser(
+        "calibrate", help="measure this GPU and write the emulated device's spec as JSON",
+        formatter_class=argparse.RawDescriptionHelpFormatter, description=CALIBRATE_HELP)
+    calibrate.add_argument("--out", metavar="FILE", help="where the JSON goes (default: $PIPELAB_CALIBRATION, "
+                           "else ~/.cache/pipelab/calibration.json)")
+    calibrate.set_defaults(func=cmd_calibrate)
 
     exercises = sub.add_parser("exercises", help="list the graded exercises, or grade a folder of submitted notebooks")
     exercises.add_argument("action", nargs="?", choices=["list", "grade"], default="list")

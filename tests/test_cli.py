@@ -156,7 +156,7 @@ def test_values_are_read_as_papermill_reads_them():
 def test_p_sets_a_parameter_in_every_notebook_that_declares_it(tmp_path, capsys):
     one = write_notebook(tmp_path / "01_x.ipynb", ["x = 1", headline_of("x")])
     two = write_notebook(tmp_path / "02_y.ipynb", ["y = 1.0", headline_of("y")])
-    three = write_notebook(tmp_path / "03_xy.ipynb", ["x = 1\ny = 1", "import pipelab\npipelab.headline('xy', x * y)"])
+    three = write_notebook(tmp_path / "03_xy.ipynb", ["x = 1\ny = 1.0", "import pipelab\npipelab.headline('xy', x * y)"])
     out = tmp_path / "build"
     assert cli.main(["run", one, two, three, "-p", "x", "5", "-p", "y", "2.5", "--out", str(out)]) == 0
     rows = {r["notebook"]: r for r in strict_json(out / "summary.json")["notebooks"]}

@@ -13,7 +13,8 @@ from. Two conventions, the vendors' own:
 GB is 10^9 bytes, as on the data sheets.
 
 A user adds their own device or link with `add_device` and `add_link`; `parse_node("4xH100-nvlink")`
-turns a name into a `Node` (how many devices, which device, which link joins them).
+turns a name into a `Node` (how many devices, which device, which link joins them);
+`parse_node("8x:calibration.json")` a node of a GPU measured by `pipelab calibrate`.
 """
 
 from __future__ import annotations
@@ -282,6 +283,10 @@ def parse_node(text: "str | Node") -> Node:
     device's NVLink if it has one, else its PCIe). A Node is returned as it is."""
     if isinstance(text, Node):
         return text
+    if ":" in str(text):  # "8x:calibration.json": GPUs measured by `pipelab calibrate` (calibrate.py)
+        from pipelab.emulate.calibrate import parse_node as calibrated_node
+
+        return calibrated_node(str(text))
     match = re.fullmatch(r"\s*(\d+)\s*[x*]\s*(\S+?)\s*", str(text), flags=re.IGNORECASE)
     if not match or int(match.group(1)) < 1:
         raise ValueError(f"cannot read node {text!r}: write COUNTxDEVICE-LINK; {_known_names()}")

@@ -1,0 +1,286 @@
+"""Calibrate an emulated device on a real GPU: measure it, fit the model's figures, write them as JSON.
+
+`pipelab calibrate` runs `calibrate()` on this machine's first GPU: matrix products over sizes and
+dtypes, a large copy (achieved memory bandwidth), a tiny kernel (launch cost) and, with two GPUs or
+more, a copy between two and NCCL's collectives over message sizes (`calibrate_links`). Each
+figure is timed with CUDA events after a warm-up, as the median of repeats. `fit()` turns the
+measurements into the model's figures:
+
+- every timing is fitted as `t = overhead + work / rate` (work: FLOPs, bytes), minimising the
+  *relative* error, so small and large sizes count alike; the matrix product's efficiency at FLOPs
+  F is then `F / (overhead + F / rate)` over the peak, the efficiency-versus-size curve;
+- a link's latency and bandwidth come from send/receive the same way, a collective's bus bandwidth
+  from its bytes times NCCL's bus factor (nccl-tests' PERFORMANCE.md convention).
+
+The JSON file holds the GPU's name, driver, CUDA and torch versions, the date, the raw measurements
+and the fit. `load_node(path, count)` reads it back as a `specs.Node` of `count` such GPUs, which
+is what `emulate="8x:calibration.json"` means: one GPU calibrates an emulated node of eight. With
+one GPU nothing measures a link, so the node's link is the data sheet's for that card (said so).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import re
+from typing import Callable
+
+FORMAT = "pipelab-calibration/1"
+# Where `pipelab calibrate` writes and `pipelab run --profile gpu` / `doctor` look, unless told.
+ENV_PATH = "PIPELAB_CALIBRATION"
+DEFAULT_PATH = os.path.join("~", ".cache", "pipelab", "calibration.json")
+
+MATMUL_SIZES = (256, 512, 1024, 2048, 4096, 8192)
+COPY_BYTES = tuple(2**k for k in range(20, 31, 2))  # 1 MiB .. 1 GiB
+MESSAGE_BYTES = tuple(2**k for k in range(10, 29, 3))  # 1 KiB .. 256 MiB
+# Bytes each rank sends per byte of message, NCCL's "bus bandwidth" factor for n ranks.
+BUS_FACTOR: dict[str, Callable[[int], float]] = {
+    "all_reduce": lambda n: 2 * (n - 1) / n, "all_gather": lambda n: (n - 1) / n,
+    "reduce_scatter": lambda n: (n - 1) / n, "send_recv": lambda n: 1.0}
+
+
+def default_path() -> str:
+    """The calibration file's default place: $PIPELAB_CALIBRATION, else ~/.cache/pipelab/calibration.json."""
+    return os.path.expanduser(os.environ.get(ENV_PATH) or DEFAULT_PATH)
+
+
+# ---------------------------------------------------------------------------------------------
+# Fitting (plain Python: runs and is tested without a GPU)
+# ---------------------------------------------------------------------------------------------
+
+
+def fit_line(work: list[float], seconds: list[float]) -> tuple[float, float]:
+    """(overhead_s, rate) of `seconds = overhead + work / rate`, least squares on the relative error.
+
+    A negative overhead (noise at small sizes) is clamped to 0 and the rate refitted alone."""
+    if len(work) != len(seconds) or len(work) < 2:
+        raise ValueError(f"a fit needs at least two (work, seconds) pairs, got {len(work)} and {len(seconds)}")
+    if min(seconds) <= 0 or min(work) <= 0:
+        raise ValueError(f"work and seconds must all be > 0, got work {work} and seconds {seconds}")
+    # Each row divided by its time: [1/t, w/t] . [a, b] = 1, with b = 1/rate.
+    rows = [(1 / t, w / t) for w, t in zip(work, seconds)]
+    s11 = sum(r[0] * r[0] for r in rows)
+    s12 = sum(r[0] * r[1] for r in rows)
+    s22 = sum(r[1] * r[1] for r in rows)
+    y1, y2 = sum(r[0] for r in rows), sum(r[1] for r in rows)
+    det = s11 * s22 - s12 * s12
+    a, b = ((s22 * y1 - s12 * y2) / det, (s11 * y2 - s12 * y1) / det) if det > 0 else (-1.0, 0.0)
+    if a < 0:
+        a, b = 0.0, y2 / s22
+    if b <= 0:
+        raise ValueError(f"the times do not grow with the work (work {work}, seconds {seconds}): nothing to fit")
+    return a, 1 / b
+
+
+def efficiency_curve(overhead_s: float, rate: float, peak: float, flops: list[float]) -> list[float]:
+    """The fitted matrix product's fraction of `peak` at each FLOP count: F / (overhead + F/rate) / peak."""
+    return [f / (overhead_s + f / rate) / peak for f in flops]
+
+
+def matmul_flops(n: int) -> float:
+    """FLOPs of an n x n by n x n matrix product (a multiply and an add per term)."""
+    return 2.0 * n**3
+
+
+def fit(measured: dict, sheet: dict | None = None) -> dict:
+    """The model's figures from `measured` (what `measure_device`/`calibrate_links` return):
+    per dtype the matrix product's overhead, sustained rate and efficiency curve (over the data
+    sheet's dense peak when `sheet` {dtype: FLOP/s} knows it, else over the sustained rate), the
+    memory bandwidth, the launch cost, and with link measurements the link and collectives."""
+    out: dict = {"matmul": {}}
+    by_dtype: dict[str, list] = {}
+    for row in measured["matmul"]:
+        by_dtype.setdefault(row["dtype"], []).append(row)
+    for dtype, rows in by_dtype.items():
+        rows = sorted(rows, key=lambda r: r["n"])
+        flops = [matmul_flops(r["n"]) for r in rows]
+        overhead, rate = fit_line(flops, [r["seconds"] for r in rows])
+        peak = (sheet or {}).get(dtype)
+        out["matmul"][dtype] = {
+            "overhead_s": overhead, "flops_per_s": rate, "sheet_flops_per_s": peak,
+            "efficiency_of": "data sheet's dense peak" if peak else "the fitted sustained rate",
+            "curve": [{"n": r["n"], "measured": f / r["seconds"] / (peak or rate), "fitted": e}
+                      for r, f, e in zip(rows, flops, efficiency_curve(overhead, rate, peak or rate, flops))]}
+    copies = measured["copy"]
+    overhead, bandwidth = fit_line([r["bytes"] for r in copies], [r["seconds"] for r in copies])
+    out["memory"] = {"overhead_s": overhead, "bytes_per_s": bandwidth}
+    out["launch_s"] = statistics.median(measured["launch_s"])
+    links = measured.get("links")
+    if links:
+        out["link"] = _fit_link(links)
+    return out
+
+
+def _fit_link(links: dict) -> dict:
+    """Latency and bandwidth of the link (send/receive), each collective's bus bandwidth, the copy."""
+    n = links["ranks"]
+    result: dict = {"ranks": n, "collectives": {}}
+    for name, rows in links["collectives"].items():
+        factor = BUS_FACTOR[name](n)
+        latency, busbw = fit_line([r["bytes"] * factor for r in rows], [r["seconds"] for r in rows])
+        result["collectives"][name] = {"latency_s": latency, "bus_bytes_per_s": busbw}
+    p2p = result["collectives"].get("send_recv")
+    if p2p:
+        result["latency_s"], result["bytes_per_s"] = p2p["latency_s"], p2p["bus_bytes_per_s"]
+    if links.get("copy"):
+        lat, bw = fit_line([r["bytes"] for r in links["copy"]], [r["seconds"] for r in links["copy"]])
+        result["copy"] = {"latency_s": lat, "bytes_per_s": bw}
+    return result
+
+
+# ---------------------------------------------------------------------------------------------
+# The JSON file and the emulated node it makes
+# ---------------------------------------------------------------------------------------------
+
+
+def known_device(gpu_name: str) -> tuple[str, object] | None:
+    """(key, Device) of the data sheet's card this GPU's name names ("NVIDIA H100 80GB HBM3" -> h100)."""
+    from pipelab.emulate import specs
+
+    name = gpu_name.lower().replace("-", " ")
+    for key in sorted(specs.DEVICES, key=len, reverse=True):
+        if key in name.split() or f" {key} " in f" {name} ":
+            return key, specs.DEVICES[key]
+    return None
+
+
+def spec(info: dict, measured: dict) -> dict:
+    """The whole calibration record: where it ran (`info`), the raw measurements and the fit."""
+    sheet = known_device(info["gpu"])
+    return {"format": FORMAT, **info, "data_sheet": sheet[0] if sheet else None,
+            "measured": measured, "fit": fit(measured, dict(sheet[1].flops) if sheet else None)}
+
+
+def write(record: dict, path: str) -> str:
+    """Write the record as JSON at `path` (folders made); returns the path."""
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    with open(path, "w") as f:
+        json.dump(record, f, indent=1, allow_nan=False)
+    return path
+
+
+def load(path: str) -> dict:
+    """A calibration record written by `pipelab calibrate`; a ValueError naming the file otherwise."""
+    try:
+        with open(os.path.expanduser(path)) as f:
+            record = json.load(f)
+    except OSError as e:
+        raise ValueError(f"cannot read calibration file {path!r} ({e.strerror}); write one with "
+                         f"`pipelab calibrate --out {path}` on a machine with a GPU") from None
+    except json.JSONDecodeError as e:
+        raise ValueError(f"calibration file {path!r} is not JSON ({e}); rewrite it with `pipelab calibrate`") from None
+    if not isinstance(record, dict) or record.get("format") != FORMAT:
+        raise ValueError(f"{path!r} is not a calibration file of format {FORMAT!r}; rewrite it with "
+                         "`pipelab calibrate`")
+    return record
+
+
+def parse_node(text: str):
+    """"8x:calibration.json" (or "8x:calibration.json@pcie5", naming the link) -> `load_node`."""
+    match = re.fullmatch(r"\s*(\d+)\s*[x*]\s*:(.+?)(?:@([a-z0-9_.-]+))?\s*", text, flags=re.IGNORECASE)
+    if not match or int(match.group(1)) < 1:
+        raise ValueError(f"cannot read calibrated node {text!r}: write COUNTx:FILE (e.g. '8x:calibration.json', "
+                         "a file `pipelab calibrate` wrote), optionally @LINK (e.g. '8x:calibration.json@pcie5')")
+    return load_node(match.group(2).strip(), int(match.group(1)), match.group(3))
+
+
+def describe(record: dict) -> str:
+    """One line: which GPU, when, with what."""
+    return (f"{record['gpu']} calibrated {record['date']} (driver {record.get('driver') or '-'}, "
+            f"CUDA {record.get('cuda') or '-'}, torch {record.get('torch')})")
+
+
+def load_node(path: str, count: int, link: str | None = None):
+    """`count` calibrated GPUs as a `specs.Node`: rates, memory bandwidth and size as measured on
+    the GPU; the link measured when the file has one, else `link` (a key of specs.LINKS) or the
+    data sheet's link of that card (NVLink when it has one), else PCIe 4."""
+    from pipelab.emulate import specs
+
+    record = load(path)
+    f = record["fit"]
+    source = f"measured by pipelab calibrate: {describe(record)}, file {os.path.basename(path)}"
+    sheet = specs.DEVICES.get(record.get("data_sheet") or "")
+    device = specs.Device(
+        f"{record['gpu']} (calibrated)", {d: m["flops_per_s"] for d, m in f["matmul"].items()},
+        memory_bandwidth=f["memory"]["bytes_per_s"], memory_bytes=float(record["memory_bytes"]),
+        source=source, nvlink=sheet.nvlink if sheet else None, pcie=sheet.pcie if sheet else "pcie4",
+        notes=(f"sustained matrix-product rates (fitted asymptote) and copy bandwidth as measured, so "
+               f"efficiency 1.0 is this GPU's own best; launch {f['launch_s'] * 1e6:.1f} us measured"))
+    if link is None and f.get("link"):
+        measured = f["link"]
+        node_link = specs.Link(f"{record['gpu']} link (calibrated)", measured["latency_s"],
+                               measured["bytes_per_s"], source, source)
+    else:
+        key = (link or (sheet.nvlink or sheet.pcie if sheet else "pcie4")).lower()
+        key = specs.LINK_ALIASES.get(key, key)
+        if key in ("nvlink", "pcie"):
+            key = (sheet.nvlink if key == "nvlink" else sheet.pcie) if sheet else ("pcie4" if key == "pcie" else None)
+        if key not in specs.LINKS:
+            raise ValueError(f"link {link!r} for calibrated node {path!r}: use one of {sorted(specs.LINKS)}")
+        node_link = specs.LINKS[key]
+    return specs.Node(count, device, node_link)
+
+
+# ---------------------------------------------------------------------------------------------
+# Measuring (needs a GPU)
+# ---------------------------------------------------------------------------------------------
+
+
+class NoGPU(RuntimeError):
+    """This machine has no CUDA GPU that torch can use: nothing to calibrate."""
+
+
+def gpu_problem() -> str | None:
+    """Why this machine cannot calibrate (None when it can)."""
+    import torch
+
+    if not torch.cuda.is_available():
+        built = f"torch {torch.__version__} built with CUDA {torch.version.cuda}" if torch.version.cuda \
+            else f"torch {torch.__version__} built without CUDA"
+        return (f"no CUDA GPU visible ({built}); run `pipelab calibrate` on a machine with an NVIDIA GPU, "
+                "then pass its JSON file to emulate= (e.g. emulate=\"8x:calibration.json\")")
+    return None
+
+
+def calibrate(path: str, log: Callable[[str], None] = print, sizes=MATMUL_SIZES) -> dict:
+    """Measure this machine's first GPU (and its links, with two or more), fit, write the JSON at
+    `path`; returns the record. Raises NoGPU without a GPU."""
+    problem = gpu_problem()
+    if problem:
+        raise NoGPU(problem)
+    from pipelab.emulate import gpu_timing as g
+
+    info = g.machine_info()
+    log(f"calibrating {info['gpu']} (driver {info['driver']}, CUDA {info['cuda']}, torch {info['torch']})")
+    measured = {"matmul": g.measure_matmul(sizes, g.dtypes_supported(), log),
+                "copy": g.measure_copy(COPY_BYTES, log), "launch_s": g.measure_launch()}
+    log(f"  launch {statistics.median(measured['launch_s']) * 1e6:.2f} us per tiny kernel")
+    if info["gpu_count"] >= 2:
+        measured["links"] = g.measure_links(log)
+    else:
+        log("links: one GPU, so no copy between GPUs and no NCCL collectives (they need two GPUs); "
+            "a node emulated from this file uses the card's data-sheet link")
+    try:
+        record = spec(info, measured)
+    except ValueError as e:  # keep what was measured: a fit that fails must not lose the run
+        write({"format": FORMAT + "-unfitted", **info, "measured": measured, "fit_error": str(e)}, path)
+        raise ValueError(f"the measurements could not be fitted ({e}); they are in {path}") from None
+    write(record, path)
+    return record
+
+
+def summary(record: dict) -> str:
+    """What the fit found, a few lines for the terminal."""
+    f = record["fit"]
+    lines = [describe(record)]
+    for dtype, m in f["matmul"].items():
+        big = m["curve"][-1]
+        peak = f", {big['fitted']:.0%} of the data sheet's at n={big['n']}" if m["sheet_flops_per_s"] else ""
+        lines.append(f"  {dtype:>8}: sustained {m['flops_per_s'] / 1e12:.1f} TFLOP/s, "
+                     f"overhead {m['overhead_s'] * 1e6:.1f} us{peak}")
+    lines.append(f"  memory: {f['memory']['bytes_per_s'] / 1e9:.0f} GB/s (read + write); "
+                 f"launch {f['launch_s'] * 1e6:.2f} us")
+    if f.get("link"):
+        lines.append(f"  link: {f['link']['bytes_per_s'] / 1e9:.1f} GB/s, latency {f['link']['latency_s'] * 1e6:.1f} us")
+    return "\n".join(lines)
