@@ -84,6 +84,18 @@ def test_fit_recovers_the_synthetic_gpu_within_its_noise(noise):
         assert fit["link"]["collectives"][name]["bus_bytes_per_s"] == pytest.approx(LINK[1], rel=tolerance)
 
 
+def test_a_dtype_whose_times_do_not_grow_is_reported_and_left_out_of_the_node(tmp_path):
+    measured = synthetic()
+    for row in measured["matmul"]:
+        if row["dtype"] == "float16":
+            row["seconds"] = 1.0 / row["n"]  # shrinking with size: nothing to fit
+    rec = record(measured)
+    assert "do not grow" in rec["fit"]["matmul"]["float16"]["error"]
+    assert "float16: not fitted" in cal.summary(rec)
+    node = cal.load_node(cal.write(rec, str(tmp_path / "c.json")), 2)
+    assert sorted(node.device.flops) == ["bfloat16", "float32", "tf32"]
+
+
 def test_an_unknown_gpu_is_fitted_over_its_own_sustained_rate():
     fit = record(synthetic(), gpu="Some Future GPU")["fit"]
     m = fit["matmul"]["bfloat16"]

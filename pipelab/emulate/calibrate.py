@@ -95,7 +95,11 @@ def fit(measured: dict, sheet: dict | None = None) -> dict:
     for dtype, rows in by_dtype.items():
         rows = sorted(rows, key=lambda r: r["n"])
         flops = [matmul_flops(r["n"]) for r in rows]
-        overhead, rate = fit_line(flops, [r["seconds"] for r in rows])
+        try:
+            overhead, rate = fit_line(flops, [r["seconds"] for r in rows])
+        except ValueError as e:  # one dtype's noisy times leave the others' fits standing
+            out["matmul"][dtype] = {"error": str(e)}
+            continue
         peak = (sheet or {}).get(dtype)
         out["matmul"][dtype] = {
             "overhead_s": overhead, "flops_per_s": rate, "sheet_flops_per_s": peak,
@@ -202,7 +206,7 @@ def load_node(path: str, count: int, link: str | None = None):
     source = f"measured by pipelab calibrate: {describe(record)}, file {os.path.basename(path)}"
     sheet = specs.DEVICES.get(record.get("data_sheet") or "")
     device = specs.Device(
-        f"{record['gpu']} (calibrated)", {d: m["flops_per_s"] for d, m in f["matmul"].items()},
+        f"{record['gpu']} (calibrated)", {d: m["flops_per_s"] for d, m in f["matmul"].items() if "error" not in m},
         memory_bandwidth=f["memory"]["bytes_per_s"], memory_bytes=float(record["memory_bytes"]),
         source=source, nvlink=sheet.nvlink if sheet else None, pcie=sheet.pcie if sheet else "pcie4",
         notes=(f"sustained matrix-product rates (fitted asymptote) and copy bandwidth as measured, so "
@@ -275,6 +279,9 @@ def summary(record: dict) -> str:
     f = record["fit"]
     lines = [describe(record)]
     for dtype, m in f["matmul"].items():
+        if "error" in m:
+            lines.append(f"  {dtype:>8}: not fitted ({m['error']})")
+            continue
         big = m["curve"][-1]
         peak = f", {big['fitted']:.0%} of the data sheet's at n={big['n']}" if m["sheet_flops_per_s"] else ""
         lines.append(f"  {dtype:>8}: sustained {m['flops_per_s'] / 1e12:.1f} TFLOP/s, "

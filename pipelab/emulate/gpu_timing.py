@@ -174,7 +174,7 @@ def _collective(name: str, x, out, rank: int, world: int):
     if name == "all_gather":
         return lambda: dist.all_gather_into_tensor(out, x)
     if name == "reduce_scatter":
-        return lambda: dist.reduce_scatter_tensor(x, out)
+        return lambda: dist.reduce_scatter_tensor(out, x)
     # send/receive: every rank sends to the next and receives from the previous, as nccl-tests' sendrecv.
     ops = [dist.P2POp(dist.isend, x, (rank + 1) % world), dist.P2POp(dist.irecv, out, (rank - 1) % world)]
     return lambda: [w.wait() for w in dist.batch_isend_irecv(ops)]
