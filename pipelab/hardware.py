@@ -224,8 +224,13 @@ def _emulated(who: str, real: str, emulate: str, size: str | None, hw) -> str:
     from pipelab.emulate.specs import parse_node
 
     at = f" at the emulated size: {size}" if size else ""
-    return (f"Emulated node: {who} {parse_node(emulate)} ({real} on this machine's CPU; each operation's "
-            f"time modelled from the device and link data sheets{at}) | {_machine(hw)} | torch {hw.torch_version}")
+    node = parse_node(emulate)
+    measured = [part.source.startswith("measured by pipelab calibrate") for part in (node.device, node.link)]
+    basis = {(True, True): "the device and link as `pipelab calibrate` measured them",
+             (True, False): "the device as `pipelab calibrate` measured it and the link's data sheet"
+             }.get(tuple(measured), "the device and link data sheets")
+    return (f"Emulated node: {who} {node} ({real} on this machine's CPU; each operation's "
+            f"time modelled from {basis}{at}) | {_machine(hw)} | torch {hw.torch_version}")
 
 
 def describe_devices(n: int = 2, emulate: str | None = None, size: str | None = None) -> str:

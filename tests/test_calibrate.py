@@ -116,11 +116,15 @@ def test_json_round_trip_makes_a_node_of_eight_with_the_measured_figures(tmp_pat
     assert node.link == specs.LINKS["nvlink4"]  # one GPU measured no link: the H100's data-sheet link
     assert specs.parse_node(f"2x:{path}@pcie5").link == specs.LINKS["pcie5"]
     assert specs.Node.from_json(node.to_json()) == node
+    from pipelab import hardware  # a lesson's first line says where the modelled times come from
+    assert "modelled from the device as `pipelab calibrate` measured it and the link's data sheet" in \
+        hardware.describe(2, emulate=f"8x:{path}")
     # a compute cost on it takes the measured rate's time
     assert compute_seconds(Counts(1e12, 0.0, 0), node.device, "bfloat16", 1.0) == pytest.approx(1e12 / 790e12)
     # with a measured link, the node's link is the measured one
     with_link = cal.write(record(synthetic(links=True), count=8), str(tmp_path / "eight.json"))
     link = specs.parse_node(f"8x:{with_link}").link
+    assert "the device and link as `pipelab calibrate` measured them" in hardware.describe(2, emulate=f"8x:{with_link}")
     assert link.bandwidth_Bps == pytest.approx(LINK[1]) and link.latency_s == pytest.approx(LINK[0])
 
 
