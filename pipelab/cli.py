@@ -263,8 +263,8 @@ def ensure_calibration(plans: list[Planned]) -> None:
               flush=True)
         try:
             print(cal.summary(cal.calibrate(path)), flush=True)
-        except cal.NoGPU as e:
-            raise UsageError(str(e)) from None
+        except (cal.NoGPU, ValueError) as e:
+            raise UsageError(f"cannot calibrate this GPU for the one-GPU runs: {e}") from None
 
 
 def cmd_run(ns: argparse.Namespace) -> int:

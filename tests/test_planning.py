@@ -139,3 +139,25 @@ def test_a_parameter_error_names_the_parameter_and_value_given(tmp_path, capsys,
     # values of the declared kind (an int for a float, None for anything) are taken
     plans = cli.plan_runs([path], {"lr": 1, "name": None, "flag": True, "ranks": 3}, None)
     assert plans[0].parameters == {"lr": 1, "name": None, "flag": True, "ranks": 3}
+
+
+def _write_rows(path: str, worker: int) -> None:
+    from pipelab.batch import NotebookRun, write_summary
+
+    for i in range(5):
+        write_summary([NotebookRun(f"{worker}_{i}.ipynb", "ok", 0.1, None)], path)
+
+
+def test_concurrent_summaries_keep_every_row_and_leave_no_lock(tmp_path):
+    import multiprocessing
+
+    path = str(tmp_path / "summary.json")
+    workers = [multiprocessing.get_context("fork").Process(target=_write_rows, args=(path, w)) for w in range(4)]
+    for w in workers:
+        w.start()
+    for w in workers:
+        w.join(60)
+        assert w.exitcode == 0
+    rows = json.loads((tmp_path / "summary.json").read_text())["notebooks"]
+    assert sorted(r["notebook"] for r in rows) == sorted(f"{w}_{i}.ipynb" for w in range(4) for i in range(5))
+    assert os.listdir(tmp_path) == ["summary.json"]
