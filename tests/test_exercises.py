@@ -156,7 +156,12 @@ WRONG = [
     ("12_row_parallel", row_parallel_bias_on_every_rank, ["plus 1x the bias", "added 2 times"]),
     ("13_split_backward", split_backward_all_at_once, ["after I, 0.weight already has its gradient"]),
     ("13_split_backward", split_backward_graph_freed, ["W raised RuntimeError", "retain_graph=True"]),
+    ("14_online_softmax_merge", merge_by_average, ["plain average", "exp(L_a - L)"]),  # more in test_context_parallel
 ]
+
+
+def merge_by_average(out_a, lse_a, out_b, lse_b):
+    return (out_a + out_b) / 2, torch.logaddexp(lse_a, lse_b)
 
 
 def test_every_exercise_has_a_wrong_answer():
