@@ -56,13 +56,14 @@ class Ring:
         return self.rec.span(kind, lane=lane, **meta) if self.rec is not None else nullcontext()
 
 
-def _pairs(layout: Layout, q_rank: int, k_rank: int, chunk: int, causal: bool):
+def _pairs(layout: Layout, q_rank: int, k_rank: int, chunk: int, causal: bool, device=None):
     """The (query chunk, key chunk, mask) blocks rank `q_rank` computes against the keys of rank
     `k_rank`, as positions within the two shards. Causal blocks entirely in the future are left out."""
     for i, qc in enumerate(layout.chunks(q_rank)):
         for j, kc in enumerate(layout.chunks(k_rank)):
             sees, mask = causal_pair(qc, kc, chunk) if causal else (True, None)
             if sees:
+                mask = mask if mask is None else mask.to(device)
                 yield slice(i * chunk, (i + 1) * chunk), slice(j * chunk, (j + 1) * chunk), mask
 
 
@@ -79,7 +80,7 @@ class RingAttention(torch.autograd.Function):
             if step < ring.size - 1:  # the next block is on its way while this one is computed
                 incoming, handles = ring.pass_on(kv, "forward")
             with ring.span("attn", "compute", step=step, source=owner):
-                for qs, ks, mask in _pairs(layout, ring.rank, owner, chunk, causal):
+                for qs, ks, mask in _pairs(layout, ring.rank, owner, chunk, causal, q.device):
                     o, l = attend_block(q[:, :, qs], kv[0][:, :, ks], kv[1][:, :, ks], scale, mask)
                     state[qs.start] = merge(*state.get(qs.start, (None, None)), o, l)
             if step < ring.size - 1:
@@ -98,12 +99,12 @@ class RingAttention(torch.autograd.Function):
         q, k, v, out, lse = ctx.saved_tensors
         ring, n = ctx.ring, ctx.ring.size
         dq = torch.zeros_like(q)
-        travelling = torch.cat([torch.stack([k, v]), torch.zeros(2, *k.shape, dtype=k.dtype)])  # K, V, dK, dV
+        travelling = torch.cat([torch.stack([k, v]), torch.zeros(2, *k.shape, dtype=k.dtype, device=k.device)])  # K, V, dK, dV
         owner = ring.rank
         for step in range(n):
             kk, vv, dk, dv = travelling  # views: adding to dk, dv adds to the travelling buffer
             with ring.span("attn grad", "compute", step=step, source=owner):
-                for qs, ks, mask in _pairs(ctx.layout, ring.rank, owner, ctx.chunk, ctx.causal):
+                for qs, ks, mask in _pairs(ctx.layout, ring.rank, owner, ctx.chunk, ctx.causal, q.device):
                     gq, gk, gv = block_grads(q[:, :, qs], kk[:, :, ks], vv[:, :, ks], out[:, :, qs],
                                              lse[:, :, qs], grad_out[:, :, qs], ctx.scale, mask)
                     dq[:, :, qs] += gq

@@ -113,15 +113,16 @@ def worker(ctx: RankContext, cfg: Config) -> Result:
             continue
         ring = Ring.world(meter=CommMeter())
         layout = layout_of(variant, ctx.world_size)
-        q, k, v, g = (layout.shard(t, ctx.rank) for t in cfg.data())
+        q, k, v, g = (layout.shard(t, ctx.rank).to(ctx.device) for t in cfg.data())
         q, k, v = (t.requires_grad_() for t in (q, k, v))
         out, kept = saved_activation_bytes(lambda: attention(variant, q, k, v, ring), set())
         (out * g).sum().backward()
-        variants[variant] = VariantResult(out.detach(), (q.grad, k.grad, v.grad), dict(ring.meter.bytes), kept)
+        variants[variant] = VariantResult(out.detach().cpu(), tuple(t.grad.cpu() for t in (q, k, v)),
+                                          dict(ring.meter.bytes), kept)
     seconds, timelines = {}, {}
     for name in ("contiguous", "zigzag"):
         ring, layout = Ring.world(rec=ctx.rec), Layout(name, ctx.world_size)
-        q, k, v, g = (layout.shard(t, ctx.rank) for t in cfg.data(cfg.timed_seq_len))
+        q, k, v, g = (layout.shard(t, ctx.rank).to(ctx.device) for t in cfg.data(cfg.timed_seq_len))
         q.requires_grad_()
         steps = time_steps(ctx, lambda i: (ring_attention(q, k, v, ring, layout, True) * g).sum().backward(),
                            cfg.steps)
@@ -137,11 +138,11 @@ def torch_context_parallel(ctx: RankContext, cfg: Config) -> VariantResult:
     from torch.distributed.tensor.experimental import context_parallel
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
-    mesh = init_device_mesh("cpu", (ctx.world_size,))
-    q, k, v, _ = cfg.data()
+    mesh = init_device_mesh(ctx.device.type, (ctx.world_size,))
+    q, k, v = (t.to(ctx.device) for t in cfg.data()[:3])
     with context_parallel(mesh, buffers=[q, k, v], buffer_seq_dims=[2, 2, 2]), sdpa_kernel(SDPBackend.MATH):
         out = F.scaled_dot_product_attention(q, k, v)
-    return VariantResult(out.detach().clone(), (), {}, 0)
+    return VariantResult(out.detach().cpu(), (), {}, 0)
 
 
 def torch_refusals(ctx: RankContext, cfg: Config) -> dict[str, str]:
@@ -153,10 +154,10 @@ def torch_refusals(ctx: RankContext, cfg: Config) -> dict[str, str]:
     from torch.distributed.tensor.experimental import context_parallel
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
-    mesh = init_device_mesh("cpu", (ctx.world_size,))
+    mesh = init_device_mesh(ctx.device.type, (ctx.world_size,))
     answers = {}
     for backend in ("math", "default"):
-        q, k, v, _ = cfg.data()
+        q, k, v = (t.to(ctx.device) for t in cfg.data()[:3])
         kernel = sdpa_kernel(SDPBackend.MATH) if backend == "math" else nullcontext()
         try:
             with context_parallel(mesh, buffers=[q, k, v], buffer_seq_dims=[2, 2, 2]), kernel:
@@ -429,3 +430,28 @@ def torch_verdict(run: ContextParallelRun) -> tuple[str, str, str, dict]:
     text = (f"torch's context_parallel (non-causal, math backend) gives one process's output ({verdict}, "
             f"largest difference {diff:.1e}); on CPU it refused {len(refused)} of {len(run.torch_refusals)} causal tries")
     return "14.torch_context_parallel", verdict, text, {"difference": diff}
+
+
+def nemo_verdict(rows: list[dict]) -> tuple[str, str, str, dict]:
+    """What the modelled ring step can say beside NeMo's published figures, and what it cannot."""
+    with_cp = [r["with CP"] for r in NEMO_CP]
+    at8 = next(r for r in rows if r["ranks"] == 8)
+    verdict = "consistent" if at8["hidden"] == "100%" else "K/V passing exposed"
+    text = (f"NeMo holds {min(with_cp):g}-{max(with_cp):g} TFLOP/s per GPU with CP from 128K to 1M tokens; the model's "
+            f"K/V passing is {at8['hidden']} hidden at n=8 ({verdict}); why, without CP, it falls (memory) it cannot say")
+    return "14.nemo", verdict, text, {"hidden_at_8": at8["hidden"]}
+
+
+def run_flops(heads: int, head_dim: int, batch: int, seq_len: int, timed_seq_len: int, steps: int) -> float:
+    """FLOPs of lesson 14's runs at a profile's size, counted on the meta device: one forward and
+    backward of the whole sequence's attention per variant, and `steps` causal passes per layout
+    (a causal pass does about half the work)."""
+    from pipelab.emulate.cost import count
+    from pipelab.context_parallel.online_softmax import attend_block, block_grads
+
+    def pass_flops(s: int) -> float:
+        q = torch.empty(batch, heads, s, head_dim, device="meta")
+        lse = torch.empty(batch, heads, s, device="meta")
+        return count(attend_block, q, q, q, 1.0).flops + count(block_grads, q, q, q, q, lse, q, 1.0).flops
+
+    return pass_flops(seq_len) * (len(VARIANTS) + 2) + pass_flops(timed_seq_len) / 2 * 2 * steps
