@@ -19,6 +19,7 @@ from pipelab import experiments
 from pipelab.checks import whole_number
 from pipelab.context_parallel import Layout, Ring, ring_attention, ulysses_attention
 from pipelab.experiments.tensor_parallel import saved_activation_bytes
+from pipelab.experiments.torch_context_parallel import torch_context_parallel, torch_refusals
 from pipelab.measure import Measured, time_steps
 from pipelab.tensor_parallel.comm import CommMeter
 from pipelab.timeline import Timeline
@@ -109,7 +110,7 @@ def worker(ctx: RankContext, cfg: Config) -> Result:
     variants = {}
     for variant in cfg.variants:
         if variant == "torch":
-            variants[variant] = torch_context_parallel(ctx, cfg)
+            variants[variant] = VariantResult(torch_context_parallel(ctx, cfg), (), {}, 0)
             continue
         ring = Ring.world(meter=CommMeter())
         layout = layout_of(variant, ctx.world_size)
@@ -129,43 +130,6 @@ def worker(ctx: RankContext, cfg: Config) -> Result:
         seconds[name], timelines[name] = steps.seconds, steps.timelines[-1]
     refusals = torch_refusals(ctx, cfg) if "torch" in cfg.variants else {}
     return Result(ctx.rank, variants, seconds, timelines, refusals)
-
-
-def torch_context_parallel(ctx: RankContext, cfg: Config) -> VariantResult:
-    """torch's `context_parallel` on the same data: non-causal, math backend (what runs on CPU).
-    It shards q, k and v in place and patches scaled_dot_product_attention inside the block."""
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.tensor.experimental import context_parallel
-    from torch.nn.attention import SDPBackend, sdpa_kernel
-
-    mesh = init_device_mesh(ctx.device.type, (ctx.world_size,))
-    q, k, v = (t.to(ctx.device) for t in cfg.data()[:3])
-    with context_parallel(mesh, buffers=[q, k, v], buffer_seq_dims=[2, 2, 2]), sdpa_kernel(SDPBackend.MATH):
-        out = F.scaled_dot_product_attention(q, k, v)
-    return VariantResult(out.detach().cpu(), (), {}, 0)
-
-
-def torch_refusals(ctx: RankContext, cfg: Config) -> dict[str, str]:
-    """What torch's `context_parallel` answers on CPU for causal attention, per backend: the
-    exception it raised (type and first line), or "ran" where it ran."""
-    from contextlib import nullcontext
-
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.tensor.experimental import context_parallel
-    from torch.nn.attention import SDPBackend, sdpa_kernel
-
-    mesh = init_device_mesh(ctx.device.type, (ctx.world_size,))
-    answers = {}
-    for backend in ("math", "default"):
-        q, k, v = (t.to(ctx.device) for t in cfg.data()[:3])
-        kernel = sdpa_kernel(SDPBackend.MATH) if backend == "math" else nullcontext()
-        try:
-            with context_parallel(mesh, buffers=[q, k, v], buffer_seq_dims=[2, 2, 2]), kernel:
-                F.scaled_dot_product_attention(q, k, v, is_causal=True)
-            answers[f"causal, {backend} backend"] = "ran"
-        except Exception as e:  # noqa: BLE001 - what torch raised is the lesson's figure
-            answers[f"causal, {backend} backend"] = f"{type(e).__name__}: {str(e).strip().splitlines()[0]}"
-    return answers
 
 
 # ---------------------------------------------------------------------------------------------
@@ -275,13 +239,6 @@ def bytes_table(run: ContextParallelRun) -> list[dict]:
                      "sent backward": v.sent["backward"], "formula backward": formula["backward"]})
     return rows
 
-
-def busy_fraction(run: ContextParallelRun, layout: str) -> dict[int, float]:
-    """Per rank: its attention compute time over the busiest rank's, in the last timed pass."""
-    tl = run.timelines[layout]
-    busy = {r: tl.busy_time(rank=r) for r in tl.ranks}
-    top = max(busy.values())
-    return {r: b / top for r, b in busy.items()}
 
 
 def blocks_per_rank(layout: str, ranks: int, causal: bool = True) -> dict[int, float]:
