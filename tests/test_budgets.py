@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from pipelab.emulate.cost import budget, step_flops
-from pipelab.experiments import sharding, tensor_parallel, v_schedules
+from pipelab.experiments import context_parallel, sharding, tensor_parallel, v_schedules
 
 NOTEBOOKS = Path(__file__).resolve().parent.parent / "notebooks"
 
@@ -28,6 +28,8 @@ COUNTS = {
                                                                  p["seq_len"], p["steps"]),
     "13_zbv_dualpipev_looped_bfs": lambda p: v_schedules.run_flops(p["width"], p["layers"], p["batch"], p["steps"],
                                                                    p["larger_layers"]),
+    "14_context_parallelism": lambda p: context_parallel.run_flops(p["heads"], p["head_dim"], p["batch"], p["seq_len"],
+                                                                   p["timed_seq_len"], p["steps"]),
 }
 
 

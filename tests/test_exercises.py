@@ -134,6 +134,10 @@ def split_backward_graph_freed(output, x, weights, grad_output):
     return x_grad, lambda: torch.autograd.grad(output, weights, grad_output)
 
 
+def merge_by_average(out_a, lse_a, out_b, lse_b):
+    return (out_a + out_b) / 2, torch.logaddexp(lse_a, lse_b)
+
+
 WRONG = [
     ("00_broadcast", broadcast_from_rank0, ["deadlock", "rank 2 waits for its receive from rank 0"]),
     ("01_ddp_average", average_divided_twice, ["rank 0, parameter 0.weight", "0.50x the reference",
@@ -156,6 +160,7 @@ WRONG = [
     ("12_row_parallel", row_parallel_bias_on_every_rank, ["plus 1x the bias", "added 2 times"]),
     ("13_split_backward", split_backward_all_at_once, ["after I, 0.weight already has its gradient"]),
     ("13_split_backward", split_backward_graph_freed, ["W raised RuntimeError", "retain_graph=True"]),
+    ("14_online_softmax_merge", merge_by_average, ["plain average", "exp(L_a - L)"]),  # more in test_context_parallel
 ]
 
 

@@ -1,0 +1,414 @@
+"""Lesson 14 from a notebook: one attention layer's sequence split over ranks, ring and all-to-all.
+
+Each rank runs every variant on the same data (ring attention on contiguous and zig-zag shards,
+causal and not; all-to-all (Ulysses); torch's `context_parallel` where it runs on CPU), returns its
+outputs and the gradients of its queries, keys and values, the bytes its messages carried and the
+bytes its forward kept for backward, then times causal ring steps both ways on the timeline.
+`gather` checks every variant against one process's attention and builds the `ContextParallelRun`.
+The emulated node's figures come from `modelled_seconds`, the one door to the emulator's timing.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+
+from pipelab import experiments
+from pipelab.checks import whole_number
+from pipelab.context_parallel import Layout, Ring, ring_attention, ulysses_attention
+from pipelab.experiments.tensor_parallel import saved_activation_bytes
+from pipelab.experiments.torch_context_parallel import torch_context_parallel, torch_refusals
+from pipelab.measure import Measured, time_steps
+from pipelab.tensor_parallel.comm import CommMeter
+from pipelab.timeline import Timeline
+from pipelab.worker import RankContext
+
+# name -> (method, layout, causal)
+VARIANTS = {"ring": ("ring", "contiguous", False), "ring causal": ("ring", "contiguous", True),
+            "ring zigzag": ("ring", "zigzag", False), "ring zigzag causal": ("ring", "zigzag", True),
+            "ulysses": ("ulysses", "contiguous", False), "ulysses causal": ("ulysses", "contiguous", True),
+            "torch": ("torch", "zigzag", False)}  # torch's default "head-tail" load balancer is zig-zag
+
+
+@dataclass(frozen=True, kw_only=True)
+class Config(experiments.Config):
+    """Attention with `heads` heads of `head_dim` over `batch` sequences of `seq_len` tokens, split
+    over `world_size` ranks; `steps` causal passes timed per layout at `timed_seq_len` tokens."""
+
+    batch: int = 1
+    heads: int = 4
+    head_dim: int = 16
+    seq_len: int = 64
+    timed_seq_len: int = 1024
+    steps: int = 3
+    seed: int = 0
+    variants: tuple[str, ...] = tuple(VARIANTS)
+
+    def check(self) -> None:
+        super().check()
+        for name in ("batch", "heads", "head_dim", "seq_len", "timed_seq_len", "steps"):
+            whole_number(name, getattr(self, name))
+        n = self.world_size
+        if self.heads % n:
+            raise ValueError(f"heads={self.heads} does not divide by world_size={n}: all-to-all (Ulysses) "
+                             f"gives each rank heads / world_size whole heads; use heads that is a multiple "
+                             f"of {n}, or world_size in {[k for k in range(1, self.heads + 1) if self.heads % k == 0]}")
+        for name in ("seq_len", "timed_seq_len"):
+            if getattr(self, name) % (2 * n):
+                raise ValueError(f"{name}={getattr(self, name)} does not divide by 2 x world_size = {2 * n}: "
+                                 f"zig-zag cuts the sequence into 2n chunks (rank r holds r and 2n-1-r); use "
+                                 f"a multiple of {2 * n}")
+        bad = [v for v in self.variants if v not in VARIANTS]
+        if bad or not self.variants:
+            raise ValueError(f"variants must be some of {list(VARIANTS)}, got {list(self.variants)!r}")
+
+    def data(self, seq_len: int | None = None) -> list[torch.Tensor]:
+        """Queries, keys, values and the gradient the output receives: (batch, heads, tokens, head_dim)."""
+        g = torch.Generator().manual_seed(self.seed)
+        shape = (self.batch, self.heads, seq_len or self.seq_len, self.head_dim)
+        return [torch.randn(shape, generator=g) for _ in range(4)]
+
+
+def layout_of(variant: str, ranks: int) -> Layout:
+    return Layout(VARIANTS[variant][1], ranks)
+
+
+def attention(variant: str, q, k, v, ring: Ring):
+    """One variant's attention on this rank's shards."""
+    method, name, causal = VARIANTS[variant]
+    if method == "ring":
+        return ring_attention(q, k, v, ring, Layout(name, ring.size), causal)
+    return ulysses_attention(q, k, v, ring, causal)
+
+
+# ---------------------------------------------------------------------------------------------
+# On each rank
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclass
+class VariantResult:
+    output: torch.Tensor  # this rank's shard
+    grads: tuple[torch.Tensor, ...]  # dQ, dK, dV of this rank's shard (empty for torch's)
+    sent: dict[tuple[str, str], int]  # (kind, direction) -> bytes this rank sent
+    activation_bytes: int  # what the forward kept for backward on this rank
+
+
+@dataclass
+class Result:
+    rank: int
+    variants: dict[str, VariantResult]
+    seconds: dict[str, list[float]]  # layout -> timed causal ring passes
+    timelines: dict[str, Timeline]  # layout -> the last timed pass
+    torch_refusals: dict[str, str]
+
+
+def worker(ctx: RankContext, cfg: Config) -> Result:
+    """Every variant once (checked, counted), then `cfg.steps` timed causal passes per layout."""
+    variants = {}
+    for variant in cfg.variants:
+        if variant == "torch":
+            variants[variant] = VariantResult(torch_context_parallel(ctx, cfg), (), {}, 0)
+            continue
+        ring = Ring.world(meter=CommMeter())
+        layout = layout_of(variant, ctx.world_size)
+        q, k, v, g = (layout.shard(t, ctx.rank).to(ctx.device) for t in cfg.data())
+        q, k, v = (t.requires_grad_() for t in (q, k, v))
+        out, kept = saved_activation_bytes(lambda: attention(variant, q, k, v, ring), set())
+        (out * g).sum().backward()
+        variants[variant] = VariantResult(out.detach().cpu(), tuple(t.grad.cpu() for t in (q, k, v)),
+                                          dict(ring.meter.bytes), kept)
+    seconds, timelines = {}, {}
+    for name in ("contiguous", "zigzag"):
+        ring, layout = Ring.world(rec=ctx.rec), Layout(name, ctx.world_size)
+        q, k, v, g = (layout.shard(t, ctx.rank).to(ctx.device) for t in cfg.data(cfg.timed_seq_len))
+        q.requires_grad_()
+        steps = time_steps(ctx, lambda i: (ring_attention(q, k, v, ring, layout, True) * g).sum().backward(),
+                           cfg.steps)
+        seconds[name], timelines[name] = steps.seconds, steps.timelines[-1]
+    refusals = torch_refusals(ctx, cfg) if "torch" in cfg.variants else {}
+    return Result(ctx.rank, variants, seconds, timelines, refusals)
+
+
+# ---------------------------------------------------------------------------------------------
+# The parent side
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclass
+class VariantRun:
+    name: str
+    difference: float  # largest difference from one process: output, dQ, dK, dV (output only for torch's)
+    sent: dict[str, int]  # bytes rank 0 sent: "forward", "backward"
+    activation_bytes: int  # rank 0's
+
+
+@dataclass
+class ContextParallelRun:
+    cfg: Config
+    variants: dict[str, VariantRun]
+    one_process_activation_bytes: int  # the same ring code on one rank: Q, K, V, O and the log-sum-exp
+    scores_activation_bytes: int  # torch's math attention in one process, which keeps the s x s scores
+    step_time: dict[str, Measured]  # layout -> causal forward+backward, slowest rank (measured)
+    timelines: dict[str, Timeline] = field(repr=False, default_factory=dict)
+    torch_refusals: dict[str, str] = field(default_factory=dict)
+
+    def __getitem__(self, name: str) -> VariantRun:
+        return self.variants[name]
+
+
+def run(cfg: Config) -> ContextParallelRun:
+    return experiments.run(worker, cfg, gather)
+
+
+def one_process(cfg: Config, causal: bool) -> list[torch.Tensor]:
+    """Attention over the whole sequence in this process: output, dQ, dK, dV."""
+    q, k, v, g = cfg.data()
+    q, k, v = (t.requires_grad_() for t in (q, k, v))
+    out = F.scaled_dot_product_attention(q, k, v, is_causal=causal)
+    (out * g).sum().backward()
+    return [out.detach(), q.grad, k.grad, v.grad]
+
+
+def gather(cfg: Config, results: list[Result]) -> ContextParallelRun:
+    n = cfg.world_size
+    want = {causal: one_process(cfg, causal) for causal in (False, True)}
+    variants = {}
+    for name in cfg.variants:
+        per_rank = [r.variants[name] for r in results]
+        layout = layout_of(name, n)
+        got = [layout.unshard([r.output for r in per_rank])]
+        got += [layout.unshard([r.grads[i] for r in per_rank]) for i in range(len(per_rank[0].grads))]
+        diff = max(float((a - b).abs().max()) for a, b in zip(got, want[VARIANTS[name][2]]))
+        sent = {d: sum(b for (_, dd), b in per_rank[0].sent.items() if dd == d) for d in ("forward", "backward")}
+        variants[name] = VariantRun(name, diff, sent, per_rank[0].activation_bytes)
+    step_time = {name: Measured.of([max(s) for s in zip(*(r.seconds[name] for r in results))])
+                 for name in ("contiguous", "zigzag")}
+    timelines = {name: Timeline.merge(r.timelines[name] for r in results) for name in ("contiguous", "zigzag")}
+    return ContextParallelRun(cfg, variants, *one_process_memory(cfg), step_time, timelines, results[0].torch_refusals)
+
+
+def one_process_memory(cfg: Config) -> tuple[int, int]:
+    """Bytes kept for backward in one process: by the ring code on a ring of one, and by torch's
+    math attention (which keeps the probabilities, s x s per head)."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    q, k, v, _ = (t.requires_grad_() for t in cfg.data())
+    _, ring_bytes = saved_activation_bytes(
+        lambda: ring_attention(q, k, v, Ring(0, 1), Layout("contiguous", 1), False), set())
+    with sdpa_kernel(SDPBackend.MATH):
+        _, math_bytes = saved_activation_bytes(lambda: F.scaled_dot_product_attention(q, k, v), set())
+    return ring_bytes, math_bytes
+
+
+# ---------------------------------------------------------------------------------------------
+# Formulas: bytes each rank sends, work each rank does
+# ---------------------------------------------------------------------------------------------
+
+
+def shard_bytes(cfg: Config) -> int:
+    """B: the bytes of one rank's shard of K (or of Q, V, O): batch x heads x s/n x head_dim floats."""
+    return cfg.batch * cfg.heads * cfg.seq_len // cfg.world_size * cfg.head_dim * 4
+
+
+def ring_formula(cfg: Config) -> dict[str, int]:
+    """Ring: forward passes K and V on n-1 times (2B each); backward passes K, V, dK, dV on n-1
+    times (4B) and dK, dV home once more (2B)."""
+    n, b = cfg.world_size, shard_bytes(cfg)
+    return {"forward": (n - 1) * 2 * b, "backward": (n - 1) * 4 * b + 2 * b}
+
+
+def ulysses_formula(cfg: Config) -> dict[str, int]:
+    """All-to-all: forward re-shards Q, K, V and O back (4 tensors of B), each rank keeping 1/n of
+    each and sending (n-1)/n; backward the same four, in reverse."""
+    n, b = cfg.world_size, shard_bytes(cfg)
+    return {"forward": 4 * b * (n - 1) // n, "backward": 4 * b * (n - 1) // n}
+
+
+def bytes_table(run: ContextParallelRun) -> list[dict]:
+    """Per variant: bytes rank 0 sent forward and backward, counted from its messages, beside the formula."""
+    rows = []
+    for name, v in run.variants.items():
+        method = VARIANTS[name][0]
+        if method == "torch":
+            continue
+        formula = (ring_formula if method == "ring" else ulysses_formula)(run.cfg)
+        rows.append({"variant": name, "sent forward": v.sent["forward"], "formula forward": formula["forward"],
+                     "sent backward": v.sent["backward"], "formula backward": formula["backward"]})
+    return rows
+
+
+
+def blocks_per_rank(layout: str, ranks: int, causal: bool = True) -> dict[int, float]:
+    """Per rank: the work its ring attention does in one forward, in blocks of (s/n)^2 token pairs,
+    counted from the algorithm's own pairing of query and key chunks (a zig-zag chunk pair is a
+    quarter block; a diagonal pair counts whole, as a block kernel computes it masked)."""
+    from pipelab.context_parallel.ring import _pairs
+
+    lay = Layout(layout, ranks)
+    size = 1 / len(lay.chunks(0)) ** 2
+    return {r: size * sum(1 for k in range(ranks) for _ in _pairs(lay, r, k, 1, causal)) for r in range(ranks)}
+
+
+# ---------------------------------------------------------------------------------------------
+# The emulated node: modelled time at 128K tokens of a 7B-sized layer
+# ---------------------------------------------------------------------------------------------
+
+LAYER_7B = {"heads": 32, "head_dim": 128, "hidden": 4096}  # Llama 2 7B's attention
+
+
+def modelled_seconds(kind: str, *, nbytes: float = 0.0, node: str = "8xH100-nvlink",
+                     shape: tuple[int, ...] = (), dtype: str = "bfloat16") -> float:
+    """Modelled seconds from the emulator's public models (`pipelab.emulate`): "attention" and
+    "attention grad" are one fused (flash) kernel of shape (batch, heads, q_tokens, k_tokens,
+    head_dim) on the node's device; "p2p" is one message of `nbytes` over the node's link."""
+    from pipelab.emulate.cost import Counts, compute_seconds, count, message_seconds
+    from pipelab.emulate.specs import parse_node, torch_dtype
+    from pipelab.context_parallel.online_softmax import attend_block, block_grads
+
+    n = parse_node(node)
+    if kind == "p2p":
+        return message_seconds(nbytes, n.link)
+    b, h, sq, sk, d = shape
+    t = torch_dtype(dtype)
+    q, o = (torch.empty(b, h, sq, d, dtype=t, device="meta") for _ in range(2))
+    k, v = (torch.empty(b, h, sk, d, dtype=t, device="meta") for _ in range(2))
+    lse = torch.empty(b, h, sq, dtype=t, device="meta")
+    if kind == "attention":
+        flops, tensors = count(attend_block, q, k, v, d ** -0.5).flops, (q, k, v, o)
+    elif kind == "attention grad":
+        flops, tensors = count(block_grads, q, k, v, o, lse, o, d ** -0.5).flops, (q, k, v, o, o, q, k, v)
+    else:
+        raise ValueError(f"kind must be 'attention', 'attention grad' or 'p2p', got {kind!r}")
+    # A fused kernel keeps the scores on chip: its memory traffic is its inputs and outputs only.
+    io = sum(x.numel() * x.element_size() for x in tensors)
+    return compute_seconds(Counts(flops, io, 1), n.device, dtype)
+
+
+def ring_overlap(tokens: int = 128 * 1024, ranks: tuple[int, ...] = (2, 4, 8, 16, 32, 64),
+                 per_node: int = 8) -> list[dict]:
+    """Per ring size n: one causal zig-zag ring step of a 7B-sized attention layer (each rank s/n
+    tokens; a step attends them to half a block of keys), its K/V transfer beside it, and how much
+    of the transfer the attention hides. Up to `per_node` ranks the ring runs over NVLink; beyond,
+    a ring step waits for the hop between nodes, over InfiniBand NDR. Modelled, not measured."""
+    h, d = LAYER_7B["heads"], LAYER_7B["head_dim"]
+    rows = []
+    for n in ranks:
+        c = tokens // n
+        node = f"{n}xH100-nvlink" if n <= per_node else f"{n}xH100-ib"
+        kv = 2 * c * LAYER_7B["hidden"] * 2  # K and V of s/n tokens in bf16
+        fwd = modelled_seconds("attention", node=node, shape=(1, h, c, c // 2, d))
+        bwd = modelled_seconds("attention grad", node=node, shape=(1, h, c, c // 2, d))
+        fwd_comm = modelled_seconds("p2p", nbytes=kv, node=node)
+        bwd_comm = modelled_seconds("p2p", nbytes=2 * kv, node=node)  # K, V, dK, dV
+        hidden = min(1.0, (fwd + bwd) / (fwd_comm + bwd_comm))
+        rows.append({"ranks": n, "tokens per rank": c, "link": "NVLink 4" if n <= per_node else "InfiniBand NDR",
+                     "attention fwd+bwd (ms)": round((fwd + bwd) * 1e3, 3),
+                     "K/V passing fwd+bwd (ms)": round((fwd_comm + bwd_comm) * 1e3, 3),
+                     "hidden": f"{hidden:.0%}"})
+    return rows
+
+
+# NeMo's published context-parallel results: Llama 2 7B, FP8, DGX-H100, TFLOP/s per GPU.
+NEMO_SOURCE = ("NVIDIA NeMo Framework user guide, Performance: Context Parallelism, "
+               "https://docs.nvidia.com/nemo-framework/user-guide/latest/performance/performance-summary.html")
+NEMO_CP = [{"sequence": "128K", "without CP (TFLOP/s per GPU)": 424, "with CP": 555},
+           {"sequence": "512K", "without CP (TFLOP/s per GPU)": 104, "with CP": 549},
+           {"sequence": "1M", "without CP (TFLOP/s per GPU)": 26.5, "with CP": 536}]
+
+
+# ---------------------------------------------------------------------------------------------
+# Verdicts
+# ---------------------------------------------------------------------------------------------
+
+TOLERANCE = 1e-4  # float32 sums in another order: far above rounding, far below a wrong block
+
+
+def same_as_one_process(run: ContextParallelRun) -> tuple[str, str, str, dict]:
+    worst = max(v.difference for v in run.variants.values())
+    verdict = "same" if worst <= TOLERANCE else "different"
+    text = (f"all {len(run.variants)} variants give one process's output (and dQ, dK, dV) on "
+            f"{run.cfg.world_size} ranks: largest difference {worst:.1e}" if verdict == "same" else
+            f"a variant differs from one process by {worst:.1e} (above {TOLERANCE:g})")
+    return "14.same_as_one_process", verdict, text, {"largest_difference": worst}
+
+
+def balance_verdict(run: ContextParallelRun) -> tuple[str, str, str, dict]:
+    """The measured causal step both ways, and the blocks each rank computes (from the pairing)."""
+    from pipelab.measure import compare
+
+    n = run.cfg.world_size
+    contiguous, zigzag = run.step_time["contiguous"], run.step_time["zigzag"]
+    blocks = blocks_per_rank("contiguous", n)
+    verdict = compare(zigzag, contiguous)
+    even = blocks_per_rank("zigzag", n)[0]
+    text = (f"contiguous shards give rank 0 {blocks[0]:g} block of work and rank {n - 1} {blocks[n - 1]:g}, zig-zag "
+            f"each {even:g}: a causal pass took {zigzag.median * 1e3:.0f} ms zig-zag against "
+            f"{contiguous.median * 1e3:.0f} ms contiguous ({verdict}, measured)")
+    return "14.causal_balance", verdict, text, {"zigzag_s": zigzag.median, "contiguous_s": contiguous.median}
+
+
+def bytes_verdict(run: ContextParallelRun) -> tuple[str, str, str, dict]:
+    rows = bytes_table(run)
+    exact = all(r["sent forward"] == r["formula forward"] and r["sent backward"] == r["formula backward"] for r in rows)
+    ring, a2a = ring_formula(run.cfg), ulysses_formula(run.cfg)
+    ratio = sum(ring.values()) / sum(a2a.values())
+    verdict = "as the formulas count" if exact else "differs from the formulas"
+    text = (f"counted from the messages, {verdict}: per layer the ring sends (6n-4)B per rank, "
+            f"all-to-all 8(n-1)B/n, {ratio:.1f}x less at n={run.cfg.world_size}")
+    return "14.bytes", verdict, text, {"ring_over_all_to_all": ratio}
+
+
+def memory_verdict(run: ContextParallelRun) -> tuple[str, str, str, dict]:
+    n, whole = run.cfg.world_size, run.one_process_activation_bytes
+    per_rank = max(v.activation_bytes for name, v in run.variants.items() if VARIANTS[name][0] == "ring")
+    verdict = "1/n of one process" if per_rank * n == whole else "not 1/n"
+    text = (f"a ring rank kept {per_rank:,} bytes for backward, {verdict} ({whole:,}); torch's math "
+            f"attention in one process keeps {run.scores_activation_bytes:,}, the s x s probabilities")
+    return "14.activation_memory", verdict, text, {"per_rank": per_rank, "one_process": whole}
+
+
+def overlap_verdict(rows: list[dict]) -> tuple[str, str, str, dict]:
+    """Where the modelled K/V passing stops hiding behind the modelled attention as n grows."""
+    at8 = next(r for r in rows if r["ranks"] == 8)
+    exposed = next((r for r in rows if r["hidden"] != "100%"), None)
+    where = f"n={exposed['ranks']} ({exposed['link']})" if exposed else f"none up to n={rows[-1]['ranks']}"
+    text = (f"modelled, 8 x H100 at 128K tokens: K/V passing {at8['K/V passing fwd+bwd (ms)']:.2f} ms hides "
+            f"behind {at8['attention fwd+bwd (ms)']:.1f} ms of attention per step; it first shows at {where}")
+    return "14.ring_overlap", f"exposed from {where}", text, {"exposed_from": exposed["ranks"] if exposed else None}
+
+
+def torch_verdict(run: ContextParallelRun) -> tuple[str, str, str, dict]:
+    diff = run["torch"].difference
+    verdict = "same" if diff <= TOLERANCE else "different"
+    refused = [k for k, a in run.torch_refusals.items() if a != "ran"]
+    text = (f"torch's context_parallel (non-causal, math backend) gives one process's output ({verdict}, "
+            f"largest difference {diff:.1e}); on CPU it refused {len(refused)} of {len(run.torch_refusals)} causal tries")
+    return "14.torch_context_parallel", verdict, text, {"difference": diff}
+
+
+def nemo_verdict(rows: list[dict]) -> tuple[str, str, str, dict]:
+    """What the modelled ring step can say beside NeMo's published figures, and what it cannot."""
+    with_cp = [r["with CP"] for r in NEMO_CP]
+    at8 = next(r for r in rows if r["ranks"] == 8)
+    verdict = "consistent" if at8["hidden"] == "100%" else "K/V passing exposed"
+    text = (f"NeMo holds {min(with_cp):g}-{max(with_cp):g} TFLOP/s per GPU with CP from 128K to 1M tokens; the model's "
+            f"K/V passing is {at8['hidden']} hidden at n=8 ({verdict}); why, without CP, it falls (memory) it cannot say")
+    return "14.nemo", verdict, text, {"hidden_at_8": at8["hidden"]}
+
+
+def run_flops(heads: int, head_dim: int, batch: int, seq_len: int, timed_seq_len: int, steps: int) -> float:
+    """FLOPs of lesson 14's runs at a profile's size, counted on the meta device: one forward and
+    backward of the whole sequence's attention per variant, and `steps` causal passes per layout
+    (a causal pass does about half the work)."""
+    from pipelab.emulate.cost import count
+    from pipelab.context_parallel.online_softmax import attend_block, block_grads
+
+    def pass_flops(s: int) -> float:
+        q = torch.empty(batch, heads, s, head_dim, device="meta")
+        lse = torch.empty(batch, heads, s, device="meta")
+        return count(attend_block, q, q, q, 1.0).flops + count(block_grads, q, q, q, q, lse, q, 1.0).flops
+
+    return pass_flops(seq_len) * (len(VARIANTS) + 2) + pass_flops(timed_seq_len) / 2 * 2 * steps
