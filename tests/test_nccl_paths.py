@@ -34,6 +34,9 @@ PATHS = {
         "tests/test_tensor_parallel.py::test_parallel_block_equals_the_unsplit_block",
         "tests/test_tensor_parallel.py::test_the_3d_grid_has_the_topologys_groups_and_one_process_losses"],
     "13 ZB-V, DualPipeV, looped BFS": ["tests/test_v_shape.py::test_runs_on_real_ranks_like_one_process"],
+    "16 ZeRO in mixed precision, the bf16 all-reduce": [
+        "tests/test_precision.py::test_mixed_precision_zero_on_real_ranks_matches_one_process_and_the_formula",
+        "tests/test_precision.py::test_bf16_all_reduce_halves_the_bytes"],
 }
 
 
