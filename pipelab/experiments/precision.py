@@ -44,6 +44,9 @@ class Config(experiments.Config):
             whole_number(name, getattr(self, name), example=f"{name}={getattr(Config, name)}")
         for name in ("lr", "init_scale", "loss_weight", "loss_rtol"):
             positive_number(name, getattr(self, name), example=f"{name}={getattr(Config, name)}")
+        if not self.zero_world_sizes or any(max(self.zero_world_sizes) % n for n in self.zero_world_sizes):
+            raise ValueError(f"zero_world_sizes={self.zero_world_sizes!r}: give sizes that all divide the largest "
+                             "(its ranks are cut into groups of each size), e.g. (2, 4)")
         for n in (self.world_size, *self.zero_world_sizes):
             if self.batch % n:
                 raise ValueError(f"batch={self.batch} does not split over {n} ranks; use a multiple of "
@@ -67,6 +70,22 @@ class Config(experiments.Config):
         return loss * self.loss_weight if small else loss
 
 
+def one_thread(fn):
+    """Run `fn` with torch on one thread: these tensors are small, and on shared cores a second
+    thread only waits for the first (the ranks run on one thread each, as `pipelab.worker` sets)."""
+    import functools
+
+    @functools.wraps(fn)
+    def wrapped(*args, **kwargs):
+        threads = torch.get_num_threads()
+        torch.set_num_threads(1)
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            torch.set_num_threads(threads)
+    return wrapped
+
+
 def adam(cfg: Config):
     return lambda params: torch.optim.Adam(params, lr=cfg.lr, foreach=False)
 
@@ -87,6 +106,7 @@ class Curve:
     weights: list[dict] = field(default_factory=list)  # after every step (fp16 runs, for step-for-step equality)
 
 
+@one_thread
 def train(cfg: Config, recipe: str, small: bool = False, scaling: bool = True) -> Curve:
     """`cfg.steps` Adam steps of the MLP in `recipe` (one of CURVES) on the whole batch; `small`:
     the loss times `cfg.loss_weight` (the curve records it unweighted)."""
@@ -185,6 +205,7 @@ def small_gradients(cfg: Config) -> dict[str, Curve]:
             "fp16 + our scaler": train(cfg, "fp16 + our scaler", small=True)}
 
 
+@one_thread
 def zero_gradient_share(cfg: Config, scale: float = 1.0) -> float:
     """The share of the small-gradient run's first-layer weight gradients that are exactly 0 in
     fp16 autocast, with the loss times `scale`."""
@@ -213,6 +234,7 @@ def small_gradients_verdict(runs: dict[str, Curve]) -> tuple:
 # ---------------------------------------------------------------------------------------------
 
 
+@one_thread
 def held_per_parameter(cfg: Config, recipe: str) -> tuple[float, float, float]:
     """Bytes per parameter one process holds after a step of `recipe`, counted from tensor storages."""
     model, (x, y) = cfg.model(), cfg.data()
@@ -257,21 +279,31 @@ class ZeroResult:
     sent: dict[int, float]
 
 
-def zero_worker(ctx: RankContext, cfg: Config) -> ZeroResult:
-    """Worker: ZeRO stages 0-3 in mixed precision, each from the same weights on this rank's rows."""
-    x, y = (t.chunk(ctx.world_size)[ctx.rank] for t in cfg.data())
-    out = ZeroResult({}, {}, {}, {})
-    for stage in (0, 1, 2, 3):
-        comm = Collectives(ctx.rec)
-        trainer = MixedZero(cfg.model(), comm, stage, cfg.lr)
-        out.losses[stage] = [trainer.step(x.bfloat16(), y, nn.functional.mse_loss) for _ in range(3)]
-        h = trainer.held()
-        out.held[stage] = (h.parameters, h.gradients, h.optimizer_state)
-        out.sent[stage] = comm.bytes_sent() / 3
-        out.masters[stage] = trainer.full_parameters()
+def zero_worker(ctx: RankContext, cfg: Config) -> dict[int, ZeroResult]:
+    """Worker: for each size n of cfg.zero_world_sizes, ZeRO stages 0-3 in mixed precision on this
+    rank's group of n ranks (the world cut into groups of n), each stage from the same weights."""
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    groups = {n: [dist.new_group(list(range(i, i + n))) for i in range(0, ctx.world_size, n)]
+              for n in cfg.zero_world_sizes}  # every rank creates every group, in the same order
+    out = {}
+    for n, mine in groups.items():
+        group, rank = mine[ctx.rank // n], ctx.rank % n
+        x, y = (t.chunk(n)[rank] for t in cfg.data())
+        out[n] = result = ZeroResult({}, {}, {}, {})
+        for stage in (0, 1, 2, 3):
+            comm = Collectives(ctx.rec, group)
+            trainer = MixedZero(cfg.model(), comm, stage, cfg.lr)
+            result.losses[stage] = [trainer.step(x.bfloat16(), y, nn.functional.mse_loss) for _ in range(3)]
+            h = trainer.held()
+            result.held[stage] = (h.parameters, h.gradients, h.optimizer_state)
+            result.sent[stage] = comm.bytes_sent() / 3
+            result.masters[stage] = trainer.full_parameters()
     return out
 
 
+@one_thread
 def zero_reference(cfg: Config) -> tuple[list[float], dict[str, torch.Tensor]]:
     """One process, the whole batch, bf16 weights and fp32 masters: the losses and masters ZeRO must reach."""
     model, (x, y) = cfg.model(), cfg.data()
@@ -286,9 +318,13 @@ def zero_reference(cfg: Config) -> tuple[list[float], dict[str, torch.Tensor]]:
 
 
 def zero_runs(cfg: Config) -> dict[int, list[ZeroResult]]:
-    """ZeRO 0-3 in mixed precision on each of cfg.zero_world_sizes ranks (real gloo ranks)."""
+    """ZeRO 0-3 in mixed precision on groups of each of cfg.zero_world_sizes ranks, all in one start
+    of max(zero_world_sizes) real gloo ranks; per size, the results of the first group's ranks."""
     from dataclasses import replace
-    return {n: experiments.run(zero_worker, replace(cfg, world_size=n)) for n in cfg.zero_world_sizes}
+
+    world = max(cfg.zero_world_sizes)
+    per_rank = experiments.run(zero_worker, replace(cfg, world_size=world))
+    return {n: [per_rank[r][n] for r in range(n)] for n in cfg.zero_world_sizes}
 
 
 def zero_rows(cfg: Config, runs: dict[int, list[ZeroResult]]) -> list[dict]:

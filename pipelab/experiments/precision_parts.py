@@ -17,6 +17,7 @@ from pipelab import experiments
 from pipelab.checks import whole_number
 from pipelab.emulate.cost import Counts, compute_seconds, count, forward_backward_counts, meta_module
 from pipelab.emulate.specs import parse_node
+from pipelab.experiments.precision import one_thread
 from pipelab.experiments.tensor_parallel import korthikanti_bytes, parameter_storages, saved_activation_bytes
 from pipelab.precision import (FORMATS, DelayedScaling, MODES, RecomputedBlock, amax, attention_core, dequantize,
                                fp8_matmul, quantize, rounding_effect, scale_for)
@@ -96,6 +97,7 @@ def korthikanti_per_mode(size: BlockSize, mode: str, dropout: bool) -> float:
     return size.sbh * (32 + 2 * a * s / h)
 
 
+@one_thread
 def recompute_rows(size: BlockSize) -> tuple[list[dict], bool]:
     """Per mode, the bytes autograd keeps for backward, measured on the bf16 block, beside the
     formula without dropout; and whether every mode gave the same gradients bit for bit."""
@@ -116,6 +118,7 @@ def recompute_rows(size: BlockSize) -> tuple[list[dict], bool]:
     return rows, same
 
 
+@one_thread
 def recompute_times(size: BlockSize, node: str = NODE) -> list[dict]:
     """Per mode, the modelled step time of one bf16 block at `size` on `node`: forward + backward,
     plus the forward again (full) or the attention core again (selective)."""
@@ -157,6 +160,7 @@ def relative_error(got: torch.Tensor, want: torch.Tensor) -> float:
     return ((got.double() - want.double()).norm() / want.double().norm()).item()
 
 
+@one_thread
 def fp8_errors(a: torch.Tensor, b: torch.Tensor) -> dict[str, float]:
     """The relative error of a @ b in bf16 and in FP8 e4m3 (per-tensor scales; no scale), against fp32."""
     want, one = a.float() @ b.float(), torch.tensor(1.0)
@@ -165,6 +169,7 @@ def fp8_errors(a: torch.Tensor, b: torch.Tensor) -> dict[str, float]:
             "fp8 e4m3, no scale": relative_error(fp8_matmul(a, b, one, one), want)}
 
 
+@one_thread
 def fp8_rows(pairs: dict[str, tuple[torch.Tensor, torch.Tensor]]) -> list[dict]:
     """Per named product, its operands' amax and the errors of `fp8_errors`."""
     return [{"product": name, "amax of the operands": f"{amax(a).item():.2g}, {amax(b).item():.2g}",
@@ -181,6 +186,7 @@ def lesson_matrices(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor) ->
     return {"forward: input @ weight^T": (hidden, w.T), "backward: output gradient @ weight": (grad_out, w)}
 
 
+@one_thread
 def scaling_over_steps(tensors: list[torch.Tensor], history: int = 4) -> list[dict]:
     """Per tensor of a sequence (a layer's activations step after step): the error of its e4m3
     round trip with current scaling and with delayed scaling, and the share that saturated."""
