@@ -194,9 +194,11 @@ def scalers_verdict(runs: dict[str, Curve]) -> tuple:
     ours, torchs = runs["fp16 + our scaler"], runs["fp16 + GradScaler"]
     same = ours.scales == torchs.scales and ours.skipped == torchs.skipped and all(
         torch.equal(a[n], b[n]) for a, b in zip(ours.weights, torchs.weights) for n in a)
-    text = (f"Ours and torch.amp.GradScaler {'agree' if same else 'differ'} at all {len(ours.scales)} steps: "
-            f"scale {ours.scales[0]:.3g} down to {min(ours.scales):.3g}, {len(ours.skipped)} skipped, same weights bit for bit.")
-    return "16.scalers", "equal" if same else "different", text, dict(skipped=len(ours.skipped), lowest=min(ours.scales))
+    text = (f"Over {len(ours.scales)} steps (scale {ours.scales[0]:.3g} down to {min(ours.scales):.3g}, "
+            f"{len(ours.skipped)} skipped), ours and torch.amp.GradScaler took "
+            + ("the same scales, skips and weights, bit for bit." if same else "different scales, skips or weights."))
+    return "16.scalers", "equal" if same else "different", text, \
+        dict(skipped=len(ours.skipped), lowest=min(ours.scales))
 
 
 def small_gradients(cfg: Config) -> dict[str, Curve]:

@@ -54,7 +54,8 @@ def rounding_rows(named: dict[str, torch.Tensor]) -> list[dict]:
         for fmt in ("bf16", "fp16", "fp8 e4m3"):
             e = rounding_effect(grads, FORMATS[fmt].dtype)
             rows.append({"gradients": what, "format": fmt, **{k: f"{v:.2%}" if k != "median relative error"
-                                                               else f"{v:.1e}" for k, v in e.items()}})
+                                                               else f"{v:.1e}" if v == v else "none left"
+                                                               for k, v in e.items()}})
     return rows
 
 
@@ -76,7 +77,8 @@ class BlockSize:
         for name in ("seq_len", "batch", "dim", "n_heads"):
             whole_number(name, getattr(self, name))
         if self.dim % self.n_heads:
-            raise ValueError(f"dim={self.dim} does not divide into n_heads={self.n_heads}; use a multiple of {self.n_heads}")
+            raise ValueError(f"dim={self.dim} does not divide into n_heads={self.n_heads}; "
+                             f"use a multiple of {self.n_heads}")
 
     @property
     def sbh(self) -> int:
@@ -145,7 +147,8 @@ def recompute_verdict(rows: list[dict], times: list[dict]) -> tuple:
     kept = {r["recomputation"]: r["measured (bytes/sbh)"] for r in rows}
     cost = {r["recomputation"]: r["overhead vs none"] for r in times}
     text = (f"Selective recomputation kept {kept['selective'] / kept['none']:.0%} of the activations for "
-            f"{cost['selective']:.1%} more modelled time; full kept {kept['full'] / kept['none']:.0%} for {cost['full']:.0%} more.")
+            f"{cost['selective']:.1%} more modelled time; full kept {kept['full'] / kept['none']:.0%} for "
+            f"{cost['full']:.0%} more.")
     return "16.recompute", "selective cheaper" if cost["selective"] < cost["full"] else "selective not cheaper", \
         text, dict(selective_overhead=cost["selective"], full_overhead=cost["full"])
 
@@ -165,7 +168,8 @@ def fp8_errors(a: torch.Tensor, b: torch.Tensor) -> dict[str, float]:
     """The relative error of a @ b in bf16 and in FP8 e4m3 (per-tensor scales; no scale), against fp32."""
     want, one = a.float() @ b.float(), torch.tensor(1.0)
     return {"bf16": relative_error(a.bfloat16() @ b.bfloat16(), want),
-            "fp8 e4m3, per-tensor scale": relative_error(fp8_matmul(a, b, scale_for(amax(a)), scale_for(amax(b))), want),
+            "fp8 e4m3, per-tensor scale": relative_error(fp8_matmul(a, b, scale_for(amax(a)), scale_for(amax(b))),
+                                                         want),
             "fp8 e4m3, no scale": relative_error(fp8_matmul(a, b, one, one), want)}
 
 
@@ -264,4 +268,5 @@ def allreduce_verdict(results: list[AllReduced], cfg: AllReduceConfig) -> tuple:
     text = (f"The bf16 all-reduce sent {r0.bytes_bf16 / r0.bytes_fp32:.2f}x fp32's bytes and added a relative "
             f"error of {err16:.1e} (fp32's: {err32:.1e}).")
     ratio = r0.bytes_bf16 / r0.bytes_fp32
-    return "16.bf16_allreduce", "half the bytes" if ratio == 0.5 else f"{ratio:.2f} of the bytes", text, dict(ratio=r0.bytes_bf16 / r0.bytes_fp32, error_bf16=err16)
+    verdict = "half the bytes" if ratio == 0.5 else f"{ratio:.2f} of the bytes"
+    return "16.bf16_allreduce", verdict, text, dict(ratio=ratio, error_bf16=err16)

@@ -43,8 +43,8 @@ class MixedZero:
         self.master = [(flat if whole else layer.layout.shard(flat, self.rank)).float().clone()
                        for layer, flat in zip(self.layers, self.params)]  # fp32, this rank's part
         self.optimizer = torch.optim.Adam(self.master, lr=lr, foreach=False)
-        self.param_shards = [layer.layout.shard(flat, self.rank).clone() for layer, flat in zip(self.layers, self.params)] \
-            if stage == 3 else []
+        self.param_shards = [layer.layout.shard(flat, self.rank).clone()  # ZeRO-3: the bf16 shard it keeps
+                             for layer, flat in zip(self.layers, self.params)] if stage == 3 else []
         self.grad_shards: list[torch.Tensor] = []
         if stage == 3:
             self.release()
