@@ -58,8 +58,11 @@ def _situations(fn) -> None:
 
 
 @checker("16_loss_scale_update")
-def check_loss_scale_update(fn) -> str:
-    """Check `fn(scale, good_steps, found_inf, growth_interval) -> (scale, good_steps)`."""
+def check_loss_scale_update(my_update_scale) -> str:
+    """`my_update_scale(scale, good_steps, found_inf, growth_interval)` -> (the new scale, the new count
+    of good steps in a row): halve the scale on an overflow, double it when the run of good steps
+    reaches growth_interval, as torch.amp.GradScaler does."""
+    fn = my_update_scale
     _situations(fn)
     scale, good, want = 2.0 ** 16, 0, (2.0 ** 16, 0)
     for step, found_inf in enumerate(SEQUENCE):
