@@ -124,6 +124,12 @@ def row_parallel_bias_on_every_rank(x_shard, weight_shard, bias):
     return partial
 
 
+def loss_scale_doubled_on_overflow(scale, good_steps, found_inf, growth_interval):
+    if found_inf:
+        return scale * 2, 0
+    return (scale * 2, 0) if good_steps + 1 == growth_interval else (scale, good_steps + 1)
+
+
 def split_backward_all_at_once(output, x, weights, grad_output):
     output.backward(grad_output)
     return x.grad, lambda: None
@@ -161,6 +167,7 @@ WRONG = [
     ("13_split_backward", split_backward_all_at_once, ["after I, 0.weight already has its gradient"]),
     ("13_split_backward", split_backward_graph_freed, ["W raised RuntimeError", "retain_graph=True"]),
     ("14_online_softmax_merge", merge_by_average, ["plain average", "exp(L_a - L)"]),  # more in test_context_parallel
+    ("16_loss_scale_update", loss_scale_doubled_on_overflow, ["you doubled the scale", "halve it"]),
 ]
 
 

@@ -36,6 +36,9 @@ PATHS = {
     "13 ZB-V, DualPipeV, looped BFS": ["tests/test_v_shape.py::test_runs_on_real_ranks_like_one_process"],
     "14 ring attention, all-to-all, torch's context_parallel": [
         "tests/test_context_parallel.py::test_every_variant_equals_one_process"],
+    "16 ZeRO in mixed precision, the bf16 all-reduce": [
+        "tests/test_precision.py::test_mixed_precision_zero_on_real_ranks_matches_one_process_and_the_formula",
+        "tests/test_precision.py::test_bf16_all_reduce_halves_the_bytes"],
 }
 
 

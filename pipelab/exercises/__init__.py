@@ -18,6 +18,7 @@ from pipelab.exercises.data_parallel import (check_broadcast, check_ddp_average,
 from pipelab.exercises.p2p import check_send_recv_order
 from pipelab.exercises.pipeline import (check_accumulation, check_few_microbatches, check_partition, check_split_backward,
                                         check_tied_weights)
+from pipelab.exercises.precision import check_loss_scale_update
 
 # exercise name (its solution's file) -> (the function the student writes, its checker)
 EXERCISES = {
@@ -38,6 +39,7 @@ EXERCISES = {
     "12_row_parallel": ("my_row_parallel", check_row_parallel),
     "13_split_backward": ("my_split_backward", check_split_backward),
     "14_online_softmax_merge": ("my_merge", check_online_softmax_merge),
+    "16_loss_scale_update": ("my_update_scale", check_loss_scale_update),
 }
 
 __all__ = ["EXERCISES", "Grade", "solution", *(c.__name__ for _, c in EXERCISES.values())]

@@ -1,0 +1,272 @@
+"""Lesson 16's other runs: the formats and what rounding does to gradients, recomputation's
+activation bytes and modelled step time, FP8's scaling, and the bf16 all-reduce on real ranks.
+
+Modelled time comes from one function, `modelled_seconds`, which asks `pipelab.emulate`: nothing
+here states a time of its own.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from types import SimpleNamespace
+
+import torch
+import torch.distributed as dist
+
+from pipelab import experiments
+from pipelab.checks import whole_number
+from pipelab.emulate.cost import Counts, compute_seconds, count, forward_backward_counts, meta_module
+from pipelab.emulate.specs import parse_node
+from pipelab.experiments.precision import one_thread
+from pipelab.experiments.tensor_parallel import korthikanti_bytes, parameter_storages, saved_activation_bytes
+from pipelab.precision import (FORMATS, DelayedScaling, MODES, RecomputedBlock, amax, attention_core, dequantize,
+                               fp8_matmul, quantize, rounding_effect, scale_for)
+from pipelab.sharding import ring_bytes
+from pipelab.transformer import Block
+from pipelab.worker import RankContext
+
+NODE = "1xH100-nvlink4"  # the emulated device of the modelled step times
+
+
+def modelled_seconds(counts: Counts, dtype: str, node: str = NODE) -> float:
+    """The one door to modelled time in this lesson: work `counts` in `dtype` on `node`'s device,
+    as `pipelab.emulate` models it (its roofline at its stated efficiency)."""
+    return compute_seconds(counts, parse_node(node).device, dtype)
+
+
+# ---------------------------------------------------------------------------------------------
+# Formats
+# ---------------------------------------------------------------------------------------------
+
+
+def format_rows() -> list[dict]:
+    """Each format's bits, range and precision, from torch.finfo."""
+    return [{"format": f.name, "bits (sign/exp/mantissa)": f"1/{f.exponent_bits}/{f.mantissa_bits}",
+             "largest": f"{f.max:.3g}", "smallest normal": f"{f.smallest_normal:.2g}",
+             "smallest subnormal": f"{f.smallest_subnormal:.2g}", "eps (1 to next)": f"{f.eps:.2g}"}
+            for f in FORMATS.values()]
+
+
+def rounding_rows(named: dict[str, torch.Tensor]) -> list[dict]:
+    """Per set of gradients and 16/8-bit format: what rounding into it did."""
+    rows = []
+    for what, grads in named.items():
+        for fmt in ("bf16", "fp16", "fp8 e4m3"):
+            e = rounding_effect(grads, FORMATS[fmt].dtype)
+            rows.append({"gradients": what, "format": fmt, **{k: f"{v:.2%}" if k != "median relative error"
+                                                               else f"{v:.1e}" if v == v else "none left"
+                                                               for k, v in e.items()}})
+    return rows
+
+
+# ---------------------------------------------------------------------------------------------
+# Recomputation
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class BlockSize:
+    """A Transformer block's size: sequence s, batch b, width h, heads a."""
+
+    seq_len: int = 128
+    batch: int = 2
+    dim: int = 64
+    n_heads: int = 4
+
+    def __post_init__(self) -> None:
+        for name in ("seq_len", "batch", "dim", "n_heads"):
+            whole_number(name, getattr(self, name))
+        if self.dim % self.n_heads:
+            raise ValueError(f"dim={self.dim} does not divide into n_heads={self.n_heads}; "
+                             f"use a multiple of {self.n_heads}")
+
+    @property
+    def sbh(self) -> int:
+        return self.seq_len * self.batch * self.dim
+
+
+def korthikanti_per_mode(size: BlockSize, mode: str, dropout: bool) -> float:
+    """Activation bytes of one block, 16-bit, by Korthikanti et al. (2022): sbh(34 + 5as/h) kept
+    whole (lesson 12's `korthikanti_bytes`), 34 sbh with selective recomputation, 2 sbh with full.
+    Without dropout its masks go: sbh(32 + 2as/h) and 32 sbh."""
+    s, h, a = size.seq_len, size.dim, size.n_heads
+    if mode == "full":
+        return 2 * size.sbh
+    if mode == "selective":
+        return (34 if dropout else 32) * size.sbh
+    if dropout:
+        return korthikanti_bytes(SimpleNamespace(seq_len=s, batch=size.batch, dim=h, n_heads=a, world_size=1), False, 1)
+    return size.sbh * (32 + 2 * a * s / h)
+
+
+@one_thread
+def recompute_rows(size: BlockSize) -> tuple[list[dict], bool]:
+    """Per mode, the bytes autograd keeps for backward, measured on the bf16 block, beside the
+    formula without dropout; and whether every mode gave the same gradients bit for bit."""
+    torch.manual_seed(0)
+    block = Block(size.dim, size.n_heads).to(torch.bfloat16)
+    x = torch.randn(size.batch, size.seq_len, size.dim, dtype=torch.bfloat16)
+    rows, grads = [], []
+    for mode in MODES:
+        x_in = x.clone().requires_grad_()
+        y, kept = saved_activation_bytes(lambda: RecomputedBlock(block, mode)(x_in), parameter_storages(block))
+        y.float().square().mean().backward()
+        grads.append([x_in.grad] + [p.grad.clone() for p in block.parameters()])
+        block.zero_grad(set_to_none=True)
+        rows.append({"recomputation": mode, "measured (bytes/sbh)": round(kept / size.sbh, 3),
+                     "Korthikanti, no dropout (bytes/sbh)": korthikanti_per_mode(size, mode, False) / size.sbh,
+                     "Korthikanti, with dropout (bytes/sbh)": korthikanti_per_mode(size, mode, True) / size.sbh})
+    same = all(torch.equal(a, b) for g in grads[1:] for a, b in zip(g, grads[0]))
+    return rows, same
+
+
+@one_thread
+def recompute_times(size: BlockSize, node: str = NODE) -> list[dict]:
+    """Per mode, the modelled step time of one bf16 block at `size` on `node`: forward + backward,
+    plus the forward again (full) or the attention core again (selective)."""
+    block = RecomputedBlock(meta_module(Block(size.dim, size.n_heads), torch.bfloat16))
+    x = torch.empty(size.batch, size.seq_len, size.dim, dtype=torch.bfloat16, device="meta", requires_grad=True)
+    forward, grad_in, grad_w = forward_backward_counts(block, x, torch.bfloat16)
+    q = torch.empty(size.batch, size.seq_len, size.dim, dtype=torch.bfloat16, device="meta")
+    core = count(attention_core, q, q, q, size.n_heads)
+    again = {"none": None, "full": forward, "selective": core}
+    base = forward + grad_in + grad_w
+    rows = []
+    for mode in MODES:
+        work = base if again[mode] is None else base + again[mode]
+        rows.append({"recomputation": mode, "FLOPs": float(f"{work.flops:.3g}"),
+                     "modelled step (ms)": modelled_seconds(work, "bf16", node) * 1e3})
+    for row in rows:
+        row["overhead vs none"] = round(row["modelled step (ms)"] / rows[0]["modelled step (ms)"] - 1, 4)
+        row["modelled step (ms)"] = float(f"{row['modelled step (ms)']:.3g}")
+    return rows
+
+
+def recompute_verdict(rows: list[dict], times: list[dict]) -> tuple:
+    """What selective recomputation saves beside what it costs, against full."""
+    kept = {r["recomputation"]: r["measured (bytes/sbh)"] for r in rows}
+    cost = {r["recomputation"]: r["overhead vs none"] for r in times}
+    text = (f"Selective recomputation kept {kept['selective'] / kept['none']:.0%} of the activations for "
+            f"{cost['selective']:.1%} more modelled time; full kept {kept['full'] / kept['none']:.0%} for "
+            f"{cost['full']:.0%} more.")
+    return "16.recompute", "selective cheaper" if cost["selective"] < cost["full"] else "selective not cheaper", \
+        text, dict(selective_overhead=cost["selective"], full_overhead=cost["full"])
+
+
+# ---------------------------------------------------------------------------------------------
+# FP8
+# ---------------------------------------------------------------------------------------------
+
+
+def relative_error(got: torch.Tensor, want: torch.Tensor) -> float:
+    """||got - want|| / ||want|| (Frobenius)."""
+    return ((got.double() - want.double()).norm() / want.double().norm()).item()
+
+
+@one_thread
+def fp8_errors(a: torch.Tensor, b: torch.Tensor) -> dict[str, float]:
+    """The relative error of a @ b in bf16 and in FP8 e4m3 (per-tensor scales; no scale), against fp32."""
+    want, one = a.float() @ b.float(), torch.tensor(1.0)
+    return {"bf16": relative_error(a.bfloat16() @ b.bfloat16(), want),
+            "fp8 e4m3, per-tensor scale": relative_error(fp8_matmul(a, b, scale_for(amax(a)), scale_for(amax(b))),
+                                                         want),
+            "fp8 e4m3, no scale": relative_error(fp8_matmul(a, b, one, one), want)}
+
+
+@one_thread
+def fp8_rows(pairs: dict[str, tuple[torch.Tensor, torch.Tensor]]) -> list[dict]:
+    """Per named product, its operands' amax and the errors of `fp8_errors`."""
+    return [{"product": name, "amax of the operands": f"{amax(a).item():.2g}, {amax(b).item():.2g}",
+             **{k: f"{v:.1e}" for k, v in fp8_errors(a, b).items()}} for name, (a, b) in pairs.items()]
+
+
+def lesson_matrices(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor) -> dict[str, tuple]:
+    """The products of the MLP's second layer on the batch: forward (its input times its weight)
+    and backward (the gradient of its output times its weight), a gradient being far smaller."""
+    hidden = torch.tanh(model[0](x)).detach()
+    out = model[2](hidden)
+    grad_out, = torch.autograd.grad(torch.nn.functional.mse_loss(model[4](torch.tanh(out)), y), out)
+    w = model[2].weight.detach()
+    return {"forward: input @ weight^T": (hidden, w.T), "backward: output gradient @ weight": (grad_out, w)}
+
+
+@one_thread
+def scaling_over_steps(tensors: list[torch.Tensor], history: int = 4) -> list[dict]:
+    """Per tensor of a sequence (a layer's activations step after step): the error of its e4m3
+    round trip with current scaling and with delayed scaling, and the share that saturated."""
+    delayed, rows = DelayedScaling(history), []
+    for step, t in enumerate(tensors):
+        row = {"step": step, "amax": amax(t).item()}
+        for name, scale in (("current", scale_for(amax(t))), ("delayed", delayed.scale(t))):
+            back = dequantize(quantize(t, scale), scale)
+            row[f"{name} error"] = relative_error(back, t)
+            past = (t.float() * scale).abs() > FORMATS["fp8 e4m3"].max * (1 + 2 ** -10)  # the amax itself lands on 448
+            row[f"{name} saturated"] = past.float().mean().item()
+        rows.append(row)
+    return rows
+
+
+def fp8_rates(shape: tuple[int, int, int], node: str = NODE) -> dict[str, float]:
+    """The modelled times of an m x k by k x n product in bf16 and FP8 on `node`, and of FP8's
+    extra passes: amax (read) and cast (read bf16, write fp8) of both operands."""
+    m, k, n = shape
+    flops, operands = 2 * m * k * n, m * k + k * n
+    product = {d: modelled_seconds(Counts(flops, nbytes * operands + 2 * m * n, 1), d, node)
+               for d, nbytes in (("bf16", 2), ("fp8", 1))}
+    cast = modelled_seconds(Counts(0, 2 * operands + (2 + 1) * operands, 4), "bf16", node)
+    return {"bf16 product (us, modelled)": product["bf16"] * 1e6, "fp8 product (us, modelled)": product["fp8"] * 1e6,
+            "amax + cast of both operands (us, modelled)": cast * 1e6}
+
+
+# ---------------------------------------------------------------------------------------------
+# Data parallelism in bf16
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclass
+class AllReduced:
+    """One rank's gradient all-reduced in fp32 and in bf16, and the bytes each call handed over."""
+
+    fp32: torch.Tensor
+    bf16: torch.Tensor
+    bytes_fp32: float
+    bytes_bf16: float
+
+
+def gradient_of_rank(rank: int, numel: int) -> torch.Tensor:
+    """Rank `rank`'s gradient: the same on every call, different across ranks."""
+    return torch.randn(numel, generator=torch.Generator().manual_seed(100 + rank)) * 1e-3
+
+
+@dataclass(frozen=True, kw_only=True)
+class AllReduceConfig(experiments.Config):
+    """Ranks and gradient size of the bf16 all-reduce; checked before ranks start."""
+
+    numel: int = 4096
+
+    def check(self) -> None:
+        super().check()
+        whole_number("numel", self.numel, example="numel=4096")
+
+
+def allreduce_worker(ctx: RankContext, cfg: AllReduceConfig) -> AllReduced:
+    """Worker: all-reduce (sum) this rank's gradient in fp32, and again cast to bf16."""
+    g = gradient_of_rank(ctx.rank, cfg.numel)
+    full, half = g.clone(), g.bfloat16()
+    dist.all_reduce(full)
+    dist.all_reduce(half)
+    n = ctx.world_size
+    return AllReduced(full, half.float(), ring_bytes("allreduce", full.numel() * full.element_size(), n),
+                      ring_bytes("allreduce", half.numel() * half.element_size(), n))
+
+
+def allreduce_verdict(results: list[AllReduced], cfg: AllReduceConfig) -> tuple:
+    """bf16's bytes beside fp32's, and the error bf16 added against one process's exact sum."""
+    exact = sum(gradient_of_rank(r, cfg.numel).double() for r in range(cfg.world_size))
+    r0 = results[0]
+    err32, err16 = relative_error(r0.fp32, exact), relative_error(r0.bf16, exact)
+    text = (f"The bf16 all-reduce sent {r0.bytes_bf16 / r0.bytes_fp32:.2f}x fp32's bytes and added a relative "
+            f"error of {err16:.1e} (fp32's: {err32:.1e}).")
+    ratio = r0.bytes_bf16 / r0.bytes_fp32
+    verdict = "half the bytes" if ratio == 0.5 else f"{ratio:.2f} of the bytes"
+    return "16.bf16_allreduce", verdict, text, dict(ratio=ratio, error_bf16=err16)
