@@ -15,7 +15,8 @@ from functools import lru_cache
 import torch
 from torch import nn
 
-from pipelab.experiments.expert_parallel import Config
+from pipelab.emulate.cost import Counts
+from pipelab.experiments.expert_parallel import Config, one_thread
 from pipelab.timeline import Span, Timeline
 
 
@@ -24,22 +25,23 @@ from pipelab.timeline import Span, Timeline
 # ---------------------------------------------------------------------------------------------
 
 
-def load_after_training(cfg: Config, steps: int, aux_weight: float, lr: float = 0.5) -> list[torch.Tensor]:
+def load_after_training(cfg: Config, steps: int, aux_weight: float, lr: float = 0.1) -> list[torch.Tensor]:
     """Tokens per expert (all ranks' tokens, before capacity: where the router sends them) before
     and after each of `steps` SGD steps of the one-process layer with the balancing loss at `aux_weight`."""
     layer = cfg.layer()
     data = [cfg.data(rank) for rank in range(cfg.world_size)]
     opt = torch.optim.SGD(layer.parameters(), lr=lr)
     loads = []
-    for step in range(steps + 1):
-        outs = [layer(x) for x, _ in data]
-        loads.append(sum(torch.bincount(o.routing.experts.reshape(-1), minlength=cfg.experts) for o in outs))
-        if step == steps:
-            break
-        loss = torch.stack([((o.y - t) ** 2).mean() + aux_weight * o.aux_loss for o, (_, t) in zip(outs, data)]).mean()
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
+    with one_thread():
+        for step in range(steps + 1):
+            outs = [layer(x) for x, _ in data]
+            loads.append(sum(torch.bincount(o.routing.experts.reshape(-1), minlength=cfg.experts) for o in outs))
+            if step == steps:
+                return loads
+            loss = torch.stack([((o.y - t) ** 2).mean() + aux_weight * o.aux_loss for o, (_, t) in zip(outs, data)])
+            opt.zero_grad()
+            loss.mean().backward()
+            opt.step()
     return loads
 
 
@@ -71,19 +73,36 @@ def modelled_seconds(kind: str, *, nbytes: float = 0.0, node: str, shape: tuple 
     raise ValueError(f"unknown kind {kind!r}; use 'all_to_all', 'expert_forward' or 'expert_backward'")
 
 
-@lru_cache(maxsize=4096)
 def _expert_seconds(kind: str, shape: tuple, device_name: str, dtype: str, node: str) -> float:
-    from pipelab.emulate.cost import compute_seconds, forward_backward_counts
-    from pipelab.emulate.specs import parse_node, torch_dtype
+    from pipelab.emulate.cost import compute_seconds
+    from pipelab.emulate.specs import parse_node
 
     tokens, dim, hidden = shape
     if tokens == 0:
         return 0.0
-    mlp = nn.Sequential(nn.Linear(dim, hidden, bias=False), nn.GELU(), nn.Linear(hidden, dim, bias=False))
-    forward, grad_input, grad_weight = forward_backward_counts(mlp.to("meta"), torch.empty(tokens, dim, device="meta"),
-                                                               torch_dtype(dtype))
-    counts = forward if kind == "expert_forward" else grad_input + grad_weight
+    fixed, per_token = _expert_counts(kind, dim, hidden, dtype)
+    counts = Counts(fixed.flops + tokens * per_token.flops, fixed.bytes + tokens * per_token.bytes, fixed.kernels)
     return compute_seconds(counts, parse_node(node).device, dtype)
+
+
+@lru_cache(maxsize=64)
+def _expert_counts(kind: str, dim: int, hidden: int, dtype: str) -> tuple:
+    """An expert MLP's FLOPs and bytes as fixed + per token (both are affine in the token count:
+    the weights are read once, every activation grows with the tokens), counted on the meta device
+    at 1 and 2 tokens."""
+    from pipelab.emulate.cost import forward_backward_counts
+    from pipelab.emulate.specs import torch_dtype
+
+    with torch.device("meta"):
+        mlp = nn.Sequential(nn.Linear(dim, hidden, bias=False), nn.GELU(), nn.Linear(hidden, dim, bias=False))
+
+    def counts(tokens: int):
+        f, i, w = forward_backward_counts(mlp, torch.empty(tokens, dim, device="meta"), torch_dtype(dtype))
+        return f if kind == "expert_forward" else i + w
+
+    one, two = counts(1), counts(2)
+    per_token = Counts(two.flops - one.flops, two.bytes - one.bytes, 0)
+    return Counts(one.flops - per_token.flops, one.bytes - per_token.bytes, one.kernels), per_token
 
 
 @dataclass
@@ -146,7 +165,7 @@ def routed_counts(cfg: Config) -> tuple[torch.Tensor, int]:
     """Per rank and expert, the assignments kept (routed in one process, as each rank routes its
     own tokens), and the assignments dropped."""
     layer = cfg.layer()
-    with torch.no_grad():
+    with torch.no_grad(), one_thread():
         outs = [layer(cfg.data(rank)[0]) for rank in range(cfg.world_size)]
     return torch.stack([o.tokens_per_expert for o in outs]), sum(int(o.routing.dropped.sum()) for o in outs)
 

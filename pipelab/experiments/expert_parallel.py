@@ -9,6 +9,7 @@ dropped assignments, the loss and every gradient. The load and its modelled time
 
 from __future__ import annotations
 
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import torch
@@ -83,6 +84,18 @@ class Config(experiments.Config):
         g = torch.Generator().manual_seed(self.seed + 2 + rank)
         x = torch.randn(self.tokens, self.dim, generator=g) + self.skew * lean
         return x, torch.randn(self.tokens, self.dim, generator=g)
+
+
+@contextmanager
+def one_thread():
+    """One intra-op thread in this process, as each rank runs: on a busy 2-core machine, two threads
+    spinning for each other slow the small reference layer by an order of magnitude."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
 
 
 def loss_of(cfg: Config, out, target: torch.Tensor) -> torch.Tensor:
@@ -178,12 +191,13 @@ def one_process(cfg: Config):
     mean of the groups' losses. Returns (layer with gradients, outputs, inputs with gradients)."""
     layer = cfg.layer()
     outs, xs, losses = [], [], []
-    for rank in range(cfg.world_size):
-        x, target = cfg.data(rank)
-        xs.append(x.requires_grad_())
-        outs.append(layer(x))
-        losses.append(loss_of(cfg, outs[-1], target))
-    torch.stack(losses).mean().backward()
+    with one_thread():
+        for rank in range(cfg.world_size):
+            x, target = cfg.data(rank)
+            xs.append(x.requires_grad_())
+            outs.append(layer(x))
+            losses.append(loss_of(cfg, outs[-1], target))
+        torch.stack(losses).mean().backward()
     return layer, outs, xs, losses
 
 
