@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from pipelab.emulate.cost import budget, step_flops
-from pipelab.experiments import sharding, tensor_parallel, v_schedules
+from pipelab.experiments import expert_parallel, sharding, tensor_parallel, v_schedules
 
 NOTEBOOKS = Path(__file__).resolve().parent.parent / "notebooks"
 
@@ -28,6 +28,8 @@ COUNTS = {
                                                                  p["seq_len"], p["steps"]),
     "13_zbv_dualpipev_looped_bfs": lambda p: v_schedules.run_flops(p["width"], p["layers"], p["batch"], p["steps"],
                                                                    p["larger_layers"]),
+    "15_expert_parallelism": lambda p: expert_parallel.run_flops(p["experts"], p["top_k"], p["dim"], p["hidden"], p["tokens"],
+                                                                 p["world_size"], p["grid_world_size"], p["steps"]),
 }
 
 

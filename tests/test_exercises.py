@@ -134,6 +134,12 @@ def split_backward_graph_freed(output, x, weights, grad_output):
     return x_grad, lambda: torch.autograd.grad(output, weights, grad_output)
 
 
+def dispatch_even_split(rows, expert, experts_per_rank):
+    out = torch.empty_like(rows)
+    dist.all_to_all_single(out, rows[torch.argsort(expert, stable=True)])
+    return out
+
+
 WRONG = [
     ("00_broadcast", broadcast_from_rank0, ["deadlock", "rank 2 waits for its receive from rank 0"]),
     ("01_ddp_average", average_divided_twice, ["rank 0, parameter 0.weight", "0.50x the reference",
@@ -156,6 +162,7 @@ WRONG = [
     ("12_row_parallel", row_parallel_bias_on_every_rank, ["plus 1x the bias", "added 2 times"]),
     ("13_split_backward", split_backward_all_at_once, ["after I, 0.weight already has its gradient"]),
     ("13_split_backward", split_backward_graph_freed, ["W raised RuntimeError", "retain_graph=True"]),
+    ("15_dispatch", dispatch_even_split, ["an even split", "exchanged first"]),
 ]
 
 

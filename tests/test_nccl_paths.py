@@ -34,6 +34,7 @@ PATHS = {
         "tests/test_tensor_parallel.py::test_parallel_block_equals_the_unsplit_block",
         "tests/test_tensor_parallel.py::test_the_3d_grid_has_the_topologys_groups_and_one_process_losses"],
     "13 ZB-V, DualPipeV, looped BFS": ["tests/test_v_shape.py::test_runs_on_real_ranks_like_one_process"],
+    "15 expert parallelism, with data parallelism": ["tests/test_expert_parallel.py::test_layer_over_ranks_equals_one_process"],
 }
 
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from contextlib import contextmanager
+
 import torch
 
 from pipelab.exercises.core import Wrong, call, checker, on_ranks
@@ -10,8 +12,9 @@ from pipelab.worker import RankContext
 EP_RANKS = 2
 EXPERTS_PER_RANK = 2
 # Each rank's rows go to these experts: uneven on purpose (rank 0 sends 3 rows to itself and 9 to
-# rank 1, rank 1 the reverse), so an even split of 6 and 6 is wrong.
-EXPERT_OF_ROW = ([3, 0, 2, 3, 1, 3, 2, 3, 0, 3, 2, 3], [1, 0, 1, 2, 0, 1, 3, 0, 1, 1, 2, 0])
+# rank 1, rank 1 sends 7 to rank 0 and keeps 5), so an even split of 6 and 6 is wrong, and so is a
+# rank that receives what it sends.
+EXPERT_OF_ROW = ([3, 0, 2, 3, 1, 3, 2, 3, 0, 3, 2, 3], [1, 0, 1, 2, 0, 1, 3, 2, 1, 3, 2, 0])
 
 
 def dispatch_case(rank: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -35,15 +38,39 @@ def expected_arrivals(rank: int) -> torch.Tensor:
 
 def _dispatch_rank(ctx: RankContext, fn):
     rows, expert = dispatch_case(ctx.rank)
-    try:
+    with _split_sizes_checked():
         got = call(fn, rows.clone(), expert.clone(), EXPERTS_PER_RANK)
-    except Wrong as e:
-        if "split" in str(e).lower() or "size" in str(e).lower():
-            raise Wrong(f"rank {ctx.rank}: {e}. all_to_all_single checks the split sizes: a rank's output_split_sizes "
-                        "must be what each rank sends it, which only the senders know: exchange the counts "
-                        "first (an all_to_all_single of the per-rank counts)") from None
-        raise
     return got.clone() if isinstance(got, torch.Tensor) else got
+
+
+@contextmanager
+def _split_sizes_checked():
+    """`dist.all_to_all_single` that first checks, on every rank, that what each rank expects from
+    each other rank is what that rank sends it: gloo aborts the process on a mismatch (NCCL would
+    read or write past a buffer), so the mistake is named here instead."""
+    import torch.distributed as dist
+
+    real = dist.all_to_all_single
+
+    def checked(output, input, output_split_sizes=None, input_split_sizes=None, group=None, async_op=False):
+        n = dist.get_world_size(group)
+        expects = list(output_split_sizes) if output_split_sizes else [output.shape[0] // n] * n
+        sends = list(input_split_sizes) if input_split_sizes else [input.shape[0] // n] * n
+        everyone = [None] * n
+        dist.all_gather_object(everyone, (expects, sends), group=group)
+        for r, (want, _) in enumerate(everyone):
+            for s, (_, sent) in enumerate(everyone):
+                if want[s] != sent[r]:
+                    raise Wrong(f"rank {r} expects {want[s]} rows from rank {s} (its output_split_sizes), but rank {s} "
+                                f"sends it {sent[r]} (its input_split_sizes): a rank cannot know what the others will "
+                                "send it; exchange the counts first (an all_to_all_single of the per-rank counts)")
+        return real(output, input, output_split_sizes, input_split_sizes, group=group, async_op=async_op)
+
+    dist.all_to_all_single = checked
+    try:
+        yield
+    finally:
+        dist.all_to_all_single = real
 
 
 @checker("15_dispatch")
@@ -57,8 +84,9 @@ def check_dispatch(my_dispatch) -> str:
         if got.shape == want.shape and torch.equal(got, want):
             continue
         _explain(rank, got, want)
-    return (f"each rank received the rows for its {EXPERTS_PER_RANK} experts (uneven: 3 from itself, 9 from "
-            "the other), grouped by source rank, then expert")
+    received = [[int((expected_arrivals(r)[:, 0] == s).sum()) for s in range(EP_RANKS)] for r in range(EP_RANKS)]
+    return (f"each rank received the rows for its {EXPERTS_PER_RANK} experts, grouped by source rank, then expert "
+            f"(uneven: from ranks 0 and 1, rank 0 got {received[0]}, rank 1 {received[1]})")
 
 
 def _explain(rank: int, got: torch.Tensor, want: torch.Tensor) -> None:

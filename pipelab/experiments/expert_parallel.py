@@ -268,3 +268,20 @@ def doubled_gradient(run: ExpertParallelRun, sync: str = "as_plain_data_parallel
             f"with {sync}, the experts' gradients are {ratio:.2f}x one process's: each already sums its group's "
             f"{run.cfg.ep_size} ranks' tokens, so divide by the world size, {run.cfg.world_size}")
     return "15.expert_gradients", verdict, text, {"ratio": ratio, "largest_difference": worst}
+
+
+def run_flops(experts: int, top_k: int, dim: int, hidden: int, tokens: int, world_size: int, grid_world_size: int,
+              steps: int) -> float:
+    """FLOPs of lesson 15's runs at a profile's size, counted on the meta device: per rank and pass,
+    the router on its tokens and each token's k experts (none dropped: an upper bound); two checked
+    and `steps` timed passes on `world_size` ranks, one checked and `steps` timed on the grid's."""
+    from torch import nn
+
+    from pipelab.emulate.cost import step_flops
+
+    with torch.device("meta"):
+        router = nn.Linear(dim, experts, bias=False)
+        expert = nn.Sequential(nn.Linear(dim, hidden, bias=False), nn.GELU(), nn.Linear(hidden, dim, bias=False))
+    per_pass = (step_flops(router, torch.empty(tokens, dim, device="meta"))
+                + step_flops(expert, torch.empty(tokens * top_k, dim, device="meta")))
+    return per_pass * (world_size * (2 + steps) + grid_world_size * (1 + steps))
