@@ -81,8 +81,8 @@ def test_the_busiest_rank_sets_the_modelled_step_and_the_condition_by_hand():
     assert step.assignments[0] > step.assignments[1] and step.step > even.step
     assert load.pace_verdict(step, even)[1] == "busiest sets the pace"
     row = load.hiding_condition(cfg, "H100-nvlink")
-    # (n-1)/n * b * C / (3W): 1/2 * 2 bytes * (989.5e12 / 2 * 0.5) FLOP/s / (3 * 450e9 B/s)
-    assert row["threshold F"] == pytest.approx(0.5 * 2 * 989.5e12 / 2 * 0.5 / (3 * 450e9))
+    # (n-1)/n * b * C / (3W): 1/2 * 2 bytes * (989.5e12 dense bf16 * 0.5 modelled) FLOP/s / (3 * 450e9 B/s)
+    assert row["threshold F"] == pytest.approx(0.5 * 2 * 989.5e12 * 0.5 / (3 * 450e9))
     rows = load.capacity_sweep(cfg, (0.5, 2.0))
     assert load.capacity_verdict(rows)[1] == "fewer drops, longer step"
 
