@@ -76,15 +76,16 @@ def main(world_size: int = 2, experts: int = 4, dim: int = 128, hidden: int = 51
     sent = [sum(int(c) for e, c in enumerate(p["sent"]) if e // local != rank) * row for rank, p in enumerate(per_rank)]
     formula = tokens * cfg.top_k * dim * 4 * (n - 1) / n
     print(hardware.describe(world_size))
-    print(f"MoE layer: {experts} experts (width {dim}, hidden {hidden}), top-{cfg.top_k}, {tokens} tokens per rank over "
-          f"{world_size} ranks; median (min-max) of {rounds} rounds, each the median of {steps} passes")
+    print(f"MoE layer: {experts} experts (width {dim}, hidden {hidden}), top-{cfg.top_k}, {tokens} tokens per rank "
+          f"over {world_size} ranks; median (min-max) of {rounds} rounds, each the median of {steps} passes")
     print(f"expert parallel {format(Measured.of(ep).scaled(1e3), '.2f')} ms per pass, one process (all ranks' tokens) "
           f"{format(Measured.of(one).scaled(1e3), '.2f')} ms; ratio {ratio:.2f}")
     print(f"dispatch bytes to other ranks per rank: {sent} counted, {formula:,.0f} by T k D b (n-1)/n; "
           "the combine sends the same back")
     return {"world_size": world_size, "experts": experts, "dim": dim, "hidden": hidden, "tokens": tokens,
             "rounds": rounds, **_figure("ep_over_one_process", ratio),
-            **_figure("ep_ms", Measured.of(ep).scaled(1e3), 2), **_figure("one_process_ms", Measured.of(one).scaled(1e3), 2),
+            **_figure("ep_ms", Measured.of(ep).scaled(1e3), 2),
+            **_figure("one_process_ms", Measured.of(one).scaled(1e3), 2),
             "dispatch_bytes_counted": sent, "dispatch_bytes_formula": formula,
             "counted_over_formula": round(sum(sent) / len(sent) / formula, 3)}
 

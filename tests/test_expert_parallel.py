@@ -1,7 +1,6 @@
 """Lesson 15: the Mixture-of-Experts layer over ranks equals one process; routing, capacity and the
 balancing loss by hand; bad input refused before any rank starts; the modelled step; the exercise."""
 
-import math
 
 import pytest
 import torch

@@ -92,7 +92,8 @@ def check_dispatch(my_dispatch) -> str:
 def _explain(rank: int, got: torch.Tensor, want: torch.Tensor) -> None:
     """Raise `Wrong` naming the mistake the received rows show."""
     if got.dim() != 2 or got.shape[1] != want.shape[1]:
-        raise Wrong(f"rank {rank} returned shape {tuple(got.shape)}; return the received rows, ({want.shape[0]}, {want.shape[1]})")
+        raise Wrong(f"rank {rank} returned shape {tuple(got.shape)}; return the received rows, "
+                    f"({want.shape[0]}, {want.shape[1]})")
     experts = got[:, 1].long()
     local = experts // EXPERTS_PER_RANK == rank
     per_source = [int((got[:, 0] == s).sum()) for s in range(EP_RANKS)]
@@ -107,7 +108,8 @@ def _explain(rank: int, got: torch.Tensor, want: torch.Tensor) -> None:
             raise Wrong(f"rank {rank} received the rows of experts {sorted(set(experts.tolist()))}: experts are placed "
                         f"in consecutive blocks, expert e on rank e // experts_per_rank, not e % world_size")
         wrong = int((~local).sum())
-        raise Wrong(f"rank {rank} received {wrong} row(s) of other ranks' experts (e.g. expert {int(experts[~local][0])}): "
+        raise Wrong(f"rank {rank} received {wrong} row(s) of other ranks' experts "
+                    f"(e.g. expert {int(experts[~local][0])}): "
                     "all_to_all_single sends consecutive chunks, the first input_split_sizes[0] rows to rank 0 and so "
                     "on, so sort the rows by expert (hence by destination rank) before sending")
     if got.shape[0] != want.shape[0]:

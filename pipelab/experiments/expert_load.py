@@ -177,7 +177,8 @@ def capacity_sweep(cfg: Config, factors: tuple[float, ...]) -> list[dict]:
         c = replace(cfg, capacity_factor=f)
         counts, dropped = routed_counts(c)
         step = modelled_step(c, counts)
-        rows.append({"capacity factor": f, "dropped (%)": round(100 * dropped / (cfg.world_size * cfg.tokens * cfg.top_k), 1),
+        assignments = cfg.world_size * cfg.tokens * cfg.top_k
+        rows.append({"capacity factor": f, "dropped (%)": round(100 * dropped / assignments, 1),
                      "modelled step (ms)": round(step.step * 1e3, 3)})
     return rows
 
@@ -193,7 +194,8 @@ def hiding_condition(cfg: Config, link: str) -> dict:
     n = parse_node(f"{cfg.ep_size}x{link}")
     b, rate = torch_dtype(cfg.dtype).itemsize, n.device.rate(cfg.dtype) * EFFICIENCY
     threshold = (n.count - 1) / n.count * b * rate / (3 * n.link.bandwidth_Bps)
-    return {"link": n.link.name, "threshold F": threshold, "formula: compute / all-to-all": cfg.emulated_hidden / threshold}
+    return {"link": n.link.name, "threshold F": threshold,
+            "formula: compute / all-to-all": cfg.emulated_hidden / threshold}
 
 
 # ---------------------------------------------------------------------------------------------

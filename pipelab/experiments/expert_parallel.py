@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 
 from pipelab import experiments
-from pipelab.checks import positive_number, whole_number
+from pipelab.checks import divisors, positive_number, whole_number
 from pipelab.expert_parallel import ExpertParallelGroups, ExpertParallelMoE, MoELayer, reduce_gradients
 from pipelab.measure import Measured, time_steps
 from pipelab.worker import RankContext
@@ -62,10 +62,11 @@ class Config(experiments.Config):
         ep = whole_number("ep", self.ep_size, example=f"ep={self.world_size}")
         if self.world_size % ep:
             raise ValueError(f"ep={ep} does not divide world_size={self.world_size}: the ranks form world_size / ep "
-                             f"expert-parallel groups; use ep in {[d for d in range(1, self.world_size + 1) if self.world_size % d == 0]}")
+                             f"expert-parallel groups; use ep in {divisors(self.world_size)}")
         if self.experts % ep:
             raise ValueError(f"experts={self.experts} do not divide over ep={ep} ranks: each rank holds experts / ep "
-                             f"of them; use experts={ep * max(1, round(self.experts / ep))} or an ep that divides {self.experts}")
+                             f"of them; use experts={ep * max(1, round(self.experts / ep))} or an ep that divides "
+                             f"{self.experts}")
         if self.top_k > self.experts:
             raise ValueError(f"top_k={self.top_k} is more than the experts={self.experts} a token can go to; "
                              f"use top_k <= {self.experts} (Switch Transformer 1, Mixtral 2)")
@@ -175,7 +176,7 @@ def worker(ctx: RankContext, cfg: Config) -> Result:
 class ExpertParallelRun:
     cfg: Config
     difference: dict[str, float]  # largest difference from one process: "outputs", "loss", "input", "router", "experts"
-    experts: dict[str, tuple[float, float]]  # per sync: the experts' largest difference, and the factor they are of one process's
+    experts: dict[str, tuple[float, float]]  # per sync: the experts' largest difference, their factor of one process's
     same_dropped: bool  # every rank dropped exactly the assignments one process drops
     dropped: int  # assignments dropped, all ranks
     counts: torch.Tensor = field(repr=False)  # (ranks, E) assignments each rank sent to each expert
@@ -210,7 +211,8 @@ def gather(cfg: Config, results: list[Result]) -> ExpertParallelRun:
         diff["loss"] = max(diff["loss"], abs(r.loss - float(loss.detach())))
         # a rank's input gradient is of its own loss; one process's of the mean over w groups
         diff["input"] = max(diff["input"], float((r.input_grad - w * x.grad).abs().max()))
-        diff["router"] = max(diff["router"], float((r.grads[main]["router.weight"] - layer.router.weight.grad).abs().max()))
+        router = r.grads[main]["router.weight"] - layer.router.weight.grad
+        diff["router"] = max(diff["router"], float(router.abs().max()))
     experts = {sync: _expert_check(layer, results, sync) for sync in cfg.syncs}
     diff["experts"] = experts[main][0]
     same_dropped = all(torch.equal(r.keep, out.routing.keep) for r, out in zip(results, outs))

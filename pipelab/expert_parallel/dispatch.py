@@ -100,7 +100,8 @@ class ExpertParallelMoE(nn.Module):
         recv_split = recv.view(n, self.local).sum(1).tolist()
 
         arrived = AllToAll.apply(x[token], recv_split, send_split, g)  # dispatch
-        mine = torch.arange(self.local, device=x.device).repeat(n).repeat_interleave(recv)  # each arrival's local expert
+        # each arrival's local expert: from every source rank, its rows for expert 0, then 1, ...
+        mine = torch.arange(self.local, device=x.device).repeat(n).repeat_interleave(recv)
         out = torch.zeros_like(arrived)
         for j in range(self.local):
             rows = torch.nonzero(mine == j, as_tuple=True)[0]
