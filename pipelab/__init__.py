@@ -11,7 +11,7 @@ import importlib
 __version__ = "0.1.0"
 
 _SUBMODULES = {
-    "batch", "checks", "cli", "collectives", "data", "ddp", "display", "emulate", "experiments", "hardware", "hybrid",
+    "batch", "checks", "cli", "collectives", "data", "ddp", "display", "emulate", "experiments", "expert_parallel", "hardware", "hybrid",
     "launch", "lm", "measure", "model_parallel", "models", "pipeline", "plots", "reference", "sharding", "streams", "tensor_parallel",
     "timeline", "transformer", "widgets", "worker",
 }

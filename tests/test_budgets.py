@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from pipelab.emulate.cost import budget, step_flops
-from pipelab.experiments import context_parallel, sharding, tensor_parallel, v_schedules
+from pipelab.experiments import context_parallel, expert_parallel, sharding, tensor_parallel, v_schedules
 
 NOTEBOOKS = Path(__file__).resolve().parent.parent / "notebooks"
 
@@ -30,6 +30,8 @@ COUNTS = {
                                                                    p["larger_layers"]),
     "14_context_parallelism": lambda p: context_parallel.run_flops(p["heads"], p["head_dim"], p["batch"], p["seq_len"],
                                                                    p["timed_seq_len"], p["steps"]),
+    "15_expert_parallelism": lambda p: expert_parallel.run_flops(p["experts"], p["top_k"], p["dim"], p["hidden"], p["tokens"],
+                                                                 p["world_size"], p["grid_world_size"], p["steps"]),
 }
 
 

@@ -144,6 +144,12 @@ def merge_by_average(out_a, lse_a, out_b, lse_b):
     return (out_a + out_b) / 2, torch.logaddexp(lse_a, lse_b)
 
 
+def dispatch_even_split(rows, expert, experts_per_rank):
+    out = torch.empty_like(rows)
+    dist.all_to_all_single(out, rows[torch.argsort(expert, stable=True)])
+    return out
+
+
 WRONG = [
     ("00_broadcast", broadcast_from_rank0, ["deadlock", "rank 2 waits for its receive from rank 0"]),
     ("01_ddp_average", average_divided_twice, ["rank 0, parameter 0.weight", "0.50x the reference",
@@ -168,6 +174,7 @@ WRONG = [
     ("13_split_backward", split_backward_graph_freed, ["W raised RuntimeError", "retain_graph=True"]),
     ("14_online_softmax_merge", merge_by_average, ["plain average", "exp(L_a - L)"]),  # more in test_context_parallel
     ("16_loss_scale_update", loss_scale_doubled_on_overflow, ["you doubled the scale", "halve it"]),
+    ("15_dispatch", dispatch_even_split, ["an even split", "[6, 6]", "exchanged first"]),
 ]
 
 

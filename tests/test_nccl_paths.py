@@ -39,6 +39,7 @@ PATHS = {
     "16 ZeRO in mixed precision, the bf16 all-reduce": [
         "tests/test_precision.py::test_mixed_precision_zero_on_real_ranks_matches_one_process_and_the_formula",
         "tests/test_precision.py::test_bf16_all_reduce_halves_the_bytes"],
+    "15 expert parallelism, with data parallelism": ["tests/test_expert_parallel.py::test_layer_over_ranks_equals_one_process"],
 }
 
 

@@ -12,6 +12,7 @@ the reference solution from `solutions/` (notebooks do with `solutions = True`, 
 from pipelab.exercises.capstone import check_perplexity, check_split_point
 from pipelab.exercises.context_parallel import check_online_softmax_merge
 from pipelab.exercises.core import Grade, solution
+from pipelab.exercises.expert_parallel import check_dispatch
 from pipelab.exercises.devices import check_event_wait, check_naive_forward, check_split_forward
 from pipelab.exercises.data_parallel import (check_broadcast, check_ddp_average, check_grid_groups,
                                              check_row_parallel, check_zero2_shard)
@@ -40,6 +41,7 @@ EXERCISES = {
     "13_split_backward": ("my_split_backward", check_split_backward),
     "14_online_softmax_merge": ("my_merge", check_online_softmax_merge),
     "16_loss_scale_update": ("my_update_scale", check_loss_scale_update),
+    "15_dispatch": ("my_dispatch", check_dispatch),
 }
 
 __all__ = ["EXERCISES", "Grade", "solution", *(c.__name__ for _, c in EXERCISES.values())]
