@@ -7,11 +7,15 @@
 - `forward_backward_counts(module, x)` counts a forward, and its backward split as zero-bubble
   schedules split it: I, the gradient with respect to the input (what the previous stage waits for),
   and W, the gradients with respect to the weights (which can wait). B = I + W.
-- `compute_seconds` is the roofline: an operation takes the longer of its FLOPs over the device's
-  FLOP/s and its bytes over the memory bandwidth, at a stated efficiency, plus a launch overhead
-  per operator.
-- `message_seconds` and `collective_seconds` are the latency-bandwidth model of lesson 00: one
-  message of m bytes takes latency + m / bandwidth; a ring collective is a sequence of such steps.
+- `compute_seconds` is the roofline at measured efficiencies (`calibrated`): each operator lasts
+  the longer of the host's cost of launching it and its FLOPs and bytes at the efficiency real
+  kernels of that size reach on that device (fitted on published tables). With an explicit
+  `efficiency` it is the flat roofline instead: the longer of FLOPs over FLOP/s and bytes over
+  bandwidth, divided by `efficiency`, plus `launch_overhead_s` per operator.
+- `message_seconds` and `collective_seconds`: over a link with a calibrated model (every link of
+  `specs.LINKS`), NCCL's protocols fitted on published nccl-tests tables (`calibrated`); over any
+  other link, the latency-bandwidth model of lesson 00: one message of m bytes takes latency +
+  m / bandwidth; a ring collective is a sequence of such steps.
 """
 
 from __future__ import annotations
@@ -25,10 +29,12 @@ from torch.utils._pytree import tree_flatten, tree_map
 from torch.utils.flop_counter import FlopCounterMode
 
 from pipelab.collectives import ring_all_reduce_time
-from pipelab.emulate.specs import Device, Link, torch_dtype
+from pipelab.emulate import calibrated
+from pipelab.emulate.specs import Device, Link, dtype_name, torch_dtype
 from pipelab.models import trainable_parameters
 
-# Model FLOPs utilisation of well-tuned large-model training is about half the peak: Megatron-LM
+# The flat model's figures, used where a caller passes an `efficiency` (and by `budget`, a rough
+# estimate): model FLOPs utilisation of well-tuned large-model training is about half the peak: Megatron-LM
 # reports 52% of the A100's peak per GPU (Narayanan et al., "Efficient Large-Scale Language Model
 # Training on GPU Clusters Using Megatron-LM", SC 2021, https://arxiv.org/abs/2104.04473) and PaLM
 # 46.2% MFU (Chowdhery et al., https://arxiv.org/abs/2204.02311).
@@ -178,25 +184,42 @@ def forward_backward_counts(module: torch.nn.Module, example_input, dtype=None) 
     return forward, backward_input, backward_weight
 
 
-def compute_seconds(counts: Counts, device: Device, dtype="float32", efficiency: float = EFFICIENCY,
-                    launch_overhead_s: float = LAUNCH_OVERHEAD_S) -> float:
-    """Seconds `counts` take on `device` in `dtype`: the roofline, the longer of the FLOPs over the
-    device's dense FLOP/s and the bytes over its memory bandwidth, divided by `efficiency` (the
-    fraction of the peak real kernels reach), plus `launch_overhead_s` per operator."""
+def compute_seconds(counts: Counts, device: Device, dtype="float32", efficiency: float | None = None,
+                    launch_overhead_s: float | None = None) -> float:
+    """Seconds `counts` take on `device` in `dtype`. Calibrated (no `efficiency`): its operators as
+    a stream of `counts.kernels` equal kernels, each the longer of the launch floor and its share of
+    the FLOPs and bytes at the efficiency measured for kernels of that size (`calibrated.kernel_seconds`;
+    `launch_overhead_s` replaces the measured floor). With `efficiency`: the flat roofline, the
+    longer of FLOPs over dense FLOP/s and bytes over bandwidth, divided by `efficiency`, plus
+    `launch_overhead_s` (default 5 us) per operator."""
+    if efficiency is None:
+        if launch_overhead_s is not None and launch_overhead_s < 0:
+            raise ValueError(f"launch_overhead_s must be >= 0 seconds, got {launch_overhead_s!r}; e.g. 5e-6")
+        device.rate(dtype)  # a ValueError if the card has no such math
+        kernels = max(1, counts.kernels)
+        if not (counts.flops or counts.bytes or counts.kernels):
+            return 0.0
+        one = calibrated.kernel_seconds(counts.flops / kernels, counts.bytes / kernels, device,
+                                        dtype_name(dtype), launch_overhead_s)
+        if not counts.kernels:  # work without a kernel of its own: no launch floor
+            one = calibrated.kernel_seconds(counts.flops, counts.bytes, device, dtype_name(dtype), 0.0)
+        return kernels * one
+    launch = LAUNCH_OVERHEAD_S if launch_overhead_s is None else launch_overhead_s
     if not 0 < efficiency <= 1:
         raise ValueError(f"efficiency is the fraction of the peak a kernel reaches, in (0, 1]; got "
                          f"{efficiency!r}; e.g. 0.5")
-    if launch_overhead_s < 0:
-        raise ValueError(f"launch_overhead_s must be >= 0 seconds, got {launch_overhead_s!r}; e.g. 5e-6")
+    if launch < 0:
+        raise ValueError(f"launch_overhead_s must be >= 0 seconds, got {launch!r}; e.g. 5e-6")
     busy = max(counts.flops / device.rate(dtype), counts.bytes / device.memory_bandwidth)
-    return busy / efficiency + launch_overhead_s * counts.kernels
+    return busy / efficiency + launch * counts.kernels
 
 
 def stage_seconds(module: torch.nn.Module, example_input, device: Device, dtype="float32",
-                  efficiency: float = EFFICIENCY, launch_overhead_s: float = LAUNCH_OVERHEAD_S) -> dict[str, float]:
+                  efficiency: float | None = None, launch_overhead_s: float | None = None) -> dict[str, float]:
     """Modelled seconds of `module`'s forward ("F"), backward ("B") and its two halves ("I", "W")
     on `device` in `dtype`, for one micro-batch like `example_input`: what a pipeline stage's
-    spans last on the emulated node (and in the simulator, with the same costs)."""
+    spans last on the emulated node (and in the simulator, with the same costs); calibrated unless
+    an `efficiency` is given (see `compute_seconds`)."""
     forward, grad_input, grad_weight = forward_backward_counts(module, example_input, torch_dtype(dtype))
     seconds = {kind: compute_seconds(counts, device, dtype, efficiency, launch_overhead_s)
                for kind, counts in (("F", forward), ("I", grad_input), ("W", grad_weight))}
@@ -234,19 +257,23 @@ def arithmetic_intensity(counts: Counts) -> float:
 
 
 def message_seconds(nbytes: float, link: Link) -> float:
-    """Seconds one message of `nbytes` takes over `link`: latency + bytes / bandwidth."""
+    """Seconds one message of `nbytes` takes over `link`: NCCL's measured protocols over the link's
+    kind (`calibrated.message_seconds`), or latency + bytes / bandwidth for a link without one."""
     if nbytes < 0:
         raise ValueError(f"nbytes must be >= 0, got {nbytes!r}")
-    return link.latency_s + nbytes / link.bandwidth_Bps
+    seconds = calibrated.message_seconds(nbytes, link)
+    return link.latency_s + nbytes / link.bandwidth_Bps if seconds is None else seconds
 
 
 COLLECTIVES = ("all_reduce", "reduce_scatter", "all_gather", "broadcast", "barrier")
 
 
 def collective_seconds(kind: str, nbytes: float, ranks: int, link: Link) -> float:
-    """Seconds of a ring collective over `ranks` devices joined by `link`, each step one message
-    (latency + bytes / bandwidth) with every rank sending and receiving at once. `nbytes` is the
-    whole tensor: the input of all_reduce and reduce_scatter, the output of all_gather.
+    """Seconds of a collective over `ranks` devices joined by `link`. `nbytes` is the whole tensor:
+    the input of all_reduce and reduce_scatter, the output of all_gather. Over a link with a
+    calibrated model, NCCL's measured protocols, NVLS and several machines (`calibrated`). Over any
+    other link, a ring, each step one message (latency + bytes / bandwidth) with every rank sending
+    and receiving at once:
 
     - all_reduce: 2(n-1) steps of nbytes/n (lesson 00's `ring_all_reduce_time`);
     - reduce_scatter, all_gather: its two halves, (n-1) steps of nbytes/n each;
@@ -262,6 +289,9 @@ def collective_seconds(kind: str, nbytes: float, ranks: int, link: Link) -> floa
     n, latency, bandwidth = ranks, link.latency_s, link.bandwidth_Bps
     if n == 1:
         return 0.0
+    seconds = calibrated.collective_seconds(kind, nbytes, n, link)
+    if seconds is not None:
+        return seconds
     if kind == "all_reduce":
         return ring_all_reduce_time(nbytes, n, bandwidth, latency)
     if kind == "barrier":
