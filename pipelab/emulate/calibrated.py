@@ -138,7 +138,7 @@ NVLS_MIN_RANKS = 5  # h200_nvls_sweep: NCCL picks NVLS from 5 GPUs of an 8 x H20
 NVLINK3 = Fabric(2.970e-6, 23.50e9, 5.894e-6, 216.0e9, source="a100_allreduce_nccl_tests")
 # ... and of h200_allreduce_bench and h200_collectives_16g (the Simple step latency is NVLink 3's:
 # those tables never time the ring at a size where its latency shows).
-NVLINK4 = Fabric(3.488e-6, 42.99e9, NVLINK3.simple_step_s, 367.6e9, 42.11e-6, 247.2e9,
+NVLINK4 = Fabric(3.792e-6, 46.73e9, NVLINK3.simple_step_s, 367.6e9, 42.11e-6, 247.2e9,
                  source="h200_allreduce_bench, h200_collectives_16g")
 # No measured table: NCCL's cost model puts PCIe's per-step latency at 5.7 us against NVLink's 3.4
 # (src/graph/tuning.cc, hwLat), so the NVLink 3 steps scaled by 5.7/3.4; the bandwidth is the data
