@@ -138,9 +138,11 @@ def test_seconds_refuses_bad_input(call, message):
 
 def test_compute_seconds_is_a_stream_of_calibrated_kernels():
     h100 = specs.DEVICES["h100"]
-    layer = cost.count(torch.nn.functional.linear, torch.empty(4096, 4096), torch.empty(4096, 4096))
-    one = calibrated.kernel_seconds(layer.flops / layer.kernels, layer.bytes / layer.kernels, h100, "bfloat16")
-    assert cost.compute_seconds(layer, h100, "bf16") == pytest.approx(layer.kernels * one)
+    relu = torch.nn.Sequential(torch.nn.Linear(4096, 4096), torch.nn.ReLU())
+    layer = cost.count(relu, torch.empty(4096, 4096))
+    assert layer.kernels == 2 and layer.flop_kernels == 1  # addmm (product and bias), the ReLU
+    assert cost.compute_seconds(layer, h100, "bf16") == pytest.approx(
+        calibrated.matmul_seconds(4096, 4096, 4096, h100, "bfloat16"), rel=0.01)  # the product dominates
     tiny = Counts(1e3, 1e3, 10)
     assert cost.compute_seconds(tiny, h100, "bf16") == pytest.approx(10 * calibrated.H100.launch_s)
     assert cost.compute_seconds(Counts(0.0, 0.0, 0), h100) == 0.0

@@ -109,6 +109,22 @@ def kernel_seconds(flops: float, nbytes: float, device, dtype: str, launch_s: fl
     return max(floor, compute, memory)
 
 
+def stream_seconds(flops: float, nbytes: float, kernels: int, compute_kernels: int, device, dtype: str,
+                   launch_s: float | None = None) -> float:
+    """Seconds of `kernels` kernels issued one after another (eager PyTorch: the host issues while
+    the GPU runs): the longer of the host's issue time (the launch floor each) and the GPU's, whose
+    `compute_kernels` products do `flops` at the efficiency measured for products of their size
+    and whose kernels move `nbytes` at the measured bandwidth (a roofline over the whole stream)."""
+    eff = efficiency_of(device)
+    floor = eff.launch_s if launch_s is None else launch_s
+    compute = 0.0
+    if flops > 0:
+        e_max, half = _matmul_fit(eff, device, dtype)
+        compute = (flops + max(1, compute_kernels) * half) / (device.rate(dtype) * e_max)
+    memory = nbytes / (eff.memory_fraction * device.memory_bandwidth)
+    return max(kernels * floor, compute, memory)
+
+
 def matmul_seconds(m: int, n: int, k: int, device, dtype: str, itemsize: int = 2) -> float:
     """Seconds of one (m x k) @ (k x n) product: 2mnk FLOPs, reading both and writing the result."""
     return kernel_seconds(2.0 * m * n * k, float(itemsize * (m * k + k * n + m * n)), device, dtype)

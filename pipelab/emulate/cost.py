@@ -26,7 +26,7 @@ from dataclasses import dataclass
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_map
-from torch.utils.flop_counter import FlopCounterMode
+from torch.utils.flop_counter import FlopCounterMode, flop_registry
 
 from pipelab.collectives import ring_all_reduce_time
 from pipelab.emulate import calibrated
@@ -48,17 +48,27 @@ LAUNCH_OVERHEAD_S = 5e-6
 @dataclass(frozen=True)
 class Counts:
     """Work of an operation: floating-point operations, bytes read and written in device memory,
-    and how many operators (kernels) it launches."""
+    how many operators (kernels) it launches and, where counted, how many of them do the FLOPs
+    (matrix products, convolutions; `count` counts them; None: the FLOPs taken as one product)."""
     flops: float
     bytes: float
     kernels: int = 1
+    flop_kernels: int | None = None
+
+    @property
+    def compute_kernels(self) -> int:
+        """The kernels that do the FLOPs: counted, or one where not counted."""
+        if not self.flops:
+            return 0
+        return min(1, self.kernels) if self.flop_kernels is None else self.flop_kernels
 
     def __add__(self, other: "Counts") -> "Counts":
-        return Counts(self.flops + other.flops, self.bytes + other.bytes, self.kernels + other.kernels)
+        return Counts(self.flops + other.flops, self.bytes + other.bytes, self.kernels + other.kernels,
+                      self.compute_kernels + other.compute_kernels)
 
     def __sub__(self, other: "Counts") -> "Counts":
         return Counts(max(0.0, self.flops - other.flops), max(0.0, self.bytes - other.bytes),
-                      max(0, self.kernels - other.kernels))
+                      max(0, self.kernels - other.kernels), max(0, self.compute_kernels - other.compute_kernels))
 
 
 ZERO = Counts(0.0, 0.0, 0)
@@ -82,6 +92,7 @@ class ByteCounter(TorchDispatchMode):
         super().__init__()
         self.bytes = 0
         self.kernels = 0
+        self.flop_kernels = 0  # operators PyTorch's FLOP counter counts (matrix products, convolutions)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -90,6 +101,7 @@ class ByteCounter(TorchDispatchMode):
         if not func.is_view and name not in _NO_TRAFFIC:
             self.bytes += _tensor_bytes((args, kwargs)) + _tensor_bytes(out)
             self.kernels += 1
+            self.flop_kernels += func.overloadpacket in flop_registry
         return out
 
 
@@ -124,7 +136,7 @@ def count(fn, *args, **kwargs) -> Counts:
     flops, moved = FlopCounterMode(display=False), ByteCounter()
     with flops, moved:
         fn(*args, **kwargs)
-    return Counts(float(flops.get_total_flops()), float(moved.bytes), moved.kernels)
+    return Counts(float(flops.get_total_flops()), float(moved.bytes), moved.kernels, moved.flop_kernels)
 
 
 def meta_module(module: torch.nn.Module, dtype=None) -> torch.nn.Module:
@@ -180,30 +192,31 @@ def forward_backward_counts(module: torch.nn.Module, example_input, dtype=None) 
     backward_input = backward(grad_inputs)
     backward_weight = backward(grad_inputs + params) - backward_input
     if backward_weight.flops or backward_weight.bytes:  # W runs as its own pass: at least one launch
-        backward_weight = Counts(backward_weight.flops, backward_weight.bytes, max(1, backward_weight.kernels))
+        backward_weight = Counts(backward_weight.flops, backward_weight.bytes, max(1, backward_weight.kernels),
+                                 max(1, backward_weight.compute_kernels) if backward_weight.flops else 0)
     return forward, backward_input, backward_weight
+
+
+def device_dtype(device: Device, dtype):
+    """`dtype` checked against `device` (a ValueError if the card has no such math)."""
+    device.rate(dtype)
+    return dtype
 
 
 def compute_seconds(counts: Counts, device: Device, dtype="float32", efficiency: float | None = None,
                     launch_overhead_s: float | None = None) -> float:
     """Seconds `counts` take on `device` in `dtype`. Calibrated (no `efficiency`): its operators as
-    a stream of `counts.kernels` equal kernels, each the longer of the launch floor and its share of
-    the FLOPs and bytes at the efficiency measured for kernels of that size (`calibrated.kernel_seconds`;
-    `launch_overhead_s` replaces the measured floor). With `efficiency`: the flat roofline, the
+    a stream of kernels the host issues while the GPU runs them (`calibrated.stream_seconds`): the
+    longer of the kernels' launch floors and the GPU's work -- the FLOPs at the efficiency measured
+    for products of their size, or the bytes at the measured bandwidth (`launch_overhead_s` replaces
+    the measured floor). With `efficiency`: the flat roofline, the
     longer of FLOPs over dense FLOP/s and bytes over bandwidth, divided by `efficiency`, plus
     `launch_overhead_s` (default 5 us) per operator."""
     if efficiency is None:
         if launch_overhead_s is not None and launch_overhead_s < 0:
             raise ValueError(f"launch_overhead_s must be >= 0 seconds, got {launch_overhead_s!r}; e.g. 5e-6")
-        device.rate(dtype)  # a ValueError if the card has no such math
-        kernels = max(1, counts.kernels)
-        if not (counts.flops or counts.bytes or counts.kernels):
-            return 0.0
-        one = calibrated.kernel_seconds(counts.flops / kernels, counts.bytes / kernels, device,
-                                        dtype_name(dtype), launch_overhead_s)
-        if not counts.kernels:  # work without a kernel of its own: no launch floor
-            one = calibrated.kernel_seconds(counts.flops, counts.bytes, device, dtype_name(dtype), 0.0)
-        return kernels * one
+        return calibrated.stream_seconds(counts.flops, counts.bytes, counts.kernels, counts.compute_kernels,
+                                         device, dtype_name(device_dtype(device, dtype)), launch_overhead_s)
     launch = LAUNCH_OVERHEAD_S if launch_overhead_s is None else launch_overhead_s
     if not 0 < efficiency <= 1:
         raise ValueError(f"efficiency is the fraction of the peak a kernel reaches, in (0, 1]; got "
