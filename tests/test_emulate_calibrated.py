@@ -201,3 +201,15 @@ def test_registered_node_readers_come_first():
         assert specs.parse_node("8x:calibration.json").count == 2
     finally:
         specs.NODE_READERS.remove(reader)
+
+
+def test_anchors_name_the_published_hardware_where_it_is_modelled():
+    from pipelab.emulate import anchors
+
+    for item in anchors.ANCHORS.values():
+        if item.hardware:
+            node = specs.parse_node(item.hardware)
+            assert "P40" in item.setup and node.device.name == "NVIDIA Tesla P40"
+    assert "Tesla P40" in anchors.hardware_text("torchgpipe_amoebanet_n2_m4")
+    assert "not named" in anchors.hardware_text("tutorial_pipeline_split20_speedup")
+    assert anchors.beside("torchgpipe_amoebanet_n2_m4", 1.5)["published hardware"] == anchors.P40_NODE

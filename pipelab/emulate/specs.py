@@ -124,6 +124,8 @@ NDR_SHEET = ("NVIDIA ConnectX-7 adapter data sheet (InfiniBand NDR, 400 Gb/s per
              "connectx-7-datasheet-Final.pdf")
 H200_SHEET = ("NVIDIA H200 Tensor Core GPU data sheet (H200 SXM column), "
               "https://www.nvidia.com/en-us/data-center/h200/")
+P40_SHEET = ("NVIDIA Tesla P40 data sheet, https://images.nvidia.com/content/pdf/tesla/"
+             "184427-Tesla-P40-Datasheet-NV-Final-Letter-Web.pdf")
 L40S_SHEET = "NVIDIA L40S GPU data sheet, https://www.nvidia.com/en-us/data-center/l40s/"
 ETHERNET_STD = "IEEE 802.3ba/802.3bj 100 Gb/s Ethernet (100 Gb/s per direction), https://standards.ieee.org/ieee/802.3/"
 
@@ -220,6 +222,13 @@ DEVICES: dict[str, Device] = {
         memory_bandwidth=864 * GB, memory_bytes=48 * GB,  # 864 GB/s, 48 GB GDDR6
         source=L40S_SHEET, nvlink=None, pcie="pcie4",
         notes="a PCIe card without NVLink; tensor-core rates are half the 'with sparsity' figures"),
+    "p40": Device(
+        "NVIDIA Tesla P40",
+        # Data sheet: single precision 12 TFLOPS ("up to", boost clock); Pascal: no tensor cores.
+        {"float32": 12 * TERA},
+        memory_bandwidth=346 * GB, memory_bytes=24 * GB,  # 346 GB/s, 24 GB GDDR5
+        source=P40_SHEET, nvlink=None, pcie="pcie3",
+        notes="torchgpipe's benchmarks ran on it; Pascal: no tensor cores, fp32 only here"),
 }
 
 DEVICE_ALIASES = {"h100-sxm": "h100", "a100-80gb": "a100", "a100-sxm": "a100", "h200-sxm": "h200",
@@ -279,8 +288,8 @@ def add_link(key: str, link: Link, *, replace: bool = False) -> Link:
 
 # Devices without a measured table of their own borrow the fit of a device that has one:
 # the H200 is the H100's compute (stas00's MAMF table: "H200 is the same"); the other A100s are
-# the A100; the L40S and T4, PCIe cards, borrow the L4's, the one PCIe card measured.
-EFFICIENCY_FROM = {"h200": "h100", "a100-40gb": "a100", "l40s": "l4", "t4": "l4"}
+# the A100; the L40S, T4 and P40, PCIe cards, borrow the L4's, the one PCIe card measured.
+EFFICIENCY_FROM = {"h200": "h100", "a100-40gb": "a100", "l40s": "l4", "t4": "l4", "p40": "l4"}
 
 
 def key_of(device: Device) -> str:
