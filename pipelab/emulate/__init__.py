@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Any
 
 from pipelab.emulate import comm
 from pipelab.emulate.clock import LogicalClock, RealClock
+from pipelab.emulate.model import seconds
 
 if TYPE_CHECKING:
     from pipelab.worker import RankContext
@@ -40,7 +41,7 @@ class Emulator:
     rule: comm.Rule
     memory: Any
     dtype: str = "float32"
-    efficiency: float = field(default=0.5)
+    efficiency: float | None = field(default=None)  # None: the calibrated model
 
     def scale_messages(self, emulated_bytes: float, real_bytes: float) -> None:
         """Time every message and collective as if its tensor were `emulated_bytes / real_bytes`

@@ -3,6 +3,9 @@
 A lesson prints its emulated figure beside the published one (`beside`), and where they differ
 says why: the published runs used other hardware (the tutorial does not name its GPUs; torchgpipe
 used Tesla P40s, GPipe TPUs and P100s), other batch sizes and their own software's overheads.
+Each anchor names the published hardware as an `emulate=` node (`hardware`) where the emulator
+models it (torchgpipe's P40s), and "" where it does not (unnamed GPUs, TPUs): a lesson emulates
+the published hardware where there is one and says which (`hardware_text`).
 
 Only figures stated in the sources are here; a speedup the source prints as a percentage is kept
 with the two times it comes from.
@@ -24,6 +27,10 @@ TORCHGPIPE = ("torchgpipe documentation, Benchmarks, https://torchgpipe.readthed
               "On-the-fly Pipeline Parallelism for Training Giant Models\", https://arxiv.org/abs/2004.09910")
 
 
+# torchgpipe's benchmarks ran on Tesla P40s (PCIe 3, no NVLink), up to 8 of them.
+P40_NODE = "8xP40-pcie"
+
+
 @dataclass(frozen=True)
 class Anchor:
     """One published figure: `value` in `unit`, with its `source`, where in it (`where`, quoted
@@ -35,12 +42,13 @@ class Anchor:
     source: str
     where: str
     setup: str
+    hardware: str = ""  # the published hardware as an emulate= node; "" where it is unknown or not modelled
 
 
 def _speedups(prefix: str, what: str, rows: dict[str, float], unit: str, where: str, setup: str,
-              source: str = TORCHGPIPE) -> dict[str, Anchor]:
-    return {f"{prefix}_{name}": Anchor(f"{prefix}_{name}", f"{what}, {name}", value, unit, source, where, setup)
-            for name, value in rows.items()}
+              source: str = TORCHGPIPE, hardware: str = "") -> dict[str, Anchor]:
+    return {f"{prefix}_{name}": Anchor(f"{prefix}_{name}", f"{what}, {name}", value, unit, source, where, setup,
+                                       hardware) for name, value in rows.items()}
 
 
 ANCHORS: dict[str, Anchor] = {
@@ -79,7 +87,7 @@ ANCHORS: dict[str, Anchor] = {
     **_speedups("torchgpipe_resnet101", "ResNet-101 throughput over the baseline (one GPU, no pipeline)",
                 {"pipeline1": 0.853, "pipeline2": 1.414, "pipeline4": 2.774, "pipeline8": 4.294}, "x",
                 "Speed, \"ResNet-101 Speed Benchmark\" table, torchgpipe column (baseline 95.862 samples/s)",
-                "Tesla P40 GPUs; pipeline-k: k partitions"),
+                "Tesla P40 GPUs; pipeline-k: k partitions", hardware=P40_NODE),
     **_speedups("gpipe_resnet101", "ResNet-101 speedup reported by GPipe",
                 {"pipeline1": 0.80, "pipeline2": 1.42, "pipeline4": 2.18, "pipeline8": 2.89}, "x",
                 "torchgpipe's \"ResNet-101 Speed Benchmark\" table, column \"Huang et al.\", from Figure 3(b) of "
@@ -90,7 +98,7 @@ ANCHORS: dict[str, Anchor] = {
                 {"n2_m1": 1.0, "n2_m4": 1.539, "n2_m32": 1.773, "n4_m1": 1.004, "n4_m4": 1.666,
                  "n4_m32": 2.709, "n8_m1": 0.932, "n8_m4": 2.621, "n8_m32": 4.953}, "x",
                 "Speed, \"AmoebaNet-D (18, 256) Speed Benchmark\" table, torchgpipe column",
-                "Tesla P40 GPUs; n partitions, m micro-batches"),
+                "Tesla P40 GPUs; n partitions, m micro-batches", hardware=P40_NODE),
     **_speedups("gpipe_amoebanet", "AmoebaNet-D (18, 256) speedup over n=2, m=1 reported by GPipe",
                 {"n2_m1": 1.0, "n2_m4": 1.07, "n2_m32": 1.21, "n4_m1": 1.13, "n4_m4": 1.26, "n4_m32": 1.84,
                  "n8_m1": 1.38, "n8_m4": 1.72, "n8_m32": 3.48}, "x",
@@ -101,7 +109,7 @@ ANCHORS: dict[str, Anchor] = {
     **_speedups("torchgpipe_unet", "U-Net (5, 64) throughput over the baseline",
                 {"pipeline1": 0.858, "pipeline2": 1.246, "pipeline4": 2.352, "pipeline8": 3.105}, "x",
                 "Speed, \"U-Net (5, 64) Speed Benchmark\" table (baseline 28.500/s)",
-                "Tesla P40 GPUs; pipeline-k: k partitions"),
+                "Tesla P40 GPUs; pipeline-k: k partitions", hardware=P40_NODE),
 }
 
 
@@ -120,9 +128,22 @@ def anchor(key: str) -> Anchor:
     return ANCHORS[key]
 
 
+def hardware_text(key: str) -> str:
+    """Which hardware a lesson should emulate for anchor `key`, in words: the published hardware
+    where the emulator models it, else why it emulates its own node."""
+    published = anchor(key)
+    if published.hardware:
+        from pipelab.emulate.specs import parse_node
+
+        return f"emulated on the published hardware: {parse_node(published.hardware)}"
+    return "the published hardware is not named or not modelled (TPUs): emulated on the lesson's node"
+
+
 def beside(key: str, emulated: float) -> dict:
-    """A row for a table: the published figure, the emulated one, their ratio and the source."""
+    """A row for a table: the published figure, the emulated one, their ratio, the source and the
+    published hardware as an emulate= node ("" where it is unknown or not modelled)."""
     published = anchor(key)
     return {"what": published.what, "published": published.value, "emulated": emulated,
             "emulated / published": emulated / published.value if published.value else float("nan"),
-            "unit": published.unit, "setup": published.setup, "source": f"{published.source}; {published.where}"}
+            "unit": published.unit, "setup": published.setup, "source": f"{published.source}; {published.where}",
+            "published hardware": published.hardware}

@@ -7,28 +7,34 @@
 - `forward_backward_counts(module, x)` counts a forward, and its backward split as zero-bubble
   schedules split it: I, the gradient with respect to the input (what the previous stage waits for),
   and W, the gradients with respect to the weights (which can wait). B = I + W.
-- `compute_seconds` is the roofline: an operation takes the longer of its FLOPs over the device's
-  FLOP/s and its bytes over the memory bandwidth, at a stated efficiency, plus a launch overhead
-  per operator.
-- `message_seconds` and `collective_seconds` are the latency-bandwidth model of lesson 00: one
-  message of m bytes takes latency + m / bandwidth; a ring collective is a sequence of such steps.
+- `compute_seconds` is the roofline at measured efficiencies (`calibrated`): each operator lasts
+  the longer of the host's cost of launching it and its FLOPs and bytes at the efficiency real
+  kernels of that size reach on that device (fitted on published tables). With an explicit
+  `efficiency` it is the flat roofline instead: the longer of FLOPs over FLOP/s and bytes over
+  bandwidth, divided by `efficiency`, plus `launch_overhead_s` per operator.
+- `message_seconds` and `collective_seconds`: over a link with a calibrated model (every link of
+  `specs.LINKS`), NCCL's protocols fitted on published nccl-tests tables (`calibrated`); over any
+  other link, the latency-bandwidth model of lesson 00: one message of m bytes takes latency +
+  m / bandwidth; a ring collective is a sequence of such steps.
 """
 
 from __future__ import annotations
 
 import copy
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_map
-from torch.utils.flop_counter import FlopCounterMode
+from torch.utils.flop_counter import FlopCounterMode, flop_registry
 
 from pipelab.collectives import ring_all_reduce_time
-from pipelab.emulate.specs import Device, Link, torch_dtype
+from pipelab.emulate import calibrated
+from pipelab.emulate.specs import Device, Link, dtype_name, torch_dtype
 from pipelab.models import trainable_parameters
 
-# Model FLOPs utilisation of well-tuned large-model training is about half the peak: Megatron-LM
+# The flat model's figures, used where a caller passes an `efficiency` (and by `budget`, a rough
+# estimate): model FLOPs utilisation of well-tuned large-model training is about half the peak: Megatron-LM
 # reports 52% of the A100's peak per GPU (Narayanan et al., "Efficient Large-Scale Language Model
 # Training on GPU Clusters Using Megatron-LM", SC 2021, https://arxiv.org/abs/2104.04473) and PaLM
 # 46.2% MFU (Chowdhery et al., https://arxiv.org/abs/2204.02311).
@@ -42,17 +48,27 @@ LAUNCH_OVERHEAD_S = 5e-6
 @dataclass(frozen=True)
 class Counts:
     """Work of an operation: floating-point operations, bytes read and written in device memory,
-    and how many operators (kernels) it launches."""
+    how many operators (kernels) it launches and, where counted, how many of them do the FLOPs
+    (matrix products, convolutions; `count` counts them; None: the FLOPs taken as one product)."""
     flops: float
     bytes: float
     kernels: int = 1
+    flop_kernels: int | None = field(default=None, compare=False)  # a detail: equal work compares equal
+
+    @property
+    def compute_kernels(self) -> int:
+        """The kernels that do the FLOPs: counted, or one where not counted."""
+        if not self.flops:
+            return 0
+        return min(1, self.kernels) if self.flop_kernels is None else self.flop_kernels
 
     def __add__(self, other: "Counts") -> "Counts":
-        return Counts(self.flops + other.flops, self.bytes + other.bytes, self.kernels + other.kernels)
+        return Counts(self.flops + other.flops, self.bytes + other.bytes, self.kernels + other.kernels,
+                      self.compute_kernels + other.compute_kernels)
 
     def __sub__(self, other: "Counts") -> "Counts":
         return Counts(max(0.0, self.flops - other.flops), max(0.0, self.bytes - other.bytes),
-                      max(0, self.kernels - other.kernels))
+                      max(0, self.kernels - other.kernels), max(0, self.compute_kernels - other.compute_kernels))
 
 
 ZERO = Counts(0.0, 0.0, 0)
@@ -76,6 +92,7 @@ class ByteCounter(TorchDispatchMode):
         super().__init__()
         self.bytes = 0
         self.kernels = 0
+        self.flop_kernels = 0  # operators PyTorch's FLOP counter counts (matrix products, convolutions)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -84,6 +101,7 @@ class ByteCounter(TorchDispatchMode):
         if not func.is_view and name not in _NO_TRAFFIC:
             self.bytes += _tensor_bytes((args, kwargs)) + _tensor_bytes(out)
             self.kernels += 1
+            self.flop_kernels += func.overloadpacket in flop_registry
         return out
 
 
@@ -118,7 +136,7 @@ def count(fn, *args, **kwargs) -> Counts:
     flops, moved = FlopCounterMode(display=False), ByteCounter()
     with flops, moved:
         fn(*args, **kwargs)
-    return Counts(float(flops.get_total_flops()), float(moved.bytes), moved.kernels)
+    return Counts(float(flops.get_total_flops()), float(moved.bytes), moved.kernels, moved.flop_kernels)
 
 
 def meta_module(module: torch.nn.Module, dtype=None) -> torch.nn.Module:
@@ -174,29 +192,47 @@ def forward_backward_counts(module: torch.nn.Module, example_input, dtype=None) 
     backward_input = backward(grad_inputs)
     backward_weight = backward(grad_inputs + params) - backward_input
     if backward_weight.flops or backward_weight.bytes:  # W runs as its own pass: at least one launch
-        backward_weight = Counts(backward_weight.flops, backward_weight.bytes, max(1, backward_weight.kernels))
+        backward_weight = Counts(backward_weight.flops, backward_weight.bytes, max(1, backward_weight.kernels),
+                                 max(1, backward_weight.compute_kernels) if backward_weight.flops else 0)
     return forward, backward_input, backward_weight
 
 
-def compute_seconds(counts: Counts, device: Device, dtype="float32", efficiency: float = EFFICIENCY,
-                    launch_overhead_s: float = LAUNCH_OVERHEAD_S) -> float:
-    """Seconds `counts` take on `device` in `dtype`: the roofline, the longer of the FLOPs over the
-    device's dense FLOP/s and the bytes over its memory bandwidth, divided by `efficiency` (the
-    fraction of the peak real kernels reach), plus `launch_overhead_s` per operator."""
+def device_dtype(device: Device, dtype):
+    """`dtype` checked against `device` (a ValueError if the card has no such math)."""
+    device.rate(dtype)
+    return dtype
+
+
+def compute_seconds(counts: Counts, device: Device, dtype="float32", efficiency: float | None = None,
+                    launch_overhead_s: float | None = None) -> float:
+    """Seconds `counts` take on `device` in `dtype`. Calibrated (no `efficiency`): its operators as
+    a stream of kernels the host issues while the GPU runs them (`calibrated.stream_seconds`): the
+    longer of the kernels' launch floors and the GPU's work -- the FLOPs at the efficiency measured
+    for products of their size, or the bytes at the measured bandwidth (`launch_overhead_s` replaces
+    the measured floor). With `efficiency`: the flat roofline, the
+    longer of FLOPs over dense FLOP/s and bytes over bandwidth, divided by `efficiency`, plus
+    `launch_overhead_s` (default 5 us) per operator."""
+    if efficiency is None:
+        if launch_overhead_s is not None and launch_overhead_s < 0:
+            raise ValueError(f"launch_overhead_s must be >= 0 seconds, got {launch_overhead_s!r}; e.g. 5e-6")
+        return calibrated.stream_seconds(counts.flops, counts.bytes, counts.kernels, counts.compute_kernels,
+                                         device, dtype_name(device_dtype(device, dtype)), launch_overhead_s)
+    launch = LAUNCH_OVERHEAD_S if launch_overhead_s is None else launch_overhead_s
     if not 0 < efficiency <= 1:
         raise ValueError(f"efficiency is the fraction of the peak a kernel reaches, in (0, 1]; got "
                          f"{efficiency!r}; e.g. 0.5")
-    if launch_overhead_s < 0:
-        raise ValueError(f"launch_overhead_s must be >= 0 seconds, got {launch_overhead_s!r}; e.g. 5e-6")
+    if launch < 0:
+        raise ValueError(f"launch_overhead_s must be >= 0 seconds, got {launch!r}; e.g. 5e-6")
     busy = max(counts.flops / device.rate(dtype), counts.bytes / device.memory_bandwidth)
-    return busy / efficiency + launch_overhead_s * counts.kernels
+    return busy / efficiency + launch * counts.kernels
 
 
 def stage_seconds(module: torch.nn.Module, example_input, device: Device, dtype="float32",
-                  efficiency: float = EFFICIENCY, launch_overhead_s: float = LAUNCH_OVERHEAD_S) -> dict[str, float]:
+                  efficiency: float | None = None, launch_overhead_s: float | None = None) -> dict[str, float]:
     """Modelled seconds of `module`'s forward ("F"), backward ("B") and its two halves ("I", "W")
     on `device` in `dtype`, for one micro-batch like `example_input`: what a pipeline stage's
-    spans last on the emulated node (and in the simulator, with the same costs)."""
+    spans last on the emulated node (and in the simulator, with the same costs); calibrated unless
+    an `efficiency` is given (see `compute_seconds`)."""
     forward, grad_input, grad_weight = forward_backward_counts(module, example_input, torch_dtype(dtype))
     seconds = {kind: compute_seconds(counts, device, dtype, efficiency, launch_overhead_s)
                for kind, counts in (("F", forward), ("I", grad_input), ("W", grad_weight))}
@@ -234,19 +270,23 @@ def arithmetic_intensity(counts: Counts) -> float:
 
 
 def message_seconds(nbytes: float, link: Link) -> float:
-    """Seconds one message of `nbytes` takes over `link`: latency + bytes / bandwidth."""
+    """Seconds one message of `nbytes` takes over `link`: NCCL's measured protocols over the link's
+    kind (`calibrated.message_seconds`), or latency + bytes / bandwidth for a link without one."""
     if nbytes < 0:
         raise ValueError(f"nbytes must be >= 0, got {nbytes!r}")
-    return link.latency_s + nbytes / link.bandwidth_Bps
+    seconds = calibrated.message_seconds(nbytes, link)
+    return link.latency_s + nbytes / link.bandwidth_Bps if seconds is None else seconds
 
 
 COLLECTIVES = ("all_reduce", "reduce_scatter", "all_gather", "broadcast", "barrier")
 
 
 def collective_seconds(kind: str, nbytes: float, ranks: int, link: Link) -> float:
-    """Seconds of a ring collective over `ranks` devices joined by `link`, each step one message
-    (latency + bytes / bandwidth) with every rank sending and receiving at once. `nbytes` is the
-    whole tensor: the input of all_reduce and reduce_scatter, the output of all_gather.
+    """Seconds of a collective over `ranks` devices joined by `link`. `nbytes` is the whole tensor:
+    the input of all_reduce and reduce_scatter, the output of all_gather. Over a link with a
+    calibrated model, NCCL's measured protocols, NVLS and several machines (`calibrated`). Over any
+    other link, a ring, each step one message (latency + bytes / bandwidth) with every rank sending
+    and receiving at once:
 
     - all_reduce: 2(n-1) steps of nbytes/n (lesson 00's `ring_all_reduce_time`);
     - reduce_scatter, all_gather: its two halves, (n-1) steps of nbytes/n each;
@@ -262,6 +302,9 @@ def collective_seconds(kind: str, nbytes: float, ranks: int, link: Link) -> floa
     n, latency, bandwidth = ranks, link.latency_s, link.bandwidth_Bps
     if n == 1:
         return 0.0
+    seconds = calibrated.collective_seconds(kind, nbytes, n, link)
+    if seconds is not None:
+        return seconds
     if kind == "all_reduce":
         return ring_all_reduce_time(nbytes, n, bandwidth, latency)
     if kind == "barrier":

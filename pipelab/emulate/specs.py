@@ -22,6 +22,7 @@ from __future__ import annotations
 import json
 import re
 from dataclasses import asdict, dataclass
+from dataclasses import replace as _with
 
 import torch
 
@@ -68,6 +69,9 @@ class Device:
     nvlink: str | None = None
     pcie: str = "pcie4"
     notes: str = ""
+    # Measured efficiency (`calibrated.Efficiency` fields) where it comes with the device, e.g. from
+    # a calibration spec (`device_from_spec`); None: the fit `calibrated` holds for this device.
+    efficiency: dict | None = None
 
     def rate(self, dtype="float32") -> float:
         """Dense FLOP/s in `dtype`; a ValueError if the card has no such math (a T4 has no bf16)."""
@@ -88,6 +92,14 @@ class Link:
     bandwidth_Bps: float
     source: str
     latency_source: str = ""
+    # Which measured link model applies: a key of LINKS (`calibrated.FABRICS`), or "" for the plain
+    # latency-bandwidth formula above. `fabric` carries a calibration spec's own fit instead.
+    kind: str = ""
+    # Several machines: `per_node` devices to a machine joined by the link `inner` (a key of
+    # LINKS); this link (`kind`) joins the machines, one network card per device. 0: one machine.
+    per_node: int = 0
+    inner: str = ""
+    fabric: dict | None = None
 
 
 # ---------------------------------------------------------------------------------------------
@@ -111,6 +123,11 @@ T4_SHEET = ("NVIDIA T4 Tensor Core GPU data sheet, https://www.nvidia.com/conten
 NDR_SHEET = ("NVIDIA ConnectX-7 adapter data sheet (InfiniBand NDR, 400 Gb/s per port), "
              "https://www.nvidia.com/content/dam/en-zz/Solutions/networking/ethernet-adapters/"
              "connectx-7-datasheet-Final.pdf")
+H200_SHEET = ("NVIDIA H200 Tensor Core GPU data sheet (H200 SXM column), "
+              "https://www.nvidia.com/en-us/data-center/h200/")
+P40_SHEET = ("NVIDIA Tesla P40 data sheet, https://images.nvidia.com/content/pdf/tesla/"
+             "184427-Tesla-P40-Datasheet-NV-Final-Letter-Web.pdf")
+L40S_SHEET = "NVIDIA L40S GPU data sheet, https://www.nvidia.com/en-us/data-center/l40s/"
 ETHERNET_STD = "IEEE 802.3ba/802.3bj 100 Gb/s Ethernet (100 Gb/s per direction), https://standards.ieee.org/ieee/802.3/"
 
 LINKS: dict[str, Link] = {
@@ -135,6 +152,9 @@ LINKS: dict[str, Link] = {
                    "estimate, " + NCCL_TUNING + ": network 14 us, which assumes RDMA (RoCE); over "
                    "plain TCP sockets a message takes longer"),
 }
+
+# Each link knows its own key, so the calibrated model (`calibrated.FABRICS`) finds its fit.
+LINKS = {key: _with(link, kind=key) for key, link in LINKS.items()}
 
 # Short names a node string may use for a link; "nvlink" and "pcie" mean the device's own.
 LINK_ALIASES = {"ib": "ib-ndr", "ndr": "ib-ndr", "infiniband": "ib-ndr", "ethernet": "100gbe", "eth": "100gbe"}
@@ -175,9 +195,45 @@ DEVICES: dict[str, Device] = {
         source=T4_SHEET, nvlink=None, pcie="pcie3",
         notes="Turing: no TF32, BF16 or FP8 math; no NVLink. Memory bandwidth as the data sheet prints it "
               "(256-bit GDDR6 at 10 Gb/s would give 320 GB/s)"),
+    "h200": Device(
+        "NVIDIA H200 SXM",
+        # Data sheet: the H100's rates (FP32 67; TF32 989, BF16/FP16 1,979, FP8 3,958 "with sparsity").
+        {"float32": 67 * TERA, "tf32": 989 / 2 * TERA, "bfloat16": 1979 / 2 * TERA,
+         "float16": 1979 / 2 * TERA, "float8": 3958 / 2 * TERA},
+        memory_bandwidth=4.8e12, memory_bytes=141 * GB,  # 4.8 TB/s, 141 GB HBM3e
+        source=H200_SHEET, nvlink="nvlink4", pcie="pcie5",
+        notes="the H100's compute with more and faster memory"),
+    "a100-40gb": Device(
+        "NVIDIA A100 40GB SXM",
+        {"float32": 19.5 * TERA, "tf32": 156 * TERA, "bfloat16": 312 * TERA, "float16": 312 * TERA},
+        memory_bandwidth=1555 * GB, memory_bytes=40 * GB,  # 1,555 GB/s, 40 GB HBM2
+        source=A100_SHEET.replace("A100 80GB SXM column", "A100 40GB SXM column"), nvlink="nvlink3", pcie="pcie4",
+        notes="no FP8 math on A100"),
+    "a100-pcie": Device(
+        "NVIDIA A100 80GB PCIe",
+        {"float32": 19.5 * TERA, "tf32": 156 * TERA, "bfloat16": 312 * TERA, "float16": 312 * TERA},
+        memory_bandwidth=1935 * GB, memory_bytes=80 * GB,  # 1,935 GB/s, 80 GB HBM2e
+        source=A100_SHEET.replace("A100 80GB SXM column", "A100 80GB PCIe column"), nvlink=None, pcie="pcie4",
+        notes="a PCIe card: its GPUs talk over PCIe (an NVLink bridge joins pairs only)"),
+    "l40s": Device(
+        "NVIDIA L40S",
+        # Data sheet: FP32 91.6; TF32 366, BF16/FP16 733, FP8 1,466 TFLOPS "with sparsity".
+        {"float32": 91.6 * TERA, "tf32": 366 / 2 * TERA, "bfloat16": 733 / 2 * TERA,
+         "float16": 733 / 2 * TERA, "float8": 1466 / 2 * TERA},
+        memory_bandwidth=864 * GB, memory_bytes=48 * GB,  # 864 GB/s, 48 GB GDDR6
+        source=L40S_SHEET, nvlink=None, pcie="pcie4",
+        notes="a PCIe card without NVLink; tensor-core rates are half the 'with sparsity' figures"),
+    "p40": Device(
+        "NVIDIA Tesla P40",
+        # Data sheet: single precision 12 TFLOPS ("up to", boost clock); Pascal: no tensor cores.
+        {"float32": 12 * TERA},
+        memory_bandwidth=346 * GB, memory_bytes=24 * GB,  # 346 GB/s, 24 GB GDDR5
+        source=P40_SHEET, nvlink=None, pcie="pcie3",
+        notes="torchgpipe's benchmarks ran on it; Pascal: no tensor cores, fp32 only here"),
 }
 
-DEVICE_ALIASES = {"h100-sxm": "h100", "a100-80gb": "a100", "a100-sxm": "a100"}
+DEVICE_ALIASES = {"h100-sxm": "h100", "a100-80gb": "a100", "a100-sxm": "a100", "h200-sxm": "h200",
+                  "a100-40gb-sxm": "a100-40gb", "l40": "l40s"}
 
 KEY = re.compile(r"^[a-z0-9][a-z0-9_.-]*$")
 
@@ -215,7 +271,7 @@ def add_device(key: str, device: Device, *, replace: bool = False) -> Device:
             raise ValueError(f"device {device.name!r} names link {link!r}; known links: {sorted(LINKS)}")
     DEVICES[key] = Device(device.name, {dtype_name(k): float(v) for k, v in device.flops.items()},
                           device.memory_bandwidth, device.memory_bytes, device.source, device.nvlink,
-                          device.pcie, device.notes)
+                          device.pcie, device.notes, device.efficiency)
     return DEVICES[key]
 
 
@@ -229,6 +285,55 @@ def add_link(key: str, link: Link, *, replace: bool = False) -> Link:
         raise ValueError(f"link {link.name!r} needs a source: where its figures come from")
     LINKS[key] = link
     return link
+
+
+# Devices without a measured table of their own borrow the fit of a device that has one:
+# the H200 is the H100's compute (stas00's MAMF table: "H200 is the same"); the other A100s are
+# the A100; the L40S, T4 and P40, PCIe cards, borrow the L4's, the one PCIe card measured.
+EFFICIENCY_FROM = {"h200": "h100", "a100-40gb": "a100", "l40s": "l4", "t4": "l4", "p40": "l4"}
+
+
+def key_of(device: Device) -> str:
+    """The key `device` is known by in DEVICES ("" if it is not there)."""
+    for key, known in DEVICES.items():
+        if known is device or known.name == device.name:
+            return key
+    return ""
+
+
+def device_from_spec(spec: dict) -> Device:
+    """A Device from a calibration spec (JSON): the data-sheet fields of `Device` (name, flops per
+    dtype, memory_bandwidth, memory_bytes, source, optional nvlink/pcie/notes) and, where the spec
+    was measured, `efficiency` = {"launch_s", "memory_fraction", "matmul": {dtype: [e_max,
+    half_flops]}, "source"} as `calibrated.Efficiency` takes it. Checked as `add_device` checks."""
+    fields = {k: spec[k] for k in ("name", "flops", "memory_bandwidth", "memory_bytes", "source") if k in spec}
+    missing = {"name", "flops", "memory_bandwidth", "memory_bytes", "source"} - set(fields)
+    if missing:
+        raise ValueError(f"a device spec needs {sorted(missing)}; got keys {sorted(spec)}")
+    efficiency = spec.get("efficiency")
+    if efficiency is not None:
+        for key in ("launch_s", "memory_fraction", "matmul"):
+            if key not in efficiency:
+                raise ValueError(f"a device spec's efficiency needs {key!r}; got {sorted(efficiency)}")
+    device = Device(**fields, nvlink=spec.get("nvlink"), pcie=spec.get("pcie", "pcie4"),
+                    notes=spec.get("notes", ""), efficiency=efficiency)
+    return add_device(re.sub(r"[^a-z0-9_.-]", "-", device.name.lower()), device, replace=True)
+
+
+def link_from_spec(spec: dict) -> Link:
+    """A Link from a calibration spec: name, latency_s, bandwidth_Bps, source, and where it was
+    measured `fabric` = the fields of `calibrated.Fabric` (per-step latencies, bus bandwidths)."""
+    missing = {"name", "latency_s", "bandwidth_Bps", "source"} - set(spec)
+    if missing:
+        raise ValueError(f"a link spec needs {sorted(missing)}; got keys {sorted(spec)}")
+    return Link(spec["name"], spec["latency_s"], spec["bandwidth_Bps"], spec["source"],
+                spec.get("latency_source", ""), fabric=spec.get("fabric"))
+
+
+# Readers of node names parse_node itself does not know ("8x:calibration.json"): each takes the
+# name and returns a Node, or None when the name is not its kind. `pipelab.emulate.calibrate`
+# registers its reader here.
+NODE_READERS: list = []
 
 
 # ---------------------------------------------------------------------------------------------
@@ -278,15 +383,49 @@ def _link(name: str, device: Device) -> Link | None:
     return LINKS.get(LINK_ALIASES.get(name, name))
 
 
+def _machines(machines: int, per_machine: int, rest: str) -> Node:
+    """"2x8xH100" (or "2x8xH100-ib-ndr", "2x8xL4-100gbe"): machines of `per_machine` devices, each
+    machine joined inside by the device's own link, the machines by a network (InfiniBand NDR
+    unless named), one network card per device."""
+    if machines < 1 or per_machine < 1:
+        raise ValueError(f"cannot read node '{machines}x{per_machine}x{rest}': machines and devices per "
+                         "machine must be >= 1, e.g. '2x8xH100'")
+    device = _device(rest)
+    net = LINKS["ib-ndr"]
+    if device is None:
+        one = parse_node(f"{per_machine}x{rest}")
+        device, net = one.device, one.link
+        if net.kind.startswith(("nvlink", "pcie")):
+            raise ValueError(f"'{machines}x{per_machine}x{rest}': machines are joined by a network, not {net.name}; "
+                             f"name one of ib-ndr, 100gbe (or leave it out for InfiniBand NDR), e.g. "
+                             f"'{machines}x{per_machine}x{rest.split('-')[0]}-ib-ndr'")
+    inner_key = device.nvlink or device.pcie
+    inner = LINKS[inner_key]
+    link = Link(f"{net.name} between machines of {per_machine} over {inner.name}", net.latency_s,
+                net.bandwidth_Bps, f"{net.source}; inside a machine: {inner.source}", net.latency_source,
+                kind=net.kind, per_node=per_machine, inner=inner_key, fabric=net.fabric)
+    return Node(machines * per_machine, device, link)
+
+
 def parse_node(text: "str | Node") -> Node:
     """"4xH100-nvlink" -> Node(4, the H100, NVLink 4). The link may be left out ("2xL4": the
-    device's NVLink if it has one, else its PCIe). A Node is returned as it is."""
+    device's NVLink if it has one, else its PCIe). "2x8xH100" is two machines of eight H100s, NVLink
+    inside each, InfiniBand NDR between them ("2x8xH100-100gbe" names the network). A name a
+    registered reader knows (`NODE_READERS`, e.g. a calibration file) is read by it. A Node is
+    returned as it is."""
     if isinstance(text, Node):
         return text
     if ":" in str(text):  # "8x:calibration.json": GPUs measured by `pipelab calibrate` (calibrate.py)
         from pipelab.emulate.calibrate import parse_node as calibrated_node
 
         return calibrated_node(str(text))
+    for reader in NODE_READERS:
+        node = reader(str(text))
+        if node is not None:
+            return node
+    machines = re.fullmatch(r"\s*(\d+)\s*[x*]\s*(\d+)\s*[x*]\s*(\S+?)\s*", str(text), flags=re.IGNORECASE)
+    if machines:
+        return _machines(int(machines.group(1)), int(machines.group(2)), machines.group(3))
     match = re.fullmatch(r"\s*(\d+)\s*[x*]\s*(\S+?)\s*", str(text), flags=re.IGNORECASE)
     if not match or int(match.group(1)) < 1:
         raise ValueError(f"cannot read node {text!r}: write COUNTxDEVICE-LINK; {_known_names()}")

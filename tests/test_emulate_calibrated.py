@@ -1,0 +1,215 @@
+"""The emulator's hardware model held against published measurements of real GPUs and links: the
+rows the repository holds, the model within 25 % of them, its constants refitted from the rows that
+calibrated it, the public `seconds` call, nodes of several machines and the calibration-spec hooks."""
+
+import json
+import math
+
+import pytest
+import torch
+
+from pipelab.emulate import calibrated, cost, fitting, measured, seconds, specs, validation
+from pipelab.emulate.cost import Counts
+
+# ---------------------------------------------------------------------------------------------
+# The published rows
+# ---------------------------------------------------------------------------------------------
+
+
+def test_published_tables_are_many_sourced_and_span_sizes():
+    tables = measured.tables()
+    assert len(tables) >= 6
+    for table in tables.values():
+        assert "https://" in table.source and table.hardware and table.measured and table.use
+    hardware = validation.summary(validation.compare())["hardware"]
+    assert len(hardware) >= 4
+    sizes = [row.nbytes for row in measured.collectives()]
+    assert math.log10(max(sizes) / min(sizes)) >= 3  # message sizes over 3 decades
+    curves = {row.device for row in measured.kernels() if row.kind == "matmul" and row.shape[0] == row.shape[2]}
+    assert len(curves) >= 2  # matrix-product curves against size for at least two devices
+    for rows in (measured.collectives(), measured.kernels()):
+        assert {row.use for row in rows} == {"calibrate", "check"}
+
+
+def test_measured_time_undoes_the_bus_factor():
+    row = next(r for r in measured.collectives() if r.table == "a100_allreduce_nccl_tests" and r.nbytes == 2 ** 33)
+    assert row.seconds() == pytest.approx(64074e-6, rel=1e-3)  # the row's printed time: 64074 us
+
+
+# ---------------------------------------------------------------------------------------------
+# The model against them
+# ---------------------------------------------------------------------------------------------
+
+
+def test_emulator_within_25_percent_of_published_measurements():
+    result = validation.summary(validation.compare())
+    for rows in ("all", "check"):  # the held-out rows on their own as well
+        assert result[rows]["within_25pct"] >= 0.9, result
+        assert result[rows]["median_error"] < 0.10, result
+
+
+def test_the_sheet_model_was_further_off():
+    calibrated_rows = validation.summary(validation.compare())["all"]
+    sheet_rows = validation.summary(validation.compare("sheet"))["all"]
+    assert sheet_rows["median_error"] > 2 * calibrated_rows["median_error"]
+    assert sheet_rows["within_25pct"] < calibrated_rows["within_25pct"]
+
+
+def _calibrate(rows):
+    return [r for r in rows if r.use == "calibrate"]
+
+
+@pytest.mark.parametrize("key, efficiency", [("h100", calibrated.H100), ("a100-pcie", calibrated.A100_PCIE),
+                                              ("l4", calibrated.L4)])
+def test_matmul_constants_refit_from_their_calibrate_rows(key, efficiency):
+    rows = {}
+    for row in _calibrate(measured.kernels()):
+        if row.device == key and row.kind == "matmul" and row.table.endswith("zzc0721"):
+            rows.setdefault(row.dtype, []).append((row.flops, row.seconds()))
+    launch, fits = fitting.fit_device(rows, specs.DEVICES[key].flops)
+    assert launch == pytest.approx(efficiency.launch_s, rel=0.02)
+    for dtype, (e_max, half) in fits.items():
+        assert e_max == pytest.approx(efficiency.matmul[dtype][0], rel=0.02)
+        # the half-work matters only against the launch floor: compare the time it adds
+        fill = abs(half - efficiency.matmul[dtype][1]) / (specs.DEVICES[key].rate(dtype) * e_max)
+        assert fill < 0.05 * launch
+
+
+def test_memory_and_fabric_constants_refit_from_their_calibrate_rows():
+    memory = [(r.nbytes, r.seconds()) for r in _calibrate(measured.kernels()) if r.kind == "memory"]
+    launch, fraction = fitting.fit_memory(memory, specs.DEVICES["a100-pcie"].memory_bandwidth)
+    assert (launch, fraction) == pytest.approx((calibrated.MEMORY_LAUNCH_S, calibrated.MEMORY_FRACTION), rel=0.01)
+
+    def model(p, row):
+        fabric = calibrated.Fabric(p["ll_step_s"], p["ll_busbw"], p["simple_step_s"], p["simple_busbw"],
+                                   p.get("nvls_s", 0.0), p.get("nvls_algbw", 0.0))
+        return calibrated.ring_seconds(row.kind, row.nbytes, row.ranks, fabric, row.algo)
+    a100 = [r for r in _calibrate(measured.collectives()) if r.node.startswith("8xA100")]
+    nvlink3 = fitting.fit_fabric(a100, model, {"ll_step_s": 3e-6, "ll_busbw": 20e9, "simple_step_s": 6e-6,
+                                               "simple_busbw": 200e9})
+    for name, value in nvlink3.items():
+        assert value == pytest.approx(getattr(calibrated.NVLINK3, name), rel=0.02), name
+    h200 = [r for r in _calibrate(measured.collectives()) if "H200" in r.node]
+    nvlink4 = fitting.fit_fabric(h200, model, {"ll_step_s": 3e-6, "ll_busbw": 40e9, "simple_busbw": 360e9,
+                                               "nvls_s": 40e-6, "nvls_algbw": 270e9},
+                                 {"simple_step_s": calibrated.NVLINK3.simple_step_s})
+    for name, value in nvlink4.items():
+        assert value == pytest.approx(getattr(calibrated.NVLINK4, name), rel=0.02), name
+
+
+# ---------------------------------------------------------------------------------------------
+# seconds(): one call for a product, a message, a collective
+# ---------------------------------------------------------------------------------------------
+
+
+def test_seconds_matmul_efficiency_grows_with_size_under_the_peak():
+    rates = [2 * n ** 3 / seconds("matmul", shape=(n, n, n), node="1xH100", dtype="bf16")
+             for n in (256, 1024, 4096, 16384)]
+    assert rates == sorted(rates)
+    assert rates[-1] <= specs.DEVICES["h100"].rate("bf16")  # the data sheet's peak stays the limit
+    assert seconds("matmul", shape=(64, 64, 64), node="1xH100") == pytest.approx(calibrated.H100.launch_s)
+
+
+def test_seconds_collectives_and_messages():
+    big = seconds("all_reduce", nbytes=16 * 2 ** 30, node="8xH200-nvlink")
+    assert 2 * 7 / 8 * 16 * 2 ** 30 / big > 1.1 * calibrated.NVLINK4.simple_busbw  # NVLS beats the ring
+    ring = seconds("all_gather", nbytes=16 * 2 ** 30, node="8xH200-nvlink")
+    assert 7 / 8 * 16 * 2 ** 30 / ring == pytest.approx(calibrated.NVLINK4.simple_busbw, rel=0.01)
+    assert seconds("all_reduce", nbytes=1e6, node="8xH100", ranks=1) == 0.0
+    assert seconds("barrier", node="8xH100") > 0
+    small, large = (seconds("send", nbytes=b, node="2xH100-nvlink") for b in (1e3, 1e9))
+    assert small < 2e-5 and large == pytest.approx(1e9 / calibrated.NVLINK4.simple_busbw, rel=0.01)
+    assert seconds("send", nbytes=1e8, node="2xL4") > 5 * seconds("send", nbytes=1e8, node="2xH100")
+
+
+@pytest.mark.parametrize("call, message", [
+    (dict(kind="allreduce", nbytes=1), "unknown kind"),
+    (dict(kind="all_reduce"), "needs nbytes"),
+    (dict(kind="send", nbytes=-1), ">= 0"),
+    (dict(kind="matmul", shape=(1, 2)), "shape=\\(m, n, k\\)"),
+    (dict(kind="matmul", shape=(8, 8, 8), node="1xT4", dtype="bf16"), "no bfloat16"),
+    (dict(kind="all_reduce", nbytes=1, node="2xH100", ranks=4), "ranks"),
+])
+def test_seconds_refuses_bad_input(call, message):
+    kind = call.pop("kind")
+    with pytest.raises(ValueError, match=message):
+        seconds(kind, **call)
+
+
+def test_compute_seconds_is_a_stream_of_calibrated_kernels():
+    h100 = specs.DEVICES["h100"]
+    relu = torch.nn.Sequential(torch.nn.Linear(4096, 4096), torch.nn.ReLU())
+    layer = cost.count(relu, torch.empty(4096, 4096))
+    assert layer.kernels == 2 and layer.flop_kernels == 1  # addmm (product and bias), the ReLU
+    assert cost.compute_seconds(layer, h100, "bf16") == pytest.approx(
+        calibrated.matmul_seconds(4096, 4096, 4096, h100, "bfloat16"), rel=0.01)  # the product dominates
+    tiny = Counts(1e3, 1e3, 10)
+    assert cost.compute_seconds(tiny, h100, "bf16") == pytest.approx(10 * calibrated.H100.launch_s)
+    assert cost.compute_seconds(Counts(0.0, 0.0, 0), h100) == 0.0
+    flat = cost.compute_seconds(Counts(1e12, 0.0, 1), h100, "bf16", efficiency=0.5, launch_overhead_s=0)
+    assert flat == pytest.approx(2e12 / h100.rate("bf16"))  # an explicit efficiency: the flat roofline
+
+
+# ---------------------------------------------------------------------------------------------
+# Nodes of several machines; calibration specs
+# ---------------------------------------------------------------------------------------------
+
+
+def test_nodes_of_several_machines():
+    node = specs.parse_node("2x8xH100")
+    assert node.count == 16 and node.link.per_node == 8 and node.link.inner == "nvlink4"
+    assert node.link.kind == "ib-ndr" and "between machines" in str(node)
+    assert specs.Node.from_json(node.to_json()) == node  # what a spawned rank rebuilds
+    one_machine = seconds("all_reduce", nbytes=1e9, node="8xH100-nvlink")
+    assert seconds("all_reduce", nbytes=1e9, node=node, ranks=8) == pytest.approx(one_machine)
+    both = seconds("all_reduce", nbytes=1e9, node=node)
+    flat_ring_over_the_network = 2 * 15 / 16 * 1e9 / calibrated.FABRICS["ib-ndr"].simple_busbw
+    assert one_machine < both < flat_ring_over_the_network  # reduced inside each machine first
+    assert specs.parse_node("2x8xH100-100gbe").link.kind == "100gbe"
+    with pytest.raises(ValueError, match="joined by a network"):
+        specs.parse_node("2x8xH100-nvlink")
+
+
+def test_new_devices_and_their_sources():
+    for key in ("h200", "a100-40gb", "a100-pcie", "l40s"):
+        device = specs.DEVICES[key]
+        assert "https://" in device.source and calibrated.efficiency_of(device).matmul
+    assert specs.parse_node("2xL40S").link.kind == "pcie4"
+    assert specs.DEVICES["h200"].rate("bf16") == specs.DEVICES["h100"].rate("bf16")
+
+
+def test_calibration_specs_make_devices_and_links():
+    spec = {"name": "My GPU", "flops": {"bfloat16": 100e12, "float32": 20e12}, "memory_bandwidth": 1e12,
+            "memory_bytes": 24e9, "source": "pipelab calibrate on this machine, 2026-01-01",
+            "efficiency": {"launch_s": 8e-6, "memory_fraction": 0.9, "matmul": {"bfloat16": [0.5, 0.0]}}}
+    device = specs.device_from_spec(json.loads(json.dumps(spec)))
+    assert specs.parse_node("2xmy-gpu-pcie").device == device
+    assert seconds("matmul", shape=(8192,) * 3, node="1xmy-gpu") == pytest.approx(2 * 8192 ** 3 / 50e12)
+    fabric = {"ll_step_s": 2e-6, "ll_busbw": 10e9, "simple_step_s": 5e-6, "simple_busbw": 100e9}
+    link = specs.link_from_spec({"name": "my link", "latency_s": 5e-6, "bandwidth_Bps": 120e9,
+                                 "source": "measured here", "fabric": fabric})
+    assert cost.message_seconds(1e9, link) == pytest.approx(5e-6 + 1e9 / 100e9)
+    with pytest.raises(ValueError, match="needs"):
+        specs.device_from_spec({"name": "x"})
+
+
+def test_registered_node_readers_come_first():
+    def reader(text):
+        return specs.parse_node("2xH100") if text.endswith(":calibration.json") else None
+    specs.NODE_READERS.append(reader)
+    try:
+        assert specs.parse_node("8x:calibration.json").count == 2
+    finally:
+        specs.NODE_READERS.remove(reader)
+
+
+def test_anchors_name_the_published_hardware_where_it_is_modelled():
+    from pipelab.emulate import anchors
+
+    for item in anchors.ANCHORS.values():
+        if item.hardware:
+            node = specs.parse_node(item.hardware)
+            assert "P40" in item.setup and node.device.name == "NVIDIA Tesla P40"
+    assert "Tesla P40" in anchors.hardware_text("torchgpipe_amoebanet_n2_m4")
+    assert "not named" in anchors.hardware_text("tutorial_pipeline_split20_speedup")
+    assert anchors.beside("torchgpipe_amoebanet_n2_m4", 1.5)["published hardware"] == anchors.P40_NODE
