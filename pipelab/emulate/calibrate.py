@@ -34,6 +34,8 @@ DEFAULT_PATH = os.path.join("~", ".cache", "pipelab", "calibration.json")
 MATMUL_SIZES = (256, 512, 1024, 2048, 4096, 8192)
 COPY_BYTES = tuple(2**k for k in range(20, 31, 2))  # 1 MiB .. 1 GiB
 MESSAGE_BYTES = tuple(2**k for k in range(10, 29, 3))  # 1 KiB .. 256 MiB
+# A product lasting under this many launches is launch-bound: the fit of its rate leaves it out.
+LAUNCH_BOUND = 3
 # Bytes each rank sends per byte of message, NCCL's "bus bandwidth" factor for n ranks.
 BUS_FACTOR: dict[str, Callable[[int], float]] = {
     "all_reduce": lambda n: 2 * (n - 1) / n, "all_gather": lambda n: (n - 1) / n,
@@ -92,11 +94,16 @@ def fit(measured: dict, sheet: dict | None = None) -> dict:
     by_dtype: dict[str, list] = {}
     for row in measured["matmul"]:
         by_dtype.setdefault(row["dtype"], []).append(row)
+    launch = statistics.median(measured["launch_s"])
     for dtype, rows in by_dtype.items():
         rows = sorted(rows, key=lambda r: r["n"])
         flops = [matmul_flops(r["n"]) for r in rows]
+        # The model's launch floor explains the products that last a few launches; the line is
+        # fitted on the rest, where the work shows (all rows if fewer than two are left).
+        working = [(f, r["seconds"]) for f, r in zip(flops, rows) if r["seconds"] > LAUNCH_BOUND * launch]
+        working = working if len(working) >= 2 else list(zip(flops, [r["seconds"] for r in rows]))
         try:
-            overhead, rate = fit_line(flops, [r["seconds"] for r in rows])
+            overhead, rate = fit_line([f for f, _ in working], [s for _, s in working])
         except ValueError as e:  # one dtype's noisy times leave the others' fits standing
             out["matmul"][dtype] = {"error": str(e)}
             continue
@@ -109,7 +116,7 @@ def fit(measured: dict, sheet: dict | None = None) -> dict:
     copies = measured["copy"]
     overhead, bandwidth = fit_line([r["bytes"] for r in copies], [r["seconds"] for r in copies])
     out["memory"] = {"overhead_s": overhead, "bytes_per_s": bandwidth}
-    out["launch_s"] = statistics.median(measured["launch_s"])
+    out["launch_s"] = launch
     links = measured.get("links")
     if links:
         out["link"] = _fit_link(links)
@@ -195,6 +202,40 @@ def describe(record: dict) -> str:
             f"CUDA {record.get('cuda') or '-'}, torch {record.get('torch')})")
 
 
+def efficiency_spec(fit_: dict, sheet) -> tuple[dict, dict, float]:
+    """(peak FLOP/s per dtype, `calibrated.Efficiency` fields, memory bandwidth) from a fit.
+
+    A measured time `overhead + F / rate` is the model's `(F + half) / (peak * e_max)` with
+    e_max = rate / peak and half = overhead * rate: the data sheet's peak stays the limit (e_max
+    <= 1) where the card is known, else the fitted rate is the peak (e_max = 1)."""
+    peaks, matmul = {}, {}
+    for dtype, m in fit_["matmul"].items():
+        if "error" in m:
+            continue
+        peak = max(m["sheet_flops_per_s"] or m["flops_per_s"], m["flops_per_s"])
+        peaks[dtype] = peak
+        matmul[dtype] = [m["flops_per_s"] / peak, m["overhead_s"] * m["flops_per_s"]]
+    bandwidth = max(sheet.memory_bandwidth if sheet else 0.0, fit_["memory"]["bytes_per_s"])
+    efficiency = {"launch_s": fit_["launch_s"], "matmul": matmul,
+                  "memory_fraction": fit_["memory"]["bytes_per_s"] / bandwidth}
+    return peaks, efficiency, bandwidth
+
+
+def _device(record: dict, sheet, source: str):
+    """The calibrated GPU as a `specs.Device` the hardware model (`calibrated`) times with its own
+    measured efficiency: matrix products by size, streaming bandwidth, launch floor."""
+    from pipelab.emulate import specs
+
+    peaks, efficiency, bandwidth = efficiency_spec(record["fit"], sheet)
+    efficiency["source"] = source
+    return specs.device_from_spec({
+        "name": f"{record['gpu']} (calibrated)", "flops": peaks, "memory_bandwidth": bandwidth,
+        "memory_bytes": float(record["memory_bytes"]), "source": source, "efficiency": efficiency,
+        "nvlink": sheet.nvlink if sheet else None, "pcie": sheet.pcie if sheet else "pcie4",
+        "notes": (f"matrix products and copies as measured (the data sheet's peak the limit); launch "
+                  f"{record['fit']['launch_s'] * 1e6:.1f} us measured")})
+
+
 def load_node(path: str, count: int, link: str | None = None):
     """`count` calibrated GPUs as a `specs.Node`: rates, memory bandwidth and size as measured on
     the GPU; the link measured when the file has one, else `link` (a key of specs.LINKS) or the
@@ -205,12 +246,7 @@ def load_node(path: str, count: int, link: str | None = None):
     f = record["fit"]
     source = f"measured by pipelab calibrate: {describe(record)}, file {os.path.basename(path)}"
     sheet = specs.DEVICES.get(record.get("data_sheet") or "")
-    device = specs.Device(
-        f"{record['gpu']} (calibrated)", {d: m["flops_per_s"] for d, m in f["matmul"].items() if "error" not in m},
-        memory_bandwidth=f["memory"]["bytes_per_s"], memory_bytes=float(record["memory_bytes"]),
-        source=source, nvlink=sheet.nvlink if sheet else None, pcie=sheet.pcie if sheet else "pcie4",
-        notes=(f"sustained matrix-product rates (fitted asymptote) and copy bandwidth as measured, so "
-               f"efficiency 1.0 is this GPU's own best; launch {f['launch_s'] * 1e6:.1f} us measured"))
+    device = _device(record, sheet, source)
     if link is None and f.get("link"):
         measured = f["link"]
         node_link = specs.Link(f"{record['gpu']} link (calibrated)", measured["latency_s"],
