@@ -155,7 +155,11 @@ def plan_one(path: str, declared: dict, profiles: dict, needs: dict[str, Needs],
     for name, value in given.items():
         if name in declared:
             check_value(path, name, value, declared[name])
+            if plan.calibration and name in EMULATE_PARAMETERS:
+                plan.note += f"; -p {name} {value!r} replaces the calibrated node"
             plan.parameters[name] = value
+    if plan.calibration and not any(str(v).endswith(f":{plan.calibration}") for v in plan.parameters.values()):
+        plan.calibration = ""  # every emulated node replaced: nothing to calibrate for it
     return plan
 
 

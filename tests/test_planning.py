@@ -44,6 +44,9 @@ def test_a_one_gpu_machine_plans_every_lesson_on_its_calibrated_node(calibration
     assert by_lesson["08"].real == {"profile_device": "cuda"}  # AlexNet's layers measured on the GPU
     assert by_lesson["12"].parameters == {"grid_emulate": f"8x:{calibration}"}
     assert by_lesson["09"].parameters == {} and "no emulated node" in by_lesson["09"].note
+    (given,) = cli.plan_runs(LESSONS[6:7], {"emulate": "2xA100"}, "gpu", machine=ONE_H100, calibration=calibration)
+    assert given.parameters == {"emulate": "2xA100"} and given.note.endswith("-p emulate '2xA100' replaces the calibrated node")
+    assert given.calibration == ""  # nothing left to calibrate for
 
 
 @pytest.fixture(scope="module")
