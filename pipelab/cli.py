@@ -45,7 +45,8 @@ import sys
 import tempfile
 
 from pipelab.batch import NotebookRun, render_html, run_notebook, write_summary
-from pipelab.planning import Machine, Needs, PlanError, Planned, parse_value, plan_one, unmet
+from pipelab.planning import (Machine, Needs, PlanError, Planned, _read_needs, _read_parameters, declared_parameters,
+                              notebook_profiles, parse_value, plan_runs, profile_needs, unmet)
 
 
 __all__ = ["Machine", "Needs", "NotebookRun", "Planned", "course_notebooks", "main", "parse_value", "plan_runs",
@@ -54,28 +55,6 @@ __all__ = ["Machine", "Needs", "NotebookRun", "Planned", "course_notebooks", "ma
 
 NO_GPU = 3  # `pipelab calibrate`'s exit code on a machine without a GPU
 NOTHING_RAN = 3  # `pipelab run`'s exit code when every chosen notebook was skipped
-
-CALIBRATE_HELP = """\
-Measure this machine's GPU and write what the emulator needs as JSON:
-
-  - matrix products n x n x n, n = 256 .. 8192, in float32, tf32, bfloat16 and float16 (those the GPU
-    has), fitted as time = overhead + FLOPs / rate: the sustained rate and the efficiency-versus-size curve;
-  - a large copy in device memory (1 MiB .. 1 GiB): the achieved memory bandwidth;
-  - a one-element kernel launched back to back: the launch cost;
-  - with two GPUs or more: the copy between two and NCCL's all-reduce, all-gather, reduce-scatter and
-    send/receive over message sizes (1 KiB .. 256 MiB): the link's latency and bandwidth. One GPU
-    cannot measure a link: the file's node then uses the card's data-sheet link.
-
-Timing: CUDA events, a warm-up, the median of repeats; about a minute in all. The file holds the
-GPU's name, driver, CUDA and torch versions, the date, the raw measurements and the fit. Use it as
-an emulated node: emulate="8x:calibration.json" (eight of this GPU; "@pcie5" after the file names
-the link), or `pipelab run --profile gpu` on a one-GPU machine finds it at the default path.
-`pipelab doctor` says which spec is in use.
-
-Exit code: 0 when written, 3 when this machine has no CUDA GPU (nothing is measured), 1 when the
-measurements cannot be fitted (they are written, unfitted, to the file).
-"""
-
 
 class UsageError(Exception):
     """A mistake on the command line, reported (exit code 2) before any notebook runs."""
@@ -119,81 +98,6 @@ def _select(sel: str, folder: str) -> list[str]:
             raise UsageError(f"no lesson numbered {sel} in {folder!r} (lessons: {numbers or 'none'})")
         return found
     raise UsageError(f"no such notebook: {sel!r} (give a path, a folder or a lesson number like 06)")
-
-
-def declared_parameters(path: str) -> dict:
-    """The names the notebook's `parameters` cell assigns, with their default values (as text)."""
-    import papermill as pm
-
-    return {name: p["default"] for name, p in pm.inspect_notebook(path).items()}
-
-
-def notebook_profiles(path: str) -> dict[str, dict]:
-    """The notebook's profiles: metadata["pipelab"]["profiles"], name -> parameters."""
-    import nbformat
-
-    nb = nbformat.read(path, as_version=4)
-    profiles = nb.metadata.get("pipelab", {}).get("profiles", {})
-    return {name: dict(params) for name, params in profiles.items()}
-
-
-def profile_needs(path: str) -> dict[str, Needs]:
-    """Each profile's needs, from the notebook's metadata["pipelab"]["needs"]."""
-    import nbformat
-
-    nb = nbformat.read(path, as_version=4)
-    needs = nb.metadata.get("pipelab", {}).get("needs", {})
-    return {name: Needs(**dict(n)) for name, n in needs.items()}
-
-
-def plan_runs(notebooks: list[str], given: dict, profile: str | None, machine: Machine | None = None,
-              calibration: str | None = None) -> list[Planned]:
-    """Each notebook's parameters: its profile (if asked for), then each `-p` it declares.
-
-    `machine` (default: this one) decides which profiles run, which run on one GPU with the emulated
-    node calibrated in `calibration` (default: calibrate.default_path()), which are skipped.
-    Raises UsageError for a `-p` that no notebook declares or whose kind its default rules out, a
-    profile that no notebook has, or a profile setting a parameter its notebook does not declare."""
-    plans, used, profiled = [], set(), False
-    if profile is not None and machine is None:
-        machine = Machine.detect()
-    if calibration is None:
-        from pipelab.emulate.calibrate import default_path
-
-        calibration = default_path()
-    for path in notebooks:
-        if not given and profile is None:
-            plans.append(Planned(path, {}))
-            continue
-        declared, profiles = _read_parameters(path)
-        profiled = profiled or (profile in profiles)
-        needs = _read_needs(path) if profile in profiles else {}
-        try:
-            plans.append(plan_one(path, declared, profiles, needs, given, profile, machine or Machine(), calibration))
-        except PlanError as e:
-            raise UsageError(str(e)) from None
-        used.update(name for name in given if name in declared)
-    unused = [name for name in given if name not in used]
-    if unused:
-        raise UsageError(f"no chosen notebook declares parameter {', '.join(unused)} in its parameters cell "
-                         "(see `pipelab profiles` and the notebooks' parameters cells)")
-    if profile is not None and not profiled:
-        raise UsageError(f"no chosen notebook has a profile {profile!r} (see `pipelab profiles`)")
-    return plans
-
-
-def _read_needs(path: str) -> dict[str, Needs]:
-    try:
-        return profile_needs(path)
-    except (TypeError, ValueError) as e:
-        raise UsageError(f"{path}: its metadata's pipelab.needs is not understood: {e}") from e
-
-
-def _read_parameters(path: str) -> tuple[dict, dict]:
-    try:
-        return declared_parameters(path), notebook_profiles(path)
-    except Exception as e:  # noqa: BLE001 - any unreadable notebook is a usage error here
-        raise UsageError(f"cannot read the parameters of {path}: {e}") from e
 
 
 def format_parameters(params: dict) -> str:
@@ -299,7 +203,9 @@ def cmd_run(ns: argparse.Namespace) -> int:
     print(summary_table(runs))
     html = [os.path.relpath(r.html, ns.out) for r in runs if r.html]
     copies = f", their HTML copies ({', '.join(html)})" if html else ""
-    print(f"\nexecuted notebooks{copies} and summary.json are in {os.path.abspath(ns.out)}/")
+    ran = any(r.status != "skipped" for r in runs)
+    print(f"\n{f'executed notebooks{copies} and summary.json are' if ran else 'summary.json is'} in "
+          f"{os.path.abspath(ns.out)}/")
     return exit_code(runs)
 
 
@@ -338,7 +244,9 @@ def cmd_doctor(ns: argparse.Namespace) -> int:
     print(f"CPU cores: {hw.cpu_cores}")
     print(f"GPUs: {', '.join(hw.gpus) if hw.gpus else 'none'}")
     print(f"torch {hw.torch_version}, CUDA {hw.cuda_version or '-'}")
-    print(f"emulated-node spec: {calibration_in_use()}")
+    from pipelab.emulate.calibrate import in_use
+
+    print(f"emulated-node spec: {in_use()}")
     return 0
 
 
@@ -358,20 +266,6 @@ def cmd_calibrate(ns: argparse.Namespace) -> int:
     print(cal.summary(record))
     print(f"wrote {path}; emulate a node of eight of this GPU with emulate=\"8x:{path}\"")
     return 0
-
-
-def calibration_in_use(path: str | None = None) -> str:
-    """Which spec the emulated nodes of `pipelab run --profile gpu` on one GPU use: the calibration
-    file at `path` (default: calibrate.default_path()), or the data sheets when there is none."""
-    from pipelab.emulate import calibrate as cal
-
-    path = path or cal.default_path()
-    if not os.path.exists(path):
-        return f"data sheets (pipelab/emulate/specs.py); no calibration file at {path} (`pipelab calibrate` writes one)"
-    try:
-        return f"calibration file {path}: {cal.describe(cal.load(path))}"
-    except (ValueError, KeyError) as e:
-        return f"data sheets (pipelab/emulate/specs.py); the calibration file at {path} is unusable: {e}"
 
 
 def cmd_exercises(ns: argparse.Namespace) -> int:
@@ -412,6 +306,12 @@ def _seconds(text: str) -> float:
         raise argparse.ArgumentTypeError(str(e)) from None
 
 
+def calibrate_help() -> str:
+    from pipelab.emulate.calibrate import HELP
+
+    return HELP
+
+
 def parser() -> argparse.ArgumentParser:
     from pipelab import __version__
 
@@ -446,7 +346,7 @@ def parser() -> argparse.ArgumentParser:
 
     calibrate = sub.add_parser(
         "calibrate", help="measure this GPU and write the emulated device's spec as JSON",
-        formatter_class=argparse.RawDescriptionHelpFormatter, description=CALIBRATE_HELP)
+        formatter_class=argparse.RawDescriptionHelpFormatter, description=calibrate_help())
     calibrate.add_argument("--out", metavar="FILE", help="where the JSON goes (default: $PIPELAB_CALIBRATION, "
                            "else ~/.cache/pipelab/calibration.json)")
     calibrate.set_defaults(func=cmd_calibrate)
@@ -464,7 +364,7 @@ def main(argv: list[str] | None = None) -> int:
     ns = parser().parse_args(argv)
     try:
         return ns.func(ns)
-    except UsageError as e:
+    except (UsageError, PlanError) as e:
         print(f"pipelab {ns.command}: {e}", file=sys.stderr)
         return 2
     except BrokenPipeError:

@@ -155,5 +155,81 @@ def plan_one(path: str, declared: dict, profiles: dict, needs: dict[str, Needs],
     for name, value in given.items():
         if name in declared:
             check_value(path, name, value, declared[name])
+            if plan.calibration and name in EMULATE_PARAMETERS:
+                plan.note += f"; -p {name} {value!r} replaces the calibrated node"
             plan.parameters[name] = value
+    if plan.calibration and not any(str(v).endswith(f":{plan.calibration}") for v in plan.parameters.values()):
+        plan.calibration = ""  # every emulated node replaced: nothing to calibrate for it
     return plan
+
+
+def declared_parameters(path: str) -> dict:
+    """The names the notebook's `parameters` cell assigns, with their default values (as text)."""
+    import papermill as pm
+
+    return {name: p["default"] for name, p in pm.inspect_notebook(path).items()}
+
+
+def notebook_profiles(path: str) -> dict[str, dict]:
+    """The notebook's profiles: metadata["pipelab"]["profiles"], name -> parameters."""
+    import nbformat
+
+    nb = nbformat.read(path, as_version=4)
+    profiles = nb.metadata.get("pipelab", {}).get("profiles", {})
+    return {name: dict(params) for name, params in profiles.items()}
+
+
+def profile_needs(path: str) -> dict[str, Needs]:
+    """Each profile's needs, from the notebook's metadata["pipelab"]["needs"]."""
+    import nbformat
+
+    nb = nbformat.read(path, as_version=4)
+    needs = nb.metadata.get("pipelab", {}).get("needs", {})
+    return {name: Needs(**dict(n)) for name, n in needs.items()}
+
+
+def plan_runs(notebooks: list[str], given: dict, profile: str | None, machine: Machine | None = None,
+              calibration: str | None = None) -> list[Planned]:
+    """Each notebook's parameters: its profile (if asked for), then each `-p` it declares.
+
+    `machine` (default: this one) decides which profiles run, which run on one GPU with the emulated
+    node calibrated in `calibration` (default: calibrate.default_path()), which are skipped.
+    Raises PlanError for a `-p` that no notebook declares or whose kind its default rules out, a
+    profile that no notebook has, or a profile setting a parameter its notebook does not declare."""
+    plans, used, profiled = [], set(), False
+    if profile is not None and machine is None:
+        machine = Machine.detect()
+    if calibration is None:
+        from pipelab.emulate.calibrate import default_path
+
+        calibration = default_path()
+    for path in notebooks:
+        if not given and profile is None:
+            plans.append(Planned(path, {}))
+            continue
+        declared, profiles = _read_parameters(path)
+        profiled = profiled or (profile in profiles)
+        needs = _read_needs(path) if profile in profiles else {}
+        plans.append(plan_one(path, declared, profiles, needs, given, profile, machine or Machine(), calibration))
+        used.update(name for name in given if name in declared)
+    unused = [name for name in given if name not in used]
+    if unused:
+        raise PlanError(f"no chosen notebook declares parameter {', '.join(unused)} in its parameters cell "
+                         "(see `pipelab profiles` and the notebooks' parameters cells)")
+    if profile is not None and not profiled:
+        raise PlanError(f"no chosen notebook has a profile {profile!r} (see `pipelab profiles`)")
+    return plans
+
+
+def _read_needs(path: str) -> dict[str, Needs]:
+    try:
+        return profile_needs(path)
+    except (TypeError, ValueError) as e:
+        raise PlanError(f"{path}: its metadata's pipelab.needs is not understood: {e}") from e
+
+
+def _read_parameters(path: str) -> tuple[dict, dict]:
+    try:
+        return declared_parameters(path), notebook_profiles(path)
+    except Exception as e:  # noqa: BLE001 - any unreadable notebook is a usage error here
+        raise PlanError(f"cannot read the parameters of {path}: {e}") from e

@@ -190,3 +190,15 @@ def test_doctor_says_which_spec_is_in_use(tmp_path, monkeypatch, capsys):
     cal.write(record(synthetic()), str(tmp_path / "none.json"))
     assert cli.main(["doctor"]) == 0
     assert "emulated-node spec: calibration file" in capsys.readouterr().out
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_calibrate_on_this_gpu_writes_a_record_that_emulate_takes(tmp_path):
+    said = []
+    rec = cal.calibrate(str(tmp_path / "gpu.json"), log=said.append, sizes=(256, 512, 1024))
+    assert rec["gpu"] == torch.cuda.get_device_name(0) and rec["torch"] == torch.__version__
+    assert {r["n"] for r in rec["measured"]["matmul"]} == {256, 512, 1024}
+    assert rec["fit"]["memory"]["bytes_per_s"] > 1e10 and 0 < rec["fit"]["launch_s"] < 1e-3
+    node = specs.parse_node(f"8x:{tmp_path / 'gpu.json'}")
+    assert node.count == 8 and node.device.flops["float32"] > 1e11
+    assert any("launch" in line for line in said)

@@ -8,7 +8,6 @@ import re
 
 import nbformat
 import pytest
-import torch
 
 from pipelab import cli
 from pipelab.emulate import calibrate as cal
@@ -45,6 +44,9 @@ def test_a_one_gpu_machine_plans_every_lesson_on_its_calibrated_node(calibration
     assert by_lesson["08"].real == {"profile_device": "cuda"}  # AlexNet's layers measured on the GPU
     assert by_lesson["12"].parameters == {"grid_emulate": f"8x:{calibration}"}
     assert by_lesson["09"].parameters == {} and "no emulated node" in by_lesson["09"].note
+    (given,) = cli.plan_runs(LESSONS[6:7], {"emulate": "2xA100"}, "gpu", machine=ONE_H100, calibration=calibration)
+    assert given.parameters == {"emulate": "2xA100"} and given.note.endswith("-p emulate '2xA100' replaces the calibrated node")
+    assert given.calibration == ""  # nothing left to calibrate for
 
 
 @pytest.fixture(scope="module")
@@ -114,8 +116,8 @@ def test_skipped_status_is_in_table_and_summary_said_once_and_exit_code_3_when_n
     assert not any(name.endswith(".lock") for name in os.listdir(out))
 
 
-@pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has a GPU")
-def test_the_gpu_profile_on_this_machine_skips_every_lesson_and_exits_3(tmp_path, capsys):
+def test_the_gpu_profile_without_a_gpu_skips_every_lesson_and_exits_3(tmp_path, capsys, monkeypatch):
+    monkeypatch.setattr(Machine, "detect", staticmethod(lambda: Machine()))  # this machine, or one without GPUs
     assert cli.main(["run", "--profile", "gpu", "--out", str(tmp_path)]) == cli.NOTHING_RAN
     rows = json.loads((tmp_path / "summary.json").read_text())["notebooks"]
     assert len(rows) == 14 and {r["status"] for r in rows} == {"skipped"}

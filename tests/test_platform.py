@@ -179,16 +179,18 @@ def test_two_runs_into_one_folder_keep_both_rows(tmp_path):
 
 
 def test_a_profile_that_needs_gpus_is_skipped_with_its_reason(tmp_path, capsys, monkeypatch):
-    monkeypatch.setattr(hardware, "detect", lambda: hardware.Hardware(2, (), "2.13", None))
+    from pipelab.planning import Machine
+
+    monkeypatch.setattr(Machine, "detect", staticmethod(lambda: Machine()))
     needs = {"gpu": {"gpus": 4, "gpu_memory_gib": 80, "flops": 9.5e15, "estimate": "about 4 minutes on 4 x H100"}}
     nb = write_notebook(tmp_path / "01_big.ipynb", ["width = 8", "import pipelab\npipelab.headline('w', width)"],
                         {"pipelab": {"profiles": {"gpu": {"width": 4096}}, "needs": needs}})
     out = tmp_path / "out"
-    assert cli.main(["run", nb, "--profile", "gpu", "--out", str(out)]) == 0
+    assert cli.main(["run", nb, "--profile", "gpu", "--out", str(out)]) == cli.NOTHING_RAN  # nothing ran
     printed = capsys.readouterr().out
-    assert "skipped" in printed and "needs 4 GPU(s) with 80 GiB each" in printed
+    assert "skipped" in printed and "the gpu profile needs 4 GPUs; this machine has 0" in printed
     (row,) = json.load(open(out / "summary.json"))["notebooks"]
-    assert row["status"] == "skipped" and "this machine has 0 GPU(s)" in row["error"]
+    assert row["status"] == "skipped" and "this machine has 0" in row["note"]
     assert row["seconds"] == 0 and not (out / "01_big.ipynb").exists()  # nothing ran
     cli.main(["profiles", nb])
     listed = capsys.readouterr().out
@@ -215,10 +217,12 @@ def test_every_gpu_profile_says_what_it_needs_and_lesson_10s_flops_are_counted()
 
 
 def test_the_gpu_profiles_on_a_machine_without_gpus_skip_every_lesson_at_once(tmp_path, capsys, monkeypatch):
-    monkeypatch.setattr(hardware, "detect", lambda: hardware.Hardware(2, (), "2.13", None))
+    from pipelab.planning import Machine
+
+    monkeypatch.setattr(Machine, "detect", staticmethod(lambda: Machine()))
     start = time.monotonic()
-    assert cli.main(["run", *COURSE, "--profile", "gpu", "--out", str(tmp_path)]) == 0
+    assert cli.main(["run", *COURSE, "--profile", "gpu", "--out", str(tmp_path)]) == cli.NOTHING_RAN
     assert time.monotonic() - start < 60  # nothing ran: GPU sizes never run on CPU
     rows = json.load(open(tmp_path / "summary.json"))["notebooks"]
-    assert len(rows) == len(COURSE) and all(r["status"] == "skipped" and "GPU(s)" in r["error"] for r in rows)
+    assert len(rows) == len(COURSE) and all(r["status"] == "skipped" and "GPUs" in r["note"] for r in rows)
     assert "skipped" in capsys.readouterr().out

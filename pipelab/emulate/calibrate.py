@@ -42,6 +42,28 @@ BUS_FACTOR: dict[str, Callable[[int], float]] = {
     "reduce_scatter": lambda n: (n - 1) / n, "send_recv": lambda n: 1.0}
 
 
+HELP = """\
+Measure this machine's GPU and write what the emulator needs as JSON:
+
+  - matrix products n x n x n, n = 256 .. 8192, in float32, tf32, bfloat16 and float16 (those the GPU
+    has), fitted as time = overhead + FLOPs / rate: the sustained rate and the efficiency-versus-size curve;
+  - a large copy in device memory (1 MiB .. 1 GiB): the achieved memory bandwidth;
+  - a one-element kernel launched back to back: the launch cost;
+  - with two GPUs or more: the copy between two and NCCL's all-reduce, all-gather, reduce-scatter and
+    send/receive over message sizes (1 KiB .. 256 MiB): the link's latency and bandwidth. One GPU
+    cannot measure a link: the file's node then uses the card's data-sheet link.
+
+Timing: CUDA events, a warm-up, the median of repeats; about a minute in all. The file holds the
+GPU's name, driver, CUDA and torch versions, the date, the raw measurements and the fit. Use it as
+an emulated node: emulate="8x:calibration.json" (eight of this GPU; "@pcie5" after the file names
+the link), or `pipelab run --profile gpu` on a one-GPU machine finds it at the default path.
+`pipelab doctor` says which spec is in use.
+
+Exit code: 0 when written, 3 when this machine has no CUDA GPU (nothing is measured), 1 when the
+measurements cannot be fitted (they are written, unfitted, to the file).
+"""
+
+
 def default_path() -> str:
     """The calibration file's default place: $PIPELAB_CALIBRATION, else ~/.cache/pipelab/calibration.json."""
     return os.path.expanduser(os.environ.get(ENV_PATH) or DEFAULT_PATH)
@@ -327,3 +349,15 @@ def summary(record: dict) -> str:
     if f.get("link"):
         lines.append(f"  link: {f['link']['bytes_per_s'] / 1e9:.1f} GB/s, latency {f['link']['latency_s'] * 1e6:.1f} us")
     return "\n".join(lines)
+
+
+def in_use(path: str | None = None) -> str:
+    """Which spec the emulated nodes of `pipelab run --profile gpu` on one GPU use: the calibration
+    file at `path` (default: default_path()), or the data sheets when there is none."""
+    path = path or default_path()
+    if not os.path.exists(path):
+        return f"data sheets (pipelab/emulate/specs.py); no calibration file at {path} (`pipelab calibrate` writes one)"
+    try:
+        return f"calibration file {path}: {describe(load(path))}"
+    except (ValueError, KeyError) as e:
+        return f"data sheets (pipelab/emulate/specs.py); the calibration file at {path} is unusable: {e}"
