@@ -12,6 +12,7 @@ the reference solution from `solutions/` (notebooks do with `solutions = True`, 
 from pipelab.exercises.capstone import check_perplexity, check_split_point
 from pipelab.exercises.core import Grade, solution
 from pipelab.exercises.devices import check_event_wait, check_naive_forward, check_split_forward
+from pipelab.exercises.debug import check_find_the_bug
 from pipelab.exercises.data_parallel import (check_broadcast, check_ddp_average, check_grid_groups,
                                              check_row_parallel, check_zero2_shard)
 from pipelab.exercises.p2p import check_send_recv_order
@@ -36,6 +37,7 @@ EXERCISES = {
     "11_zero2_shard": ("my_gradient_shard", check_zero2_shard),
     "12_row_parallel": ("my_row_parallel", check_row_parallel),
     "13_split_backward": ("my_split_backward", check_split_backward),
+    "17_find_the_bug": ("my_step", check_find_the_bug),
 }
 
 __all__ = ["EXERCISES", "Grade", "solution", *(c.__name__ for _, c in EXERCISES.values())]
