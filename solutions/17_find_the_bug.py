@@ -12,7 +12,7 @@ def my_step(ctx, model, loss_fn, x, y, num_microbatches=4):
     for xm, ym in zip(xs.chunk(num_microbatches), ys.chunk(num_microbatches)):
         loss = loss_fn(model, xm, ym) / num_microbatches
         loss.backward()
-        total += float(loss)
+        total += loss.item()
     for p in model.parameters():
         dist.all_reduce(p.grad)
         p.grad /= ctx.world_size

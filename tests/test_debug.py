@@ -204,7 +204,7 @@ def no_division_by_world_size(ctx, model, loss_fn, x, y, num_microbatches=4):
     for xm, ym in zip(xs.chunk(num_microbatches), ys.chunk(num_microbatches)):
         loss = loss_fn(model, xm, ym) / num_microbatches
         loss.backward()
-        total += float(loss)
+        total += loss.item()
     for p in model.parameters():
         dist.all_reduce(p.grad)
     return total
@@ -216,7 +216,7 @@ def no_division_by_microbatches(ctx, model, loss_fn, x, y, num_microbatches=4):
     for xm, ym in zip(xs.chunk(num_microbatches), ys.chunk(num_microbatches)):
         loss = loss_fn(model, xm, ym)
         loss.backward()
-        total += float(loss) / num_microbatches
+        total += loss.item() / num_microbatches
     for p in model.parameters():
         dist.all_reduce(p.grad)
         p.grad /= ctx.world_size
@@ -229,7 +229,7 @@ def no_sync(ctx, model, loss_fn, x, y, num_microbatches=4):
     for xm, ym in zip(xs.chunk(num_microbatches), ys.chunk(num_microbatches)):
         loss = loss_fn(model, xm, ym) / num_microbatches
         loss.backward()
-        total += float(loss)
+        total += loss.item()
     return total
 
 
@@ -239,7 +239,7 @@ def sync_on_rank_zero_only(ctx, model, loss_fn, x, y, num_microbatches=4):
     for xm, ym in zip(xs.chunk(num_microbatches), ys.chunk(num_microbatches)):
         loss = loss_fn(model, xm, ym) / num_microbatches
         loss.backward()
-        total += float(loss)
+        total += loss.item()
     if ctx.rank == 0:  # "only rank 0 steps the optimizer, so only it needs the average"
         for p in model.parameters():
             dist.all_reduce(p.grad)
@@ -271,7 +271,7 @@ WRONG = [
     (no_division_by_world_size, ["2.00x the reference", "summed over the 2 ranks, not averaged"]),
     (no_division_by_microbatches, ["4.00x the reference", "divided by num_microbatches"]),
     (no_sync, ["rank 0's and rank 1's gradients of '0.weight' differ", "never averaged"]),
-    (sync_on_rank_zero_only, ["deadlock, it would hang on GPUs", "all_reduce"]),
+    (sync_on_rank_zero_only, ["rank 0 calls all_reduce", "rank 1 has not called collective 0", "on GPUs this hangs"]),
 ]
 
 

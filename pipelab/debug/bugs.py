@@ -52,7 +52,7 @@ def zero_bubble_w_pass(ctx, model: nn.Module, loss_fn, x, y, fixed: bool = False
         # W by autograd.grad: nothing is accumulated, so DDP's all-reduce hooks never run
         for w, g in zip(weights, torch.autograd.grad(loss, weights)):
             w.grad = g
-    return float(loss)
+    return loss.item()
 
 
 def mesh_groups(ctx, shard_size: int) -> tuple:
@@ -78,7 +78,7 @@ def shard_group_of_one(ctx, model: nn.Module, loss_fn, x, y, fixed: bool = False
     else:
         average_gradients(params, group=shard_group)  # within the shard group (FSDP's reduce-scatter)
         average_gradients(params, group=replicate_group)  # then across the replicas
-    return float(loss)
+    return loss.item()
 
 
 class TinyMoE(nn.Module):
@@ -116,7 +116,7 @@ def expert_gradients(ctx, model: TinyMoE, loss_fn, x, y, fixed: bool = False) ->
     if fixed:
         for p in model.experts[ctx.rank].parameters():
             p.grad /= ctx.world_size
-    return float(loss)
+    return loss.item()
 
 
 def pipeline_accumulation(ctx, model: nn.Sequential, loss_fn, x, y, fixed: bool = False,

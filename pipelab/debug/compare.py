@@ -67,7 +67,7 @@ def reference_gradients(model: nn.Module, loss_fn: Callable, x: torch.Tensor, y:
     model = copy.deepcopy(model)
     loss = loss_fn(model, x, y)
     loss.backward()
-    return float(loss), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    return loss.item(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
 
 
 def rank_gradients(ctx, step: Callable, model: nn.Module, loss_fn: Callable, x, y) -> tuple[float | None, dict]:

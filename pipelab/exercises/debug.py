@@ -14,6 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from pipelab.debug.compare import rank_gradients, reference_gradients
+from pipelab.debug.consistency import collective_check
 from pipelab.exercises.core import Wrong, checker, how_far, on_ranks, same
 
 WORLD_SIZE = 2
@@ -30,7 +31,7 @@ def broken_step(ctx, model: nn.Module, loss_fn, x: torch.Tensor, y: torch.Tensor
         model.zero_grad()
         loss = loss_fn(model, xm, ym) / num_microbatches
         loss.backward()
-        total += float(loss)
+        total += loss.item()
     for p in model.parameters():
         dist.all_reduce(p.grad)
         p.grad /= ctx.world_size
@@ -65,11 +66,24 @@ HINTS = {2.0: "the gradients are summed over the 2 ranks, not averaged: divide b
          0.25: "divided by num_microbatches twice"}
 
 
+def checked_step(ctx, step, model: nn.Module, loss_fn, x: torch.Tensor, y: torch.Tensor):
+    """The student's step on a rank under the lesson's collective check: a collective that only
+    some ranks call is named within seconds (gloo alone would fail with a closed connection)."""
+    with collective_check(3.0):
+        return rank_gradients(ctx, step, model, loss_fn, x, y)
+
+
 @checker("17_find_the_bug")
 def check_find_the_bug(my_step) -> str:
     """Run `my_step` on 2 ranks; its gradients must equal one process's on every rank, its loss too."""
     model, x, y = case()
-    results = on_ranks(rank_gradients, WORLD_SIZE, my_step, model, mse, x, y)
+    try:
+        results = on_ranks(checked_step, WORLD_SIZE, my_step, model, mse, x, y)
+    except Wrong as e:
+        if "has not called collective" in str(e):
+            raise Wrong(f"{e}: on GPUs this hangs; every rank must call every collective (here the all-reduce of "
+                        "every gradient), in the same order") from None
+        raise
     ref_loss, ref = reference_gradients(model, mse, x, y)
     grads = [g for _, g in results]
     missing = [n for n in ref if any(n not in g for g in grads)]
