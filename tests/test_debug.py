@@ -18,7 +18,7 @@ from pipelab.experiments import debug as dx
 from pipelab.exercises.debug import broken_step
 from pipelab.launch import spawn
 
-CFG = dx.Config(hang_seconds=3.0, check_seconds=2.0)
+CFG = dx.Config(hang_seconds=5.0, check_seconds=2.0)  # 5 s: a busy machine's slowest step must not look like a hang
 
 
 def live_processes(parent_pid: int) -> list[int]:

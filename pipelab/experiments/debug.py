@@ -195,46 +195,49 @@ def p2p_deadlock(cfg: Config) -> list[Outcome]:
 # ---------------------------------------------------------------------------------------------
 
 
+def gpipe_step(ctx, cfg: Config, stage: nn.Module, x: torch.Tensor, y: torch.Tensor, m: int) -> None:
+    """One GPipe step of two stages over `m` micro-batches: every forward, then every backward."""
+    rows, peer = cfg.batch // cfg.num_microbatches, 1 - ctx.rank
+    outs, ins = [], []
+    for i in range(m):
+        if ctx.rank == 0:
+            out = stage(x[i * rows:(i + 1) * rows])
+            dist.send(out.detach(), peer)
+        else:
+            a = torch.empty(rows, 2 * cfg.width)
+            dist.recv(a, peer)
+            a.requires_grad_()
+            out = F.mse_loss(stage(a), y[i * rows:(i + 1) * rows]) / m
+            ins.append(a)
+        outs.append(out)
+    for i, out in enumerate(outs):
+        if ctx.rank == 0:
+            g = torch.empty_like(out)
+            dist.recv(g, peer)
+            out.backward(g)
+        else:
+            out.backward()
+            dist.send(ins[i].grad, peer)
+
+
 def pipeline_with_planted_hang(ctx, cfg: Config, dump_dir: str, plant: str) -> None:
-    """Two GPipe stages for `cfg.steps` steps, every operation recorded. `plant="microbatches"`: in
-    the last step rank 0 cuts its batch into one micro-batch fewer than rank 1 expects (a short last
-    batch); `plant="stall"`: in the last step rank 1 stops in its own work (a stuck data loader)."""
+    """Two GPipe stages for `cfg.steps` recorded steps. `plant="microbatches"`: in the last step
+    rank 0 cuts its batch into one micro-batch fewer than rank 1 expects (a short last batch);
+    `plant="stall"`: in the last step rank 1 stops in its own work (a stuck data loader)."""
     short_timeout(cfg.hang_seconds)
     model, (x, y) = cfg.model(), cfg.data()
-    cut, peer = 2, 1 - ctx.rank
-    stage = model[:cut] if ctx.rank == 0 else model[cut:]
-    # A first backward starts autograd's machinery; on a busy machine that can outlast the timeout
-    stage(torch.zeros(1, 2 * cfg.width if ctx.rank else cfg.width)).sum().backward()
-    stage.zero_grad()
+    stage = model[:2] if ctx.rank == 0 else model[2:]
+    # A job's first step is slow (autograd starts its machinery, memory is allocated): on a busy
+    # machine it could outlast the timeout, so it runs before the recorder watches.
+    gpipe_step(ctx, cfg, stage, x, y, cfg.num_microbatches)
     with flight_recorder(dump_dir, cfg.capacity, cfg.hang_seconds):
         for step in range(cfg.steps):
-            m = cfg.num_microbatches
-            last = step == cfg.steps - 1
+            m, last = cfg.num_microbatches, step == cfg.steps - 1
             if last and plant == "microbatches" and ctx.rank == 0:
                 m -= 1
             if last and plant == "stall" and ctx.rank == 1:
-                time.sleep(10 * cfg.hang_seconds)  # stopped by spawn's timeout long before
-            rows = cfg.batch // cfg.num_microbatches
-            outs, ins = [], []
-            for i in range(m):
-                if ctx.rank == 0:
-                    out = stage(x[i * rows:(i + 1) * rows])
-                    dist.send(out.detach(), peer)
-                else:
-                    a = torch.empty(rows, 2 * cfg.width)
-                    dist.recv(a, peer)
-                    a.requires_grad_()
-                    out = F.mse_loss(stage(a), y[i * rows:(i + 1) * rows]) / m
-                    ins.append(a)
-                outs.append(out)
-            for i, out in enumerate(outs):
-                if ctx.rank == 0:
-                    g = torch.empty_like(out)
-                    dist.recv(g, peer)
-                    out.backward(g)
-                else:
-                    out.backward()
-                    dist.send(ins[i].grad, peer)
+                time.sleep(10 * cfg.hang_seconds)  # stopped long before, when rank 0 times out
+            gpipe_step(ctx, cfg, stage, x, y, m)
 
 
 @dataclass
