@@ -13,6 +13,7 @@ import torch.distributed as dist
 
 from pipelab import exercises
 from pipelab.cli import main
+from pipelab.exercises.debug import broken_step
 from pipelab.model_parallel import cut_shape, second_half
 from pipelab.pipeline.schedules import Schedule1F1B
 
@@ -156,6 +157,7 @@ WRONG = [
     ("12_row_parallel", row_parallel_bias_on_every_rank, ["plus 1x the bias", "added 2 times"]),
     ("13_split_backward", split_backward_all_at_once, ["after I, 0.weight already has its gradient"]),
     ("13_split_backward", split_backward_graph_freed, ["W raised RuntimeError", "retain_graph=True"]),
+    ("17_find_the_bug", broken_step, ["last micro-batch only"]),  # more wrong answers: tests/test_debug.py
 ]
 
 

@@ -34,6 +34,9 @@ PATHS = {
         "tests/test_tensor_parallel.py::test_parallel_block_equals_the_unsplit_block",
         "tests/test_tensor_parallel.py::test_the_3d_grid_has_the_topologys_groups_and_one_process_losses"],
     "13 ZB-V, DualPipeV, looped BFS": ["tests/test_v_shape.py::test_runs_on_real_ranks_like_one_process"],
+    "17 the silent bugs and their fixes, the collective check": [
+        "tests/test_debug.py::test_each_bug_keeps_the_loss_is_caught_and_its_fix_equals_one_process",
+        "tests/test_debug.py::test_matching_collectives_run_as_without_the_check"],
 }
 
 
