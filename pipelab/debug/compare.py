@@ -3,8 +3,9 @@ math in one process, and say where the ranks' gradients or loss depart from it.
 
 Every rank gets the same starting model and the whole batch; `step(ctx, model, loss_fn, x, y)`
 does what the user's training does on that rank (take its share of the batch, its stage of the
-model, its micro-batches, its all-reduces) and returns the rank's share of the loss (the mean of
-the ranks' shares must be the batch's loss) or None. The reference is `loss_fn(model, x, y)` and
+model, its micro-batches, its all-reduces) and returns the rank's share of the loss or None (the
+mean over the ranks that return one must be the batch's loss: a pipeline's last stage returns it
+whole, the others None). The reference is `loss_fn(model, x, y)` and
 one backward, in one process. Every gradient a rank holds is compared with the reference's: a
 gradient that is a multiple of the reference's is named with its factor (2x: summed twice, or
 summed where it should be averaged), any other difference with its size.
