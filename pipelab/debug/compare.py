@@ -54,7 +54,9 @@ class Comparison:
         return loss_ok and not self.differ
 
     def __str__(self) -> str:
-        lines = [] if self.loss is None else [f"loss {self.loss:.6f} on the ranks, {self.reference_loss:.6f} in one process"]
+        lines = []
+        if self.loss is not None:
+            lines.append(f"loss {self.loss:.6f} on the ranks, {self.reference_loss:.6f} in one process")
         for rank, params in self.differ.items():
             name, how = next(iter(params.items()))
             lines.append(f"rank {rank}: {len(params)} gradient(s) differ, first {name!r}: {how}")

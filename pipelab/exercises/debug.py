@@ -104,4 +104,5 @@ def check_find_the_bug(my_step) -> str:
     if any(loss is None for loss in losses) or abs(sum(losses) / len(losses) - ref_loss) > 1e-5:
         raise Wrong(f"the ranks' losses average {sum(l or 0 for l in losses) / len(losses):.5f} where one process's "
                     f"loss is {ref_loss:.5f}: return this rank's share, the mean of its micro-batches' losses")
-    return f"every gradient on both ranks equals one process's ({len(ref)} parameters), and so does the loss ({ref_loss:.4f})"
+    return (f"every gradient on both ranks equals one process's ({len(ref)} parameters), "
+            f"and so does the loss ({ref_loss:.4f})")

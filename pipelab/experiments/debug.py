@@ -329,7 +329,8 @@ def silent_bugs(cfg: Config) -> list[BugRow]:
             c = compare([(loss, grads) for loss, grads, _, _ in per_rank], reference)
             loss_same = c.loss is not None and abs(c.loss - c.reference_loss) <= 1e-5 * max(1.0, abs(c.reference_loss))
             report, agree = per_rank[0][2], per_rank[0][3]
-            rows.append(BugRow(name, issue, fixed, loss_same, "n/a" if report is None else "agree" if agree else "differ", c))
+            replicas = "n/a" if report is None else "agree" if agree else "differ"
+            rows.append(BugRow(name, issue, fixed, loss_same, replicas, c))
     return rows
 
 
