@@ -13,6 +13,7 @@ import torch.distributed as dist
 
 from pipelab import exercises
 from pipelab.cli import main
+from pipelab.exercises.debug import broken_step
 from pipelab.model_parallel import cut_shape, second_half
 from pipelab.pipeline.schedules import Schedule1F1B
 
@@ -175,6 +176,7 @@ WRONG = [
     ("14_online_softmax_merge", merge_by_average, ["plain average", "exp(L_a - L)"]),  # more in test_context_parallel
     ("16_loss_scale_update", loss_scale_doubled_on_overflow, ["you doubled the scale", "halve it"]),
     ("15_dispatch", dispatch_even_split, ["an even split", "[6, 6]", "exchanged first"]),
+    ("17_find_the_bug", broken_step, ["last micro-batch only"]),  # more wrong answers: tests/test_debug.py
 ]
 
 

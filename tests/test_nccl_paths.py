@@ -40,6 +40,9 @@ PATHS = {
         "tests/test_precision.py::test_mixed_precision_zero_on_real_ranks_matches_one_process_and_the_formula",
         "tests/test_precision.py::test_bf16_all_reduce_halves_the_bytes"],
     "15 expert parallelism, with data parallelism": ["tests/test_expert_parallel.py::test_layer_over_ranks_equals_one_process"],
+    "17 the silent bugs and their fixes, the collective check": [
+        "tests/test_debug.py::test_each_bug_keeps_the_loss_is_caught_and_its_fix_equals_one_process",
+        "tests/test_debug.py::test_matching_collectives_run_as_without_the_check"],
 }
 
 

@@ -14,6 +14,7 @@ from pipelab.exercises.context_parallel import check_online_softmax_merge
 from pipelab.exercises.core import Grade, solution
 from pipelab.exercises.expert_parallel import check_dispatch
 from pipelab.exercises.devices import check_event_wait, check_naive_forward, check_split_forward
+from pipelab.exercises.debug import check_find_the_bug
 from pipelab.exercises.data_parallel import (check_broadcast, check_ddp_average, check_grid_groups,
                                              check_row_parallel, check_zero2_shard)
 from pipelab.exercises.p2p import check_send_recv_order
@@ -40,8 +41,9 @@ EXERCISES = {
     "12_row_parallel": ("my_row_parallel", check_row_parallel),
     "13_split_backward": ("my_split_backward", check_split_backward),
     "14_online_softmax_merge": ("my_merge", check_online_softmax_merge),
-    "16_loss_scale_update": ("my_update_scale", check_loss_scale_update),
     "15_dispatch": ("my_dispatch", check_dispatch),
+    "16_loss_scale_update": ("my_update_scale", check_loss_scale_update),
+    "17_find_the_bug": ("my_step", check_find_the_bug),
 }
 
 __all__ = ["EXERCISES", "Grade", "solution", *(c.__name__ for _, c in EXERCISES.values())]
