@@ -51,7 +51,7 @@ _TICK = 0.2  # how often the watchdog publishes this rank's state and looks at t
 READY, HEADER, DATA = 1, 2, 3  # gloo tags of the rule's own messages (user tags are ignored, as on NCCL)
 P2P_NAMES = ("send", "recv", "isend", "irecv", "batch_isend_irecv")
 COLLECTIVE_NAMES = ("all_reduce", "reduce_scatter_tensor", "all_gather_into_tensor", "all_gather",
-                    "broadcast", "barrier", "reduce_scatter_single", "all_gather_single")
+                    "broadcast", "barrier", "reduce_scatter_single", "all_gather_single", "all_to_all_single")
 # torch 2.13 renamed two collectives; the old names call the new ones, so both run the new one's
 # original (were the old one's to call the wrapped new one, the group's queue would wait on itself).
 RENAMED = {"reduce_scatter_tensor": "reduce_scatter_single", "all_gather_into_tensor": "all_gather_single"}
@@ -59,7 +59,10 @@ RENAMED = {"reduce_scatter_tensor": "reduce_scatter_single", "all_gather_into_te
 RING_KIND = {"all_reduce": "all_reduce", "reduce_scatter_tensor": "reduce_scatter",
              "all_gather_into_tensor": "all_gather", "all_gather": "all_gather",
              "broadcast": "broadcast", "barrier": "barrier", "reduce_scatter_single": "reduce_scatter",
-             "all_gather_single": "all_gather"}
+             "all_gather_single": "all_gather",
+             # each rank sends (n-1)/n of its input, as in an all-gather of that many bytes: nccl-tests
+             # gives all-to-all the same bus factor, (n-1)/n
+             "all_to_all_single": "all_gather"}
 
 _active: "Rule | None" = None
 
@@ -447,14 +450,15 @@ def _main_tensor(name: str, a: dict) -> torch.Tensor | None:
     """The tensor a collective's handle gives back: the one it fills."""
     return {"all_reduce": a.get("tensor"), "broadcast": a.get("tensor"),
             "reduce_scatter_tensor": a.get("output"), "all_gather_into_tensor": a.get("output_tensor"),
-            "reduce_scatter_single": a.get("output"), "all_gather_single": a.get("output_tensor")}.get(name)
+            "reduce_scatter_single": a.get("output"), "all_gather_single": a.get("output_tensor"),
+            "all_to_all_single": a.get("output")}.get(name)
 
 
 def _collective_bytes(name: str, a: dict, ranks: int) -> int:
     """The whole tensor's bytes, as `cost.collective_seconds` takes them."""
     if name in ("all_reduce", "broadcast"):
         return a["tensor"].nbytes
-    if name in ("reduce_scatter_tensor", "reduce_scatter_single"):
+    if name in ("reduce_scatter_tensor", "reduce_scatter_single", "all_to_all_single"):
         return a["input"].nbytes
     if name in ("all_gather_into_tensor", "all_gather_single"):
         return a["output_tensor"].nbytes
