@@ -219,13 +219,12 @@ def describe(world_size: int = 2, emulate: str | None = None, size: str | None =
     return f"{path} | {_machine(hw)} | torch {hw.torch_version}"
 
 
-def _emulated(who: str, real: str, emulate: str, size: str | None, hw) -> str:
-    """The line of an emulated node: who runs as which node, what stays real, what is modelled."""
-    from pipelab.emulate.specs import parse_node
-
+def _emulated(who: str, real: str, emulate, size: str | None, hw) -> str:
+    """The line of an emulated node: who runs as which node (its name, e.g. "2xH100-nvlink"), what
+    stays real, what is modelled (the model's figures: `pipelab.emulate.model_table`)."""
     at = f" at the emulated size: {size}" if size else ""
-    return (f"Emulated node: {who} {parse_node(emulate)} ({real} on this machine's CPU; each operation's "
-            f"time modelled from the device and link data sheets{at}) | {_machine(hw)} | torch {hw.torch_version}")
+    return (f"Emulated node: {who} {emulate} ({real} on this machine's CPU; each operation's time modelled "
+            f"on the emulated node, not measured{at}) | {_machine(hw)} | torch {hw.torch_version}")
 
 
 def describe_devices(n: int = 2, emulate: str | None = None, size: str | None = None) -> str:

@@ -181,9 +181,10 @@ class Measured:
 
     def __format__(self, spec: str) -> str:
         spec = spec or ".3g"
-        if len(self.values) == 1:
+        low, high = format(self.low, spec), format(self.high, spec)
+        if low == high:  # one repeat, or repeats that cannot vary (modelled time): one number
             return format(self.median, spec)
-        return f"{self.median:{spec}} ({self.low:{spec}}-{self.high:{spec}})"
+        return f"{self.median:{spec}} ({low}-{high})"
 
     def __str__(self) -> str:
         return format(self, "")

@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Any
 
 from pipelab.emulate import comm
 from pipelab.emulate.clock import LogicalClock, RealClock
+from pipelab.emulate.describe import model_table  # noqa: F401 - what every emulated lesson shows first
 
 if TYPE_CHECKING:
     from pipelab.worker import RankContext
@@ -48,6 +49,16 @@ class Emulator:
         if emulated_bytes < 0 or real_bytes <= 0:
             raise ValueError(f"need emulated_bytes >= 0 and real_bytes > 0, got {emulated_bytes!r}, {real_bytes!r}")
         self.rule.bytes_scale = emulated_bytes / real_bytes
+
+    def use(self, table=None, memory=None) -> None:
+        """Time this rank's work by `table` (an `emulate.table.CostTable`, built once from the model
+        at the emulated size; None: an empty one, nothing modelled): the clock looks every span up
+        there. With `memory` (a `memory.MemoryMeter`), what the table stashes and frees goes on it."""
+        from pipelab.emulate.table import CostTable
+
+        if memory is not None:
+            self.memory = memory
+        self.clock.table, self.clock.memory = table if table is not None else CostTable(), self.memory
 
     def seconds(self, cost) -> float:
         """Modelled seconds of a compute cost: seconds as they are, or `cost.Counts` on the device."""

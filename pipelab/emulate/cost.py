@@ -24,7 +24,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_map
 from torch.utils.flop_counter import FlopCounterMode
 
-from pipelab.collectives import ring_all_reduce_time
+from pipelab.latency_bandwidth import ring_all_reduce_time
 from pipelab.emulate.specs import Device, Link, torch_dtype
 from pipelab.models import trainable_parameters
 

@@ -34,6 +34,12 @@ class Config:
     timeout: float = 120.0
     emulate: str | None = None  # e.g. "4xH100-nvlink": run on an emulated node (`pipelab.emulate`)
 
+    @property
+    def node(self):
+        """The node `emulate` names (an `emulate.specs.Node`), parsed once, when the Config checked
+        itself; None where nothing is emulated."""
+        return self.__dict__.get("_node")
+
     def __post_init__(self) -> None:
         self.check()
 
@@ -50,6 +56,7 @@ class Config:
             from pipelab.emulate.specs import parse_node
 
             node = parse_node(self.emulate)  # a bad name lists the known devices and links
+            object.__setattr__(self, "_node", node)  # frozen: set once, here
             if node.count < self.world_size:
                 raise ValueError(f"emulate={self.emulate!r} has {node.count} devices for world_size="
                                  f"{self.world_size} ranks; name a node with at least {self.world_size}, "

@@ -39,8 +39,8 @@ def bubble_vs_formula(run: PipelineRun, fitted: SimResult) -> None:
     verdict = "above" if bubble.low > formula else "below" if bubble.high < formula else "at"
     conclude(
         "06.bubble_vs_formula", f"{verdict} the formula",
-        f"the measured bubble at p={p}, m={m} was {bubble:.3f} (median, min-max over the timed steps), "
-        f"{verdict} the formula's (p-1)/(m+p-1) = {formula:.3f}. The simulation with this run's measured per-stage "
+        f"the run's bubble at p={p}, m={m} was {bubble:.3f} (median, min-max over the timed steps), "
+        f"{verdict} the formula's (p-1)/(m+p-1) = {formula:.3f}. The simulation with this run's per-stage "
         f"costs and free messages gives {fitted.bubble_fraction:.3f}. In the step shown, the ranks spent "
         f"{for_sender * 1e3:.1f} ms in recv boxes waiting for the sender to finish its action and "
         f"{for_message * 1e3:.1f} ms waiting for messages already sent.",
@@ -60,10 +60,10 @@ def bubble_vs_m(runs: Sequence[PipelineRun], largest: Measured) -> float:
     direction = compare(largest, first)
     conclude(
         "06.bubble_vs_m", direction,
-        f"from m={m0} to m={m1} the measured bubble went from {first:.3f} to {largest:.3f} (median, min-max over "
+        f"from m={m0} to m={m1} the run's bubble went from {first:.3f} to {largest:.3f} (median, min-max over "
         f"the timed steps): {direction}. The formula goes from {gpipe_bubble(p, m0):.3f} to {gpipe_bubble(p, m1):.3f}, "
-        f"the simulation with each step's measured costs from {runs[0].simulated_bubble.median:.3f} to "
-        f"{runs[-1].simulated_bubble.median:.3f}. The measured bubble " + ("fell at every step of the sweep" if falls
+        f"the simulation with each step's own costs from {runs[0].simulated_bubble.median:.3f} to "
+        f"{runs[-1].simulated_bubble.median:.3f}. The run's bubble " + ("fell at every step of the sweep" if falls
         else "did not fall at every step of the sweep") + f" and stood at most {gap:.3f} from the formula "
         + (f"(within {FORMULA_TOLERANCE})." if gap <= FORMULA_TOLERANCE else
            f"(more than {FORMULA_TOLERANCE}: something beside fill and drain took time)."),

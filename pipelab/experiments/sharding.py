@@ -164,7 +164,8 @@ class Result:
 
 def layer_costs(model: nn.Module, x: torch.Tensor, batch: int) -> list[tuple]:
     """Each layer's modelled (forward, backward) cost, FLOPs and bytes counted on the meta device
-    for a batch of `batch` rows (the emulated size; the real run stays small)."""
+    for a batch of `batch` rows (the emulated size; the real run stays small). `emulate_layers`
+    makes them the rank's cost table."""
     from pipelab.emulate.cost import forward_backward_counts
 
     inputs = {}
@@ -185,10 +186,12 @@ def layer_costs(model: nn.Module, x: torch.Tensor, batch: int) -> list[tuple]:
 def train(ctx: RankContext, cfg: Config, variant: str, x: torch.Tensor, y: torch.Tensor) -> VariantResult:
     """Train this rank's model with `variant` for cfg.steps steps on its slice (x, y)."""
     model = cfg.build().to(ctx.device)
-    emulated = getattr(ctx, "emulator", None) is not None  # on an emulated node: model each layer's compute
-    costs = layer_costs(model, x, cfg.emulated_batch or x.shape[0]) if emulated else None
+    if ctx.emulator is not None:  # on an emulated node: each layer's compute modelled at the emulated size
+        from pipelab.emulate.table import sharded_table
+
+        names = [layer.name for layer in layers_of(model, 1)]
+        ctx.emulator.use(sharded_table(names, layer_costs(model, x, cfg.emulated_batch or x.shape[0])))
     t = trainer(ctx, cfg, variant, model)
-    t.costs = costs
     comm = getattr(t, "comm", None)
 
     def step(i: int) -> float:
