@@ -190,6 +190,12 @@ class Measured:
         return format(self, "")
 
 
+def spread_words(m: Measured, over: str = "the timed steps") -> str:
+    """How a figure was summarised, for a sentence: "median, min-max over ..." where its repeats
+    moved, "the same in each of ..." where they could not (modelled time)."""
+    return f"median, min-max over {over}" if format(m, ".3g") != format(m.median, ".3g") else f"the same in each of {over}"
+
+
 def compare(a: Measured, b: Measured) -> str:
     """'lower', 'higher' or 'within noise': how `a` stands against `b` on this run.
 

@@ -10,7 +10,7 @@ from typing import Mapping
 from pipelab import hardware
 from pipelab.display import conclude
 from pipelab.experiments.pipeline import PipelineRun, recv_waits
-from pipelab.measure import compare, compare_medians
+from pipelab.measure import compare, compare_medians, spread_words
 from pipelab.pipeline.schedules import messages_per_step
 from pipelab.pipeline.simulate import SimResult
 
@@ -54,7 +54,7 @@ def bubble_against(key: str, runs: Runs, a: str, b: str, theory: str) -> None:
     said = {"lower": "lower than", "higher": "higher than", "within noise": "within noise of"}[verdict]
     every = compare(measured[a], measured[b]) == verdict != "within noise"
     text = (f"{label[a]}'s bubble {measured[a]:.3f} was {said} {label[b]}'s {measured[b]:.3f} "
-            f"(median, min-max of {len(measured[a].values)} steps; {measured[a].median / measured[b].median:.2f}x "
+            f"({spread_words(measured[a], f'{len(measured[a].values)} steps')}; {measured[a].median / measured[b].median:.2f}x "
             f"by the medians" + (", and in every step" if every else "") + "). With this run's own costs and "
             f"free messages the simulator gives {simulated[a]:.3f} against {simulated[b]:.3f}")
     words = {"within noise": "equal bubbles", "lower": f"a lower bubble for {label[a]}"}[theory]
