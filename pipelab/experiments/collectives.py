@@ -25,7 +25,7 @@ from pipelab.checks import whole_number
 from pipelab.collectives import (AllReduceTime, MessageTime, all_reduce_sweep, compute_then_communicate,
                                  fit_latency_bandwidth, ping_pong, ring_all_reduce_time, small_message_latency)
 from pipelab.display import human_bytes
-from pipelab.measure import Measured, compare
+from pipelab.measure import Measured, compare, spread_words
 from pipelab.timeline import Timeline
 from pipelab.worker import RankContext
 
@@ -310,8 +310,8 @@ def waiting_verdict(timeline: Timeline) -> tuple[str, str, str, dict]:
     verdict = "higher" if extra.median > 0 else "lower" if extra.median < 0 else "within noise"
     every = compare(extra, Measured.of([0.0])) == verdict
     steps = len(extra.values)
-    text = (f"rank {fastest}'s all-reduce box was {extra:.2f} ms longer than rank {slowest}'s (median, min-max over "
-            f"{steps} steps): "
+    text = (f"rank {fastest}'s all-reduce box was {extra:.2f} ms longer than rank {slowest}'s "
+            f"({spread_words(extra, f'{steps} steps')}): "
             + {"higher": f"in {'every' if every else 'the typical'} step rank {fastest}, with less work, waited inside "
                          f"the all-reduce for rank {slowest}.",
                "lower": f"in the typical step rank {slowest} waited longer, though it had more work: the machine's "

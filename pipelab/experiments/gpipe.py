@@ -269,7 +269,7 @@ def checkpoint_time(stored: Sequence[PipelineRun], recomputed: Sequence[Pipeline
     more = F / (F + b_in + b_w)
     verdict = "slower" if slowdown.low > 1 else "faster" if slowdown.high < 1 else "within noise"
     text = (f"a step with recomputed activations took {slowdown:.2f} times as long as one with stored activations "
-            f"(median, min-max of {len(stored)} rounds run by turns): {verdict}. Stage 0's forward costs {F:.2f} ms "
+            f"({spread_words(slowdown, f'{len(stored)} rounds run by turns')}): {verdict}. Stage 0's forward costs {F:.2f} ms "
             f"and its backward {b_in + b_w:.2f} ms here, so one more forward adds F / (F + B) = {more:.0%} to a rank's "
             f"work; the simulation with these costs predicts {expected:.2f} times the step.")
     if verdict != "slower":

@@ -22,7 +22,7 @@ from pipelab import experiments
 from pipelab.checks import divides, mean_loss, positive_number, same_batch, trainable, whole_number
 from pipelab.display import human_bytes
 from pipelab.measure import (Measured, RankSteps, Steps, TimedSteps, alternate, compare, compare_medians, gather_steps,
-                             ratios, time_steps)
+                             ratios, spread_words, time_steps)
 from pipelab.sharding import (OPTIMIZERS, Collectives, DataParallel, Held, Zero1, Zero2, Zero3, formula,
                               layers_of, make_optimizer)
 from pipelab.sharding.memory import PeakMeter
@@ -392,8 +392,8 @@ def prefetch_verdict(run: Run) -> tuple:
              "within noise": "no difference" + ("." if run.emulate else " beyond the run-to-run noise.")}
     hidden = {"lower": "less with prefetch", "higher": "more with prefetch", "within noise": "no difference"}
     text = (f"{where}, ZeRO-3's step on {run.world_size} ranks took {on.makespan.scaled(1e3):.3g} ms with prefetch "
-            f"and {off.makespan.scaled(1e3):.3g} ms without (first to last span; median, min-max over the timed "
-            f"steps): {steps[step]} "
+            f"and {off.makespan.scaled(1e3):.3g} ms without (first to last span; "
+            f"{spread_words(on.makespan)}): {steps[step]} "
             f"Communication no compute hid: {on.exposed_comm.scaled(1e3):.3g} ms with prefetch, "
             f"{off.exposed_comm.scaled(1e3):.3g} ms without ({hidden[exposed]}). The cost does not depend on the "
             f"machine: prefetch held up to {human_bytes(peak_on)} of whole-layer parameters at once, without it "
