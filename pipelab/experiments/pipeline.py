@@ -356,13 +356,16 @@ class PipelineRun(TimedSteps):
         return {rank: b / 2**20 for rank, b in self.peak_stash_bytes.items()}
 
     def row(self) -> dict:
-        """The figures as one table row (step time and bubble: median, min-max of the timed steps)."""
-        return {"schedule": self.schedule.name, "p": self.schedule.num_ranks,
-                "m": self.schedule.num_microbatches, "step_ms": f"{self.step_time.scaled(1e3):.1f}",
+        """The figures as one table row (step time and bubble: median, min-max of the timed steps),
+        at one size: on an emulated node the modelled step and the peak memory at the emulated size,
+        elsewhere the measured step and the real stash's bytes."""
+        emulated = bool(self.emulated_peak_bytes)
+        memory = ({"peak GB, emulated size": round(max(self.emulated_peak_bytes.values()) / 1e9, 2)} if emulated else
+                  {"peak_stash_KiB": round(max(self.peak_stash_bytes.values()) / 1024, 1)})
+        return {"schedule": self.schedule.name, "p": self.schedule.num_ranks, "m": self.schedule.num_microbatches,
+                "step_ms, modelled" if emulated else "step_ms": f"{self.step_time.scaled(1e3):.1f}",
                 "bubble": f"{self.bubble_fraction:.3f}", "simulated bubble": f"{self.simulated_bubble:.3f}",
-                "peak_stash": max(self.peak_stash.values()),
-                "peak_stash_KiB": round(max(self.peak_stash_bytes.values()) / 1024, 1),
-                "messages": self.messages_sent}
+                "peak_stash": max(self.peak_stash.values()), **memory, "messages": self.messages_sent}
 
 
 def gather(cfg: Config, results: Sequence[list[Result]]) -> list[PipelineRun]:
