@@ -462,8 +462,10 @@ class GridTrainer:
                 valid = self.validate()
                 if self.logger:
                     mean = sum(interval) / len(interval)
-                    self.say(LOG_LINE.format(epoch, batch, len(starts), self.lr_steps.get_last_lr()[0], ms, mean,
-                                             math.exp(min(mean, 50))))
+                    line = LOG_LINE.format(epoch, batch, len(starts), self.lr_steps.get_last_lr()[0], ms, mean,
+                                           math.exp(min(mean, 50)))
+                    # on an emulated node the step time is modelled; the progress bar below is this machine's
+                    self.say(line.replace("ms/batch", "ms/batch modelled") if self.cfg.emulate else line)
                     log.curve.append((len(log.mb_losses), math.exp(mean), valid))
                 clock, interval = self.ctx.now(), []
         self.lr_steps.step()
@@ -586,7 +588,8 @@ def train(cfg: Config, corpus: Corpus, progress: bool = True) -> LMRun:
     cfg = replace(cfg, corpus=corpus, progress=None)  # checks the memory, before any process starts
     if cfg.emulate is not None:  # counted once here, not on every rank
         cfg = replace(cfg, stage_costs=emulated_stages(cfg, len(corpus.vocab), cfg.node))
-    with progress_bar(cfg.batches(corpus), f"{cfg.pipe} x {cfg.data} grid") if progress else nullcontext() as path:
+    where = ", real time on this machine" if cfg.emulate else ""
+    with progress_bar(cfg.batches(corpus), f"{cfg.pipe} x {cfg.data} grid{where}") if progress else nullcontext() as path:
         return experiments.run(worker, replace(cfg, progress=path), gather)
 
 
