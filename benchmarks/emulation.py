@@ -30,6 +30,7 @@ from pipelab import measure, models
 from pipelab.display import format_table
 from pipelab.emulate.cost import message_seconds, stage_seconds
 from pipelab.emulate.specs import parse_node
+from pipelab.emulate.table import stage_table
 from pipelab.launch import spawn
 from pipelab.pipeline.p2p import P2P, message_specs
 from pipelab.pipeline.partition import split_model
@@ -66,10 +67,12 @@ def pipeline_steps(ctx: RankContext, runs: list[tuple], model, x, y, m: int, ste
         modules = {s: stages[s] for s in range(schedule.num_stages) if schedule.rank_of(s) == ctx.rank}
         specs = message_specs(stages, x, m)
 
+        ctx.emulator.use(stage_table(costs))  # each stage's spans last its modelled seconds
+
         def step(i):
             p2p = P2P(ctx, schedule, specs)
             runner = StageRunner(ctx, schedule, modules, torch.nn.MSELoss(), p2p, list(x.chunk(m)),
-                                 list(y.chunk(m)), costs=costs)
+                                 list(y.chunk(m)))
             for action in schedule.actions[ctx.rank]:
                 runner.run(action)
             p2p.finish()

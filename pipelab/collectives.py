@@ -15,6 +15,7 @@ import torch
 import torch.distributed as dist
 
 from pipelab.hardware import synchronize
+from pipelab.latency_bandwidth import ring_all_reduce_time  # noqa: F401 - lesson 00 shows it from here
 from pipelab.measure import Measured
 from pipelab.timeline import Timeline
 from pipelab.worker import RankContext
@@ -55,7 +56,7 @@ def broadcast_demo(ctx: RankContext, src: int = 0) -> BeforeAfter:
 
 def round_trip(ctx: RankContext, msg: torch.Tensor, peer: int) -> float:
     """Seconds for `msg` to go from rank 0 to `peer` and back (rank `peer` echoes it), on the
-    rank's clock (`ctx.now`: on an emulated node the logical one, moved by the link model)."""
+    rank's clock (`ctx.now`, whichever clock the rank keeps)."""
     synchronize(ctx.device)
     start = ctx.now()
     if ctx.rank == 0:
@@ -190,26 +191,6 @@ def exchange(outgoing: torch.Tensor, right: int, incoming: torch.Tensor, left: i
         work.wait()
 
 
-def ring_all_reduce_time(nbytes: float, world_size: int, bandwidth: float, latency: float) -> float:
-    """Predicted seconds of a ring all-reduce of `nbytes` over `world_size` ranks, in the
-    latency-bandwidth model, where one message of m bytes takes `latency + m / bandwidth`.
-
-    The ring cuts the tensor into N chunks of nbytes/N. In each of its 2(N-1) steps
-    (`ring_schedule`), every rank sends one chunk to its right neighbour while receiving one from
-    its left, all ranks at once: a step costs one message, latency + (nbytes/N) / bandwidth. So
-
-        T = 2(N-1) * latency + 2(N-1)/N * nbytes / bandwidth
-
-    The bandwidth term hardly grows with N (2(N-1)/N stays below 2: every rank sends about twice
-    its tensor, however many ranks there are), the latency term grows with N: large tensors pay
-    bandwidth, small ones pay latency, once per step."""
-    if world_size < 1 or bandwidth <= 0 or latency < 0:
-        raise ValueError(f"need world_size >= 1, bandwidth > 0 and latency >= 0; got {world_size}, "
-                         f"{bandwidth}, {latency}")
-    n = world_size
-    return 2 * (n - 1) * latency + 2 * (n - 1) / n * nbytes / bandwidth
-
-
 def back_to_back(ctx: RankContext, all_reduce, tensors: Sequence[torch.Tensor]) -> float:
     """Median seconds of one `all_reduce(t)` over `tensors`, called back to back after a barrier,
     on the rank's clock (`ctx.now`)."""
@@ -277,34 +258,26 @@ def matmuls(x: torch.Tensor, w: torch.Tensor, times: int) -> torch.Tensor:
     return y
 
 
-def compute_then_communicate(ctx: RankContext, n: int = 256, steps: int = 3, emulated_n: int | None = None) -> Timeline:
+def work_of(rank: int) -> int:
+    """How many matrix products rank `rank` does per step: higher ranks get more work."""
+    return 4 + 4 * rank
+
+
+def compute_then_communicate(ctx: RankContext, n: int = 256, steps: int = 3) -> Timeline:
     """A toy training step, `steps` times: compute (a few matmuls, like forward and backward), then
     all-reduce the result (like gradients). Nothing overlaps yet: while a rank communicates, it
-    does not compute. Returns this rank's timeline.
-
-    On an emulated node the math runs at n x n, but the compute lasts what the device model gives
-    for `emulated_n` x `emulated_n` matrices (FLOPs and bytes counted on the meta device) and the
-    all-reduce what the link model gives for the emulated tensor's bytes."""
+    does not compute. Returns this rank's timeline."""
     torch.manual_seed(ctx.rank)
     x = torch.randn(n, n, device=ctx.device)
     w = torch.randn(n, n, device=ctx.device) / n**0.5
-    times = 4 + 4 * ctx.rank  # higher ranks get more work: the others wait for them
-    cost = None
-    if ctx.emulator is not None:
-        from pipelab.emulate.cost import count  # (emulate's cost model imports this module)
-
-        big = emulated_n or n
-        cost = count(matmuls, torch.empty(big, big, device="meta"), torch.empty(big, big, device="meta"), times)
-        ctx.emulator.scale_messages(big * big * x.element_size(), x.nbytes)
+    times = work_of(ctx.rank)  # the others wait for the busiest rank
     for step in range(-1, steps):  # step -1 warms up (first calls allocate and connect), unrecorded
         if step == 0:
             ctx.rec.clear()
-        with ctx.rec.span("F", lane="compute", mb=step, cost=cost):
+        with ctx.rec.span("F", lane="compute", mb=step):
             y = matmuls(x, w, times)
             synchronize(ctx.device)
         with ctx.rec.span("allreduce", lane="comm", mb=step):
             dist.all_reduce(y)
             synchronize(ctx.device)
-    if ctx.emulator is not None:
-        ctx.emulator.scale_messages(1, 1)  # later messages at their own size again
     return ctx.timeline()

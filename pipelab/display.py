@@ -33,7 +33,7 @@ def headline(name: str, value, unit: str = "") -> None:
     from IPython.display import display
 
     data = {"name": name, "value": float(getattr(value, "median", value)), "unit": unit}
-    if hasattr(value, "values") and len(value.values) > 1:
+    if hasattr(value, "values") and f"{value.low:.4g}" != f"{value.high:.4g}":  # a spread, not one figure
         data["low"], data["high"] = float(value.low), float(value.high)
     text = f"Headline: {name} = {data['value']:.4g} {unit}".rstrip()
     if "low" in data:

@@ -219,18 +219,14 @@ def describe(world_size: int = 2, emulate: str | None = None, size: str | None =
     return f"{path} | {_machine(hw)} | torch {hw.torch_version}"
 
 
-def _emulated(who: str, real: str, emulate: str, size: str | None, hw) -> str:
-    """The line of an emulated node: who runs as which node, what stays real, what is modelled."""
-    from pipelab.emulate.specs import parse_node
-
+def _emulated(who: str, real: str, emulate, size: str | None, hw) -> str:
+    """The line of an emulated node: who runs as which node (its name, e.g. "2xH100-nvlink"), what
+    stays real, what is modelled (the model's figures: `pipelab.emulate.model_table`)."""
     at = f" at the emulated size: {size}" if size else ""
-    node = parse_node(emulate)
-    measured = [part.source.startswith("measured by pipelab calibrate") for part in (node.device, node.link)]
-    basis = {(True, True): "the device and link as `pipelab calibrate` measured them",
-             (True, False): "the device as `pipelab calibrate` measured it and the link's data sheet"
-             }.get(tuple(measured), "the device and link data sheets")
-    return (f"Emulated node: {who} {node} ({real} on this machine's CPU; each operation's "
-            f"time modelled from {basis}{at}) | {_machine(hw)} | torch {hw.torch_version}")
+    calibrated = ":" in str(emulate)  # "8x:calibration.json": a GPU `pipelab calibrate` measured
+    basis = "from the GPU as `pipelab calibrate` measured it" if calibrated else "on the emulated node"
+    return (f"Emulated node: {who} {emulate} ({real} on this machine's CPU; each operation's time modelled "
+            f"{basis}, not measured{at}) | {_machine(hw)} | torch {hw.torch_version}")
 
 
 def describe_devices(n: int = 2, emulate: str | None = None, size: str | None = None) -> str:

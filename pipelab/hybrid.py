@@ -150,8 +150,8 @@ class StageAllReduce:
     group size as they are flattened, so the all-reduce's sum is the average, and each all-reduce
     is drawn on the `comm` lane from launch to arrival, on the rank's one clock: on a GPU both ends
     are CUDA events (the arrival recorded on a stream that waits for the all-reduce, never a
-    future's callback, which NCCL fires when the work is enqueued), on an emulated node the
-    modelled times."""
+    future's callback, which NCCL fires when the work is enqueued), on a logical clock the
+    times it gives."""
 
     def __init__(self, place: RankContext, modules: dict[int, nn.Module]):
         self.place, self.modules = place, modules
@@ -182,17 +182,15 @@ def last_backwards(actions: list[Action]) -> dict[int, int]:
 
 
 def run_grid_step(place: RankContext, schedule: Schedule, modules: dict[int, nn.Module], loss_fn: Callable,
-                  x: torch.Tensor, y: torch.Tensor, specs: list[list[TensorSpec]],
-                  costs: dict[int, dict[str, float]] | None = None) -> StageRunner:
+                  x: torch.Tensor, y: torch.Tensor, specs: list[list[TensorSpec]]) -> StageRunner:
     """One training step of this process of the grid (no optimizer): lesson 06's rank loop over
     its own pipeline, plus the all-reduce of each stage's gradients over its data-parallel group,
     started as soon as that stage's last backward is done. `place` is this process's `grid_place`;
     `specs` are the messages' shapes (`p2p.message_specs` of the stages on this pipeline's share of
-    the batch); on an emulated node `costs[stage]` gives each kind's modelled seconds. The runner it
-    returns holds the last stage's micro-batch losses."""
+    the batch). The runner it returns holds the last stage's micro-batch losses."""
     m = schedule.num_microbatches
     p2p = P2P(place, schedule, specs, ranks=pipeline_processes(place))  # messages stay within this pipeline
-    runner = StageRunner(place, schedule, modules, loss_fn, p2p, list(x.chunk(m)), list(y.chunk(m)), costs=costs)
+    runner = StageRunner(place, schedule, modules, loss_fn, p2p, list(x.chunk(m)), list(y.chunk(m)))
     reducer = StageAllReduce(place, modules)
     actions = schedule.actions[place.rank]
     final = last_backwards(actions)

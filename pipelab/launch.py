@@ -34,8 +34,14 @@ from typing import Callable
 
 from pipelab import hardware
 from pipelab.checks import positive_number, whole_number
+from pipelab.emulate import environment, finished, install_from_environment
 from pipelab.worker import RankContext, hello, init_worker  # noqa: F401 - importable from here
-from pipelab.worker import EXIT_DISK_FULL, load_pickle, rank_path, run_spawned, run_under_torchrun
+from pipelab.worker import EXIT_DISK_FULL, ON_FINISH, ON_START, load_pickle, rank_path, run_spawned, run_under_torchrun
+
+# Every rank started here installs what its environment asks for (an emulated node, NCCL's rule).
+if install_from_environment not in ON_START:  # once, whether imported or run as __main__
+    ON_START.append(install_from_environment)
+    ON_FINISH.append(finished)
 
 _POLL_SECONDS = 0.01
 _GRACE_SECONDS = 2.0  # after a rank fails, the most we wait for its peers to exit with their errors
@@ -95,7 +101,6 @@ def spawn(fn: Callable, world_size: int, *args, backend: str = "auto", timeout: 
 
 def _emulation_environment(emulate, nccl_rule: bool, world_size: int, backend: str) -> dict[str, str]:
     """What tells the ranks to emulate a node or obey NCCL's rule, checked before any process starts."""
-    from pipelab.emulate import environment
 
     if emulate is not None and backend != "gloo":
         raise ValueError(f"emulate={emulate!r} runs the ranks on gloo (real CPU tensors, modelled time), "

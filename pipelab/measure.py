@@ -181,12 +181,19 @@ class Measured:
 
     def __format__(self, spec: str) -> str:
         spec = spec or ".3g"
-        if len(self.values) == 1:
+        low, high = format(self.low, spec), format(self.high, spec)
+        if low == high:  # one repeat, or repeats that cannot vary (modelled time): one number
             return format(self.median, spec)
-        return f"{self.median:{spec}} ({self.low:{spec}}-{self.high:{spec}})"
+        return f"{self.median:{spec}} ({low}-{high})"
 
     def __str__(self) -> str:
         return format(self, "")
+
+
+def spread_words(m: Measured, over: str = "the timed steps") -> str:
+    """How a figure was summarised, for a sentence: "median, min-max over ..." where its repeats
+    moved, "the same in each of ..." where they could not (modelled time)."""
+    return f"median, min-max over {over}" if format(m, ".3g") != format(m.median, ".3g") else f"the same in each of {over}"
 
 
 def compare(a: Measured, b: Measured) -> str:

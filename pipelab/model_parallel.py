@@ -117,7 +117,7 @@ def ideal_speedup(splits: int) -> float:
 def pipeline_time(stage_costs: list[float], splits: int) -> float:
     """Time for `splits` equal splits to pass stages that each take one split at a time, in
     order (a flow shop): the first split crosses every stage, then the slowest stage sets the
-    pace for the other k-1. Stages (device 0, copy, device 1) with costs per split."""
+    pace for the other k-1. Stages (device 0, copy, device 1) with times per split."""
     whole_number("splits", splits, example="splits=4")
     return sum(stage_costs) + (splits - 1) * max(stage_costs)
 

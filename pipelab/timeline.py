@@ -221,8 +221,8 @@ class Recorder:
     only *enqueues* kernels, so the span is timed with CUDA events recorded on the current stream
     (or `stream`), and resolved to the shared clock when `timeline()` is called. On an emulated
     node `clock` is the rank's logical clock (`pipelab.emulate.clock`): a span runs from the
-    clock's time before the block to its time after, and a span given a `cost` (modelled seconds,
-    or FLOPs and bytes as `emulate.cost.Counts`) moves the clock by that cost's modelled duration."""
+    clock's time before the block to its time after, and the clock moves by what its cost table
+    gives for the span (by its kind, stage, layer or bucket), so the recording code names no cost."""
 
     def __init__(self, rank: int | str = 0, device=None, enabled: bool = True, clock=None):
         self.rank = rank
@@ -243,15 +243,17 @@ class Recorder:
     @contextmanager
     def span(self, kind: str, lane: str = "compute", mb: int | None = None, stream=None,
              rank: int | str | None = None, cost=None, **meta):
-        """Time the block as one span of `kind` on `lane`. `cost` is the block's modelled cost,
-        which only a logical clock uses: the span then lasts what the model gives for it."""
+        """Time the block as one span of `kind` on `lane` (`meta`: where it ran, e.g. stage=1). On
+        a logical clock the span lasts `cost`, or else what the clock's cost table gives for it."""
         if self.clock is not None:
             t0 = self.clock.now()
             yield
+            cost = self.clock.cost_of(kind, meta) if cost is None else cost
             if cost is not None:
                 self.clock.spend(cost)
             if self.enabled:
                 self._spans.append(Span(self.rank if rank is None else rank, lane, kind, t0, self.clock.now(), mb, meta))
+            self.clock.ended(kind, mb, meta)
             return
         if not self.enabled:
             yield
@@ -277,6 +279,14 @@ class Recorder:
         """Add a span timed elsewhere (times on the shared clock)."""
         if self.enabled:
             self._spans.append(Span(self.rank if rank is None else rank, lane, kind, start, end, mb, meta))
+
+    def ran(self, kind: str, **where) -> None:
+        """Work of `kind` (at `where`: its layer, bucket, bytes) has just run, timed between two
+        stamps: a logical clock moves by what its cost table gives for it; a real one already has."""
+        if self.clock is not None:
+            cost = self.clock.cost_of(kind, where)
+            if cost:
+                self.clock.spend(cost)
 
     def stamp(self, stream=None):
         """A point in this rank's time, to open or close a span with `add_stamped`: on a CUDA

@@ -23,13 +23,20 @@ import threading
 import time
 import traceback
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Callable
 
 from pipelab import hardware
 from pipelab.timeline import Recorder, Timeline
 
 EXIT_DISK_FULL = 28  # a rank's exit code when its result cannot be written: no space left (ENOSPC)
 _WATCH_SECONDS = 0.2  # how often a rank checks that its caller still waits for it
+
+
+# What every rank runs once its process group has formed (with its RankContext), and once its
+# function has returned. `pipelab.launch` adds the emulator's: it installs an emulated node's clock
+# and communication, or NCCL's ordering rule, when the caller of `spawn` asked for one.
+ON_START: list[Callable[["RankContext"], None]] = []
+ON_FINISH: list[Callable[[], None]] = []
 
 
 @dataclass
@@ -89,9 +96,8 @@ def init_worker(backend: str | None = None, timeout: float = 1800.0) -> RankCont
     dist.init_process_group(backend, rank=rank, world_size=world_size,
                             timeout=datetime.timedelta(seconds=timeout), **kwargs)
     ctx = RankContext(rank, world_size, local_rank, backend, device, Recorder(rank, device))
-    from pipelab.emulate import install_from_environment
-
-    install_from_environment(ctx)  # an emulated node or NCCL's ordering rule, if spawn asked for one
+    for hook in ON_START:  # e.g. an emulated node or NCCL's ordering rule, if spawn asked for one
+        hook(ctx)
     return ctx
 
 
@@ -113,9 +119,8 @@ def run_spawned(workdir: str) -> None:
         ctx = init_worker(os.environ["PIPELAB_BACKEND"], float(os.environ["PIPELAB_TIMEOUT"]))
         phase = "run"
         result = fn(ctx, *args, **kwargs)
-        from pipelab.emulate import finished
-
-        finished()  # under NCCL's rule: the other ranks' watchdogs learn that this one waits for nobody
+        for done in ON_FINISH:  # e.g. under NCCL's rule: the other ranks learn this one waits for nobody
+            done()
         dump_pickle(result, rank_path(workdir, "result", rank))
         phase = "leave"
         leave_together(ctx)

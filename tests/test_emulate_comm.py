@@ -172,6 +172,7 @@ def test_without_emulation_a_modelled_cost_is_ignored_and_time_is_the_machines()
 
 def emulated_pipeline(ctx, names, model, x, y, m, costs):
     """One step of each schedule on this rank, its spans lasting `costs`; the step's time and spans."""
+    from pipelab.emulate.table import stage_table
     from pipelab.pipeline.p2p import P2P, message_specs
     from pipelab.pipeline.partition import split_model
     from pipelab.pipeline.schedules import make_schedule
@@ -186,8 +187,8 @@ def emulated_pipeline(ctx, names, model, x, y, m, costs):
         ctx.rec.clear()
         start = ctx.now()
         p2p = P2P(ctx, schedule, message_specs(stages, x, m))
-        runner = StageRunner(ctx, schedule, modules, torch.nn.MSELoss(), p2p, list(x.chunk(m)), list(y.chunk(m)),
-                             costs={s: costs for s in modules})
+        ctx.emulator.use(stage_table({s: costs for s in modules}))  # each span lasts `costs`
+        runner = StageRunner(ctx, schedule, modules, torch.nn.MSELoss(), p2p, list(x.chunk(m)), list(y.chunk(m)))
         for action in schedule.actions[ctx.rank]:
             runner.run(action)
         p2p.finish()

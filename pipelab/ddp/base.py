@@ -7,8 +7,7 @@ from __future__ import annotations
 import threading
 from collections import Counter
 from contextlib import nullcontext
-from dataclasses import dataclass
-from typing import Any, Callable, Mapping
+from typing import Callable, Mapping
 
 import torch
 import torch.distributed as dist
@@ -19,29 +18,6 @@ from pipelab.ddp.replicas import broadcast_from_rank0, check_replicas
 from pipelab.models import trainable_parameters
 from pipelab.streams.base import tensors_in
 from pipelab.timeline import Recorder
-
-
-@dataclass
-class LayerCosts:
-    """What a wrapper's work lasts on an emulated node (`pipelab.emulate`), where the rank's clock
-    moves only by modelled costs: each layer's forward and backward (seconds, or FLOPs and bytes as
-    `emulate.cost.Counts`) by layer name, the optimizer step's cost, and `bytes_scale`, the
-    emulated bytes of gradient per real byte (what a copy of gradients moves, `copy`)."""
-
-    forward: dict[str, Any]
-    backward: dict[str, Any]
-    optimizer: Any = 0.0
-    bytes_scale: float = 1.0
-
-    def copy(self, nbytes: int):
-        """The cost of copying `nbytes` real bytes of gradient: read and write them at the emulated size."""
-        from pipelab.emulate.cost import Counts
-
-        return Counts(0.0, 2.0 * nbytes * self.bytes_scale, 1)
-
-    def forward_total(self):
-        costs = list(self.forward.values())
-        return sum(costs[1:], costs[0]) if costs else 0.0
 
 
 def _layer_name(param_name: str) -> str:
@@ -58,9 +34,8 @@ class DDPBase(nn.Module):
     moment its own gradients are ready. That is the time backward spent on it, our hooks'
     bookkeeping included. Every span is timed on the rank's one clock (`Recorder.stamp`): on a GPU
     with CUDA events recorded on the stream that runs the work, so a span is when the kernels ran,
-    not when Python issued them; on an emulated node with the logical clock, which each layer's
-    backward moves by its modelled cost (`costs`, a `LayerCosts`, set by whoever knows the
-    emulated size); on a CPU with the machine's clock.
+    not when Python issued them; on a CPU with the machine's clock. (`rec.ran` says which work
+    just ran, for a clock that keeps modelled time.)
 
     A subclass says what to do with each gradient (`grad_ready`) and at the end of backward
     (`finish_gradients`).
@@ -82,7 +57,6 @@ class DDPBase(nn.Module):
         self.world_size = dist.get_world_size(process_group)
         self.rank = dist.get_rank(process_group)
         self.rec = recorder if recorder is not None else Recorder(self.rank, enabled=False)
-        self.costs: LayerCosts | None = None  # on an emulated node: what each layer's work lasts
         check_replicas(module, process_group)
         broadcast_from_rank0(module, process_group)
         self.broadcast_buffers = broadcast_buffers
@@ -104,8 +78,7 @@ class DDPBase(nn.Module):
         self.reset()
         if self.broadcast_buffers and torch.is_grad_enabled():
             self.sync_buffers()
-        forward = {"cost": self.costs.forward_total()} if self.costs is not None else {}
-        with self.rec.span("F", lane="compute", **forward) if not self.spread else nullcontext():
+        with self.rec.span("F", lane="compute") if not self.spread else nullcontext():
             out = self.module(*inputs, **kwargs)
         for t in tensors_in(out):
             if t.requires_grad:  # its gradient arrives first in backward: the start of our B spans
@@ -157,7 +130,7 @@ class DDPBase(nn.Module):
         layer = self._layers[index]
         self._layer_left[layer] -= 1
         if self._layer_left[layer] == 0:
-            self.spend(self.costs.backward.get(layer, 0.0) if self.costs is not None else 0.0)
+            self.rec.ran("B", layer=layer)
             t = self.stamp()
             self.rec.add_stamped("B", self._mark, t, lane=self._lane[layer], layer=layer)
             self._mark = t
@@ -167,13 +140,6 @@ class DDPBase(nn.Module):
         or the recorder's time. A module spread over devices is timed on the host clock: events of
         two devices cannot be compared."""
         return self.rec.now() if self.spread else self.rec.stamp()
-
-    def spend(self, cost) -> None:
-        """On an emulated node, move the rank's logical clock by `cost`; elsewhere the work itself
-        took the time."""
-        clock = getattr(self.rec, "clock", None)
-        if clock is not None and cost:
-            clock.spend(cost)
 
     def end_backward(self) -> None:
         try:

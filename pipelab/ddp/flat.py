@@ -1,7 +1,7 @@
 """One flat all-reduce: many gradients averaged over a group in a single message.
 
 Flatten the gradients into one buffer, divided by the number of replicas as they are copied (the
-sum the all-reduce computes is then the average, and the division costs no extra pass), launch the
+sum the all-reduce computes is then the average, and the division needs no extra pass), launch the
 all-reduce asynchronously so that it travels while the caller computes, and write the averages
 back into `.grad` once it has arrived. `BucketedDDP` does this per bucket (filling the buffer one
 gradient at a time, as backward produces them), the grid's `StageAllReduce` per pipeline stage,
@@ -53,7 +53,7 @@ def side_stream(device: torch.device):
 def on_events(rec: Recorder, device: torch.device) -> bool:
     """Whether spans of work on `device` are CUDA events of `rec`: a CUDA recorder on that same
     device (events of two devices cannot be compared; a module spread over devices keeps to the
-    host clock), not on an emulated node's logical clock."""
+    host clock), not on a logical clock."""
     return rec._is_cuda() and rec.clock is None and torch.device(device) == torch.device(rec.device)
 
 
@@ -61,9 +61,9 @@ def arrival_stamp(work, rec: Recorder, device: torch.device):
     """The moment collective `work` finishes, on the rank's clock, as `rec.add_stamped` takes it:
     on a CUDA device a CUDA event recorded on a side stream made to wait for the collective (the
     communication stream's end, not a host callback: NCCL's future fires when the collective is
-    *enqueued*); on an emulated node the handle's modelled end; on a CPU the moment gloo's thread
+    *enqueued*); for a handle that knows its own end (a timed communication layer) that end; on a CPU the moment gloo's thread
     finished it (a callback of the work's future, read on the shared clock)."""
-    if hasattr(work, "end"):  # a handle of pipelab.emulate (an emulated node, or NCCL's rule alone)
+    if hasattr(work, "end"):  # a handle that knows when it ends (NCCL's ordering rule on gloo)
         return None  # read at wait(): its end is known once the operation ran
     if on_events(rec, device):
         stream = side_stream(device)

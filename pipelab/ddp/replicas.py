@@ -53,5 +53,5 @@ def broadcast_from_rank0(module: nn.Module, group=None) -> None:
     with torch.no_grad():
         for t in [*module.parameters(), *module.buffers()]:
             # detached: the same memory without autograd, whichever thread runs the broadcast (grad
-            # mode is per thread, and pipelab.emulate runs collectives on a thread of its own)
+            # mode is per thread, and a timed communication layer may run collectives on a thread of its own)
             dist.broadcast(t.detach(), src=src, group=group)

@@ -73,7 +73,7 @@ class BucketedDDP(DDPBase):
     ready at the end of backward with zero gradients (so their buckets go out only then), and one
     more small all-reduce per step tells every rank which parameters no rank used: those keep
     `.grad` untouched (None), exactly as in a single process. torch finds them already after forward, by
-    walking the autograd graph; marking them at the end is simpler and costs some overlap.
+    walking the autograd graph; marking them at the end is simpler and gives up some overlap.
 
     A module spread over devices gets buckets that never mix devices (`plan_buckets` keeps one
     open bucket per device), each a flat buffer on its own device, so no gradient is copied
@@ -140,7 +140,7 @@ class BucketedDDP(DDPBase):
     def grad_ready(self, index: int, param: torch.Tensor) -> None:
         self._ready[index] = True
         # Divide while copying into the bucket: the all-reduce's sum is then the average, and the
-        # division costs no extra pass over the gradients (torch's DDP does the same).
+        # division needs no extra pass over the gradients (torch's DDP does the same).
         torch.div(param.grad.reshape(-1), self.world_size, out=self.slot(index))
         self._left[self._slots[index][0]] -= 1
         self.send_complete_buckets()
@@ -185,7 +185,7 @@ class BucketedDDP(DDPBase):
             copy_start = self.stamp()
             members = self._members[bucket]
             write_back(flat, [self.params[i][1] for i in members], keep=[self._ready[i] for i in members])
-            self.spend(self.costs.copy(flat.nbytes) if self.costs is not None else 0.0)
+            self.rec.ran("copy", bytes=flat.nbytes)
             self.rec.add_stamped("copy", copy_start, self.stamp(), lane=self.buckets[bucket].device or "compute",
                                  bucket=bucket)
         self._inflight = []

@@ -1,16 +1,21 @@
-"""Emulated accelerator nodes: real processes and real math, modelled time.
+"""Emulated accelerator nodes: real processes and real math, modelled time. The only owner of it.
 
 `specs` holds the devices and links (every figure with its public source), `cost` counts an
 operation's FLOPs and bytes on the meta device and turns them into seconds, `memory` adds up what a
-rank would hold on the device. `clock` is a rank's logical clock, `comm` the rank's communication
-under NCCL's ordering rule (and, on an emulated node, timed by the link model).
+rank would hold on the device, `stages` counts a pipeline's stages at the emulated size. `table` is
+a rank's cost table: what each span lasts, by its kind, stage, layer or bytes, built once from the
+model at the emulated size and installed on the rank's logical clock (`clock`) with
+`Emulator.use`; the algorithms record their spans as on hardware and never see it. `comm` is the
+rank's communication under NCCL's ordering rule (and, on an emulated node, timed by the link
+model). `model_table` is the table of the model a lesson runs on, each figure with its source.
 
 A rank gets them from `spawn`: `spawn(fn, n, emulate="4xH100-nvlink")` runs the ranks on an
 emulated node (modelled time, NCCL's rule); `spawn(fn, n, nccl_rule=True)` only puts the ranks'
 communication under NCCL's rule, on the machine's own clock. The parent passes either by an
-environment variable (`PIPELAB_EMULATE`: the node as JSON; `PIPELAB_NCCL_RULE`) and
-`worker.init_worker` calls `install_from_environment` once the process group has formed. A caller
-started with `PIPELAB_NCCL_RULE=1` puts every spawn under the rule (e.g. a whole test run).
+environment variable (`PIPELAB_EMULATE`: the node as JSON; `PIPELAB_NCCL_RULE`); `pipelab.launch`
+hands `install_from_environment` to the worker's start hooks (`worker.ON_START`), which run once
+the process group has formed. A caller started with `PIPELAB_NCCL_RULE=1` puts every spawn under
+the rule (e.g. a whole test run).
 """
 
 from __future__ import annotations
@@ -22,6 +27,7 @@ from typing import TYPE_CHECKING, Any
 from pipelab.emulate import comm
 from pipelab.emulate.clock import LogicalClock, RealClock
 from pipelab.emulate.model import seconds
+from pipelab.emulate.describe import model_table  # noqa: F401 - what every emulated lesson shows first
 
 if TYPE_CHECKING:
     from pipelab.worker import RankContext
@@ -49,6 +55,16 @@ class Emulator:
         if emulated_bytes < 0 or real_bytes <= 0:
             raise ValueError(f"need emulated_bytes >= 0 and real_bytes > 0, got {emulated_bytes!r}, {real_bytes!r}")
         self.rule.bytes_scale = emulated_bytes / real_bytes
+
+    def use(self, table=None, memory=None) -> None:
+        """Time this rank's work by `table` (an `emulate.table.CostTable`, built once from the model
+        at the emulated size; None: an empty one, nothing modelled): the clock looks every span up
+        there. With `memory` (a `memory.MemoryMeter`), what the table stashes and frees goes on it."""
+        from pipelab.emulate.table import CostTable
+
+        if memory is not None:
+            self.memory = memory
+        self.clock.table, self.clock.memory = table if table is not None else CostTable(), self.memory
 
     def seconds(self, cost) -> float:
         """Modelled seconds of a compute cost: seconds as they are, or `cost.Counts` on the device."""

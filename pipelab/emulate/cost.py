@@ -28,7 +28,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_map
 from torch.utils.flop_counter import FlopCounterMode, flop_registry
 
-from pipelab.collectives import ring_all_reduce_time
+from pipelab.latency_bandwidth import ring_all_reduce_time
 from pipelab.emulate import calibrated
 from pipelab.emulate.specs import Device, Link, dtype_name, torch_dtype
 from pipelab.models import trainable_parameters

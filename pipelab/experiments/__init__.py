@@ -14,6 +14,7 @@ One file per lesson family. The algorithms these run live below (`pipelab.ddp`,
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence, TypeVar
 
@@ -34,6 +35,12 @@ class Config:
     timeout: float = 120.0
     emulate: str | None = None  # e.g. "4xH100-nvlink": run on an emulated node (`pipelab.emulate`)
 
+    @property
+    def node(self):
+        """The node `emulate` names (an `emulate.specs.Node`), parsed once, when the Config checked
+        itself; None where nothing is emulated."""
+        return None if self.emulate is None else _node(self.emulate)
+
     def __post_init__(self) -> None:
         self.check()
 
@@ -47,13 +54,23 @@ class Config:
             raise ValueError(f"backend must be one of {BACKENDS}, got {self.backend!r}")
         positive_number("timeout", self.timeout, example="timeout=120", unit="seconds")
         if self.emulate is not None:
-            from pipelab.emulate.specs import parse_node
-
-            node = parse_node(self.emulate)  # a bad name lists the known devices and links
+            node = self.node  # a bad name lists the known devices and links
             if node.count < self.world_size:
                 raise ValueError(f"emulate={self.emulate!r} has {node.count} devices for world_size="
                                  f"{self.world_size} ranks; name a node with at least {self.world_size}, "
                                  f"e.g. emulate=\"{self.world_size}x{self.emulate.split('x', 1)[-1]}\"")
+
+
+def _node(emulate):
+    """The node an `emulate=` names, parsed once per name (a `specs.Node` is returned as it is)."""
+    return _named(emulate) if isinstance(emulate, str) else _named.__wrapped__(emulate)
+
+
+@functools.lru_cache(maxsize=None)
+def _named(emulate):
+    from pipelab.emulate.specs import parse_node
+
+    return parse_node(emulate)
 
 
 def run(worker: Callable[..., Any], cfg: Config, gather: Callable[[Any, Sequence[Any]], R] | None = None) -> R:

@@ -71,11 +71,11 @@ def worker(ctx: RankContext, cfg: Config) -> SweepResult:
     xs = shard(cfg.x, ctx.rank, ctx.world_size).to(ctx.device)
     ys = shard(cfg.y, ctx.rank, ctx.world_size).to(ctx.device)
     kinds = ["bucketed", "torch"] if cfg.with_torch else ["bucketed"]
-    costs = emulate_work(ctx, cfg, cfg.model, xs.cpu())  # on an emulated node: each layer's modelled work
+    emulate_work(ctx, cfg, cfg.model, xs.cpu())  # on an emulated node: each layer's modelled work
     wrappers = {}
     for cap in cfg.caps_mb:
         for kind in kinds:
-            wrapped = wrap(kind, copy.deepcopy(cfg.model).to(ctx.device), cap, ctx.rec, device=ctx.device, costs=costs)
+            wrapped = wrap(kind, copy.deepcopy(cfg.model).to(ctx.device), cap, ctx.rec, device=ctx.device)
             wrappers[cap, kind] = (wrapped, torch.optim.SGD(wrapped.parameters(), lr=cfg.lr))
     measured = {key: RankSteps([], [], []) for key in wrappers}
 

@@ -43,12 +43,12 @@ from pipelab.checks import positive_number, whole_number
 from pipelab.data import Corpus, batchify, data_columns, get_batch
 from pipelab.display import conclude, human_bytes
 from pipelab.emulate.cost import Counts, compute_seconds
-from pipelab.emulate.specs import parse_node, torch_dtype
+from pipelab.emulate.specs import torch_dtype
 from pipelab.hybrid import check_grid, grid_place, microbatch_losses, run_grid_step
 from pipelab.lm import TransformerLM, check_fits, clip_grad_norm_, lm_loss, stage_memory, stages_of
 from pipelab.measure import Measured, RankSteps, Steps, TimedSteps, compare_medians, gather_steps, time_steps
 from pipelab.pipeline.p2p import message_specs
-from pipelab.pipeline.emulated import emulated_stages as count_stages
+from pipelab.emulate.stages import emulated_stages as count_stages
 from pipelab.pipeline.partition import partition_layers
 from pipelab.reference import exact_fp32
 from pipelab.pipeline.schedules import make_schedule
@@ -304,7 +304,7 @@ def emulated_stages(cfg: Config, ntoken: int, node) -> list[dict]:
     one is: its parameters, the modelled seconds on `node`'s device of its F, I, W and B (= I + W,
     as the simulator prices it; the last stage with its loss) on one micro-batch of
     `cfg.emulated_columns` x `cfg.bptt` tokens, counted on the meta device by the pipeline lessons'
-    `pipeline.emulated.emulated_stages`, and of its clipping and SGD step (`update_seconds`)."""
+    `emulate.stages.emulated_stages`, and of its clipping and SGD step (`update_seconds`)."""
     key = (cfg.emulated_emsize, cfg.emulated_nhid, cfg.emulated_nhead, cfg.emulated_nlayers, cfg.emulated_columns,
            cfg.bptt, cfg.pipe, cfg.partition, ntoken, node.device.name)
     if key not in _COUNTED:  # the notebook asks more than once: count once
@@ -332,7 +332,7 @@ def emulated_stage_table(cfg: Config, ntoken: int) -> list[dict]:
     real = stages_of(model, partition_layers(list(model), cfg.pipe, cfg.partition))
     activation = cfg.batch_size // (cfg.data * cfg.num_microbatches) * cfg.bptt * cfg.emsize * 4  # float32, one micro-batch
     rows = []
-    for r, stage in zip(emulated_stages(cfg, ntoken, parse_node(cfg.emulate)), real):
+    for r, stage in zip(emulated_stages(cfg, ntoken, cfg.node), real):
         scale = r["parameters"] * EMULATED_ITEMSIZE / sum(p.numel() * p.element_size() for p in stage.parameters())
         rows.append({"stage": r["stage"], "parameters": f"{r['parameters'] / 1e6:,.0f} M",
                      "F (ms per micro-batch)": f"{r['F'] * 1e3:.2f}", "B (ms)": f"{r['B'] * 1e3:.2f}",
@@ -353,6 +353,9 @@ def emulate_stage(ctx: RankContext, cfg: Config, ntoken: int, stage: int, real: 
     row = (cfg.stage_costs or emulated_stages(cfg, ntoken, ctx.emulator.node))[stage]
     real_bytes = sum(p.numel() * p.element_size() for p in real.parameters())
     ctx.emulator.scale_messages(row["parameters"] * EMULATED_ITEMSIZE, real_bytes)
+    from pipelab.emulate.table import stage_table
+
+    ctx.emulator.use(stage_table({stage: {kind: row[kind] for kind in ("F", "B", "I", "W") if kind in row}}))
     return row
 
 
@@ -370,7 +373,7 @@ def one_device_seconds(cfg: Config, ntoken: int, node) -> float:
 
 def one_device_tokens_per_second(cfg: Config, ntoken: int) -> float:
     """Tokens/s of one emulated device of `cfg.emulate`'s node training the whole model alone."""
-    return cfg.step_tokens(emulated=True) / one_device_seconds(cfg, ntoken, parse_node(cfg.emulate))
+    return cfg.step_tokens(emulated=True) / one_device_seconds(cfg, ntoken, cfg.node)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -411,14 +414,13 @@ class GridTrainer:
         self.stash_peak = (0, 0)  # the most micro-batches stashed at once, and their bytes, any step
         # On an emulated node: this stage's modelled seconds at the emulated size (None: real time)
         self.emulated = emulate_stage(ctx, cfg, len(corpus.vocab), self.place.rank, self.stage)
-        self.costs = {self.place.rank: self.emulated} if self.emulated else None
 
     def step(self, i: int) -> list[float] | None:
         """One SGD step on the window at row `i`: the pipeline, the clip over it, the update. The
         micro-batch losses where this process holds the last stage."""
         x, y = (t.to(self.ctx.device) for t in get_batch(self.train, i, self.cfg.bptt))
         self.opt.zero_grad(set_to_none=True)
-        runner = run_grid_step(self.place, self.schedule, self.modules, lm_loss, x, y, self.specs, self.costs)
+        runner = run_grid_step(self.place, self.schedule, self.modules, lm_loss, x, y, self.specs)
         self.stash_peak = max(self.stash_peak, (runner.meter.peak, runner.meter.peak_bytes))
         with self.ctx.rec.span("clip", lane="comm", cost=self.emulated and self.emulated["clip"]):
             clip_grad_norm_(self.stage.parameters(), self.cfg.clip, self.pipe_group)
@@ -460,8 +462,10 @@ class GridTrainer:
                 valid = self.validate()
                 if self.logger:
                     mean = sum(interval) / len(interval)
-                    self.say(LOG_LINE.format(epoch, batch, len(starts), self.lr_steps.get_last_lr()[0], ms, mean,
-                                             math.exp(min(mean, 50))))
+                    line = LOG_LINE.format(epoch, batch, len(starts), self.lr_steps.get_last_lr()[0], ms, mean,
+                                           math.exp(min(mean, 50)))
+                    # on an emulated node the step time is modelled; the progress bar below is this machine's
+                    self.say(line.replace("ms/batch", "ms/batch modelled") if self.cfg.emulate else line)
                     log.curve.append((len(log.mb_losses), math.exp(mean), valid))
                 clock, interval = self.ctx.now(), []
         self.lr_steps.step()
@@ -583,8 +587,9 @@ def train(cfg: Config, corpus: Corpus, progress: bool = True) -> LMRun:
     recipe whose stages will not fit in memory before starting any."""
     cfg = replace(cfg, corpus=corpus, progress=None)  # checks the memory, before any process starts
     if cfg.emulate is not None:  # counted once here, not on every rank
-        cfg = replace(cfg, stage_costs=emulated_stages(cfg, len(corpus.vocab), parse_node(cfg.emulate)))
-    with progress_bar(cfg.batches(corpus), f"{cfg.pipe} x {cfg.data} grid") if progress else nullcontext() as path:
+        cfg = replace(cfg, stage_costs=emulated_stages(cfg, len(corpus.vocab), cfg.node))
+    where = ", real time on this machine" if cfg.emulate else ""
+    with progress_bar(cfg.batches(corpus), f"{cfg.pipe} x {cfg.data} grid{where}") if progress else nullcontext() as path:
         return experiments.run(worker, replace(cfg, progress=path), gather)
 
 
@@ -783,7 +788,7 @@ def emulated_step(cfg: Config, vocab_size: int) -> dict:
     the schedule played by the simulator with each stage's modelled F and B (free messages), the
     slowest stage's clipping and SGD step, and each stage's gradient bytes (what its data-parallel
     all-reduce carries)."""
-    stages = emulated_stages(cfg, vocab_size, parse_node(cfg.emulate))
+    stages = emulated_stages(cfg, vocab_size, cfg.node)
     costs = Costs(per_stage={r["stage"]: (r["F"] * 1e3, r["B"] * 1e3, 0.0) for r in stages})  # whole backwards
     sim = simulate(make_schedule(cfg.schedule, cfg.pipe, cfg.num_microbatches), costs)
     return {"schedule_s": sim.makespan_ms / 1e3, "bubble": sim.bubble_fraction,
@@ -797,7 +802,7 @@ def emulated_speed_verdict(run: LMRun, one_rate: Measured, vocab_size: int) -> s
     the grid's modelled step goes: the schedule's compute and bubble (the simulator, same costs),
     clipping and the SGD step, and the rest (the messages and the data-parallel all-reduce). Both
     rates come from logical clocks: the same figures on every run."""
-    cfg, node = run.cfg, parse_node(run.cfg.emulate)
+    cfg, node = run.cfg, run.cfg.node
     grid, one = run.tokens_per_second.median, one_rate.median
     tokens, ratio = cfg.step_tokens(emulated=True), grid / one
     step, one_step, model = tokens / grid, tokens / one, emulated_step(cfg, vocab_size)

@@ -25,7 +25,7 @@ from pipelab.checks import whole_number
 from pipelab.collectives import (AllReduceTime, MessageTime, all_reduce_sweep, compute_then_communicate,
                                  fit_latency_bandwidth, ping_pong, ring_all_reduce_time, small_message_latency)
 from pipelab.display import human_bytes
-from pipelab.measure import Measured, compare
+from pipelab.measure import Measured, compare, spread_words
 from pipelab.timeline import Timeline
 from pipelab.worker import RankContext
 
@@ -71,15 +71,6 @@ class Config(experiments.Config):
 def own_cores(cfg: Config) -> Config:
     """The same parameters on this machine's own cores: nothing emulated."""
     return replace(cfg, emulate=None, emulated_matrix=None)
-
-
-def link_sources(node: str) -> str:
-    """One line per figure of the emulated node's link: its value and where it comes from."""
-    from pipelab.emulate.specs import parse_node
-
-    link = parse_node(node).link
-    return (f"link {link.name}: {link.bandwidth_Bps / 1e9:g} GB/s each way, from {link.source}\n"
-            f"      latency {link.latency_s * 1e6:g} µs per message, {link.latency_source}")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -271,7 +262,23 @@ def ring_model_verdict(run: AllReduceRun, tolerance: float = 0.05) -> tuple[str,
 def step_worker(ctx: RankContext, cfg: Config) -> Timeline:
     """`compute_then_communicate` for `cfg.steps` steps of `cfg.matrix_size` matrices (modelled at
     `cfg.emulated_matrix` on an emulated node); this rank's spans."""
-    return compute_then_communicate(ctx, cfg.matrix_size, cfg.steps, cfg.emulated_matrix)
+    if ctx.emulator is None:
+        return compute_then_communicate(ctx, cfg.matrix_size, cfg.steps)
+    import torch
+
+    from pipelab.collectives import matmuls, work_of
+    from pipelab.emulate.cost import count
+    from pipelab.emulate.table import CostTable
+
+    # The math runs at matrix_size; the compute lasts what the device model gives for the emulated
+    # matrices (counted on the meta device), the all-reduce what the link gives for their bytes.
+    big = torch.empty(*(2 * [cfg.emulated_matrix or cfg.matrix_size]), device="meta")
+    ctx.emulator.use(CostTable({("F",): count(matmuls, big, big, work_of(ctx.rank))}))
+    ctx.emulator.scale_messages(big.numel() * 4, cfg.matrix_size ** 2 * 4)
+    timeline = compute_then_communicate(ctx, cfg.matrix_size, cfg.steps)
+    ctx.emulator.scale_messages(1, 1)  # later messages at their own size again
+    ctx.emulator.use(None)
+    return timeline
 
 
 def step_flops(matrix_size: int, steps: int, world_size: int = 2) -> float:
@@ -279,11 +286,11 @@ def step_flops(matrix_size: int, steps: int, world_size: int = 2) -> float:
     included, counted on the meta device: what the `gpu` profile's budget is estimated from."""
     import torch
 
-    from pipelab.collectives import matmuls
+    from pipelab.collectives import matmuls, work_of
     from pipelab.emulate.cost import count
 
     meta = torch.empty(matrix_size, matrix_size, device="meta")
-    return (steps + 1) * sum(count(matmuls, meta, meta, 4 + 4 * rank).flops for rank in range(world_size))
+    return (steps + 1) * sum(count(matmuls, meta, meta, work_of(rank)).flops for rank in range(world_size))
 
 
 def gather_timeline(cfg: Config, results: Sequence[Timeline]) -> Timeline:
@@ -303,8 +310,8 @@ def waiting_verdict(timeline: Timeline) -> tuple[str, str, str, dict]:
     verdict = "higher" if extra.median > 0 else "lower" if extra.median < 0 else "within noise"
     every = compare(extra, Measured.of([0.0])) == verdict
     steps = len(extra.values)
-    text = (f"rank {fastest}'s all-reduce box was {extra:.2f} ms longer than rank {slowest}'s (median, min-max over "
-            f"{steps} steps): "
+    text = (f"rank {fastest}'s all-reduce box was {extra:.2f} ms longer than rank {slowest}'s "
+            f"({spread_words(extra, f'{steps} steps')}): "
             + {"higher": f"in {'every' if every else 'the typical'} step rank {fastest}, with less work, waited inside "
                          f"the all-reduce for rank {slowest}.",
                "lower": f"in the typical step rank {slowest} waited longer, though it had more work: the machine's "

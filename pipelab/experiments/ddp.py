@@ -34,7 +34,8 @@ from pipelab import experiments
 from pipelab.checks import divides, mean_loss, positive_number, same_batch, trainable, whole_number
 from pipelab.collectives import ring_all_reduce_time
 from pipelab.ddp import Bucket, BucketedDDP, DDPBase, NaiveDDP, check_bucket_cap
-from pipelab.ddp.base import LayerCosts, _layer_name
+from pipelab.ddp.base import _layer_name
+from pipelab.emulate.table import LayerCosts
 from pipelab.display import human_bytes
 from pipelab.measure import Measured, RankSteps, Steps, TimedSteps, compare, gather_steps, time_steps
 from pipelab.reference import perturb
@@ -231,28 +232,24 @@ def emulated_costs(model: nn.Module, x: torch.Tensor, scale: int, rows: int) -> 
 
 
 def emulate_work(ctx: RankContext, cfg: Training, model: nn.Module, xs: torch.Tensor) -> LayerCosts | None:
-    """On an emulated node, the costs of `model`'s layers at the emulated size, and every message
-    timed at the emulated gradients' size; elsewhere None (the work itself takes the time)."""
+    """On an emulated node, time the rank's work by the costs of `model`'s layers at the emulated
+    size, and every message at the emulated gradients' size; returns those costs. Elsewhere None
+    (the work itself takes the time)."""
     if ctx.emulator is None:
         return None
     costs = cfg.layer_costs if model is cfg.model else emulated_costs(model, xs, cfg.width_scale, cfg.rows)[0]
+    ctx.emulator.use(costs.table())
     ctx.emulator.scale_messages(costs.bytes_scale, 1.0)
     return costs
 
 
 def wrap(variant: str, module: nn.Module, bucket_cap_mb: float = 25.0, recorder: Recorder | None = None,
-         find_unused_parameters: bool = False, device: torch.device | None = None,
-         costs: LayerCosts | None = None) -> nn.Module:
-    """`module` wrapped by one of the variants: "naive", "bucketed" (ours) or "torch" (torch's DDP);
-    ours with `costs` (on an emulated node: what each layer's work lasts, `emulate_work`)."""
+         find_unused_parameters: bool = False, device: torch.device | None = None) -> nn.Module:
+    """`module` wrapped by one of the variants: "naive", "bucketed" (ours) or "torch" (torch's DDP)."""
     if variant == "naive":
-        wrapped = NaiveDDP(module, recorder=recorder)
-        wrapped.costs = costs
-        return wrapped
+        return NaiveDDP(module, recorder=recorder)
     if variant == "bucketed":
-        wrapped = BucketedDDP(module, bucket_cap_mb, find_unused_parameters, recorder=recorder)
-        wrapped.costs = costs
-        return wrapped
+        return BucketedDDP(module, bucket_cap_mb, find_unused_parameters, recorder=recorder)
     if variant == "torch":
         device_ids = [device.index] if device is not None and device.type == "cuda" else None
         return nn.parallel.DistributedDataParallel(module, device_ids=device_ids, bucket_cap_mb=bucket_cap_mb,
@@ -273,8 +270,7 @@ def train_step(ctx: RankContext, model: nn.Module, optimizer: torch.optim.Optimi
     loss = loss_fn(out, y)
     with ctx.rec.span("B", lane="compute") if black_box else nullcontext():
         loss.backward()
-    costs = getattr(model, "costs", None)  # on an emulated node, what the optimizer's step lasts
-    with ctx.rec.span("optimizer", lane="compute", cost=costs.optimizer if costs is not None else None):
+    with ctx.rec.span("optimizer", lane="compute"):
         optimizer.step()
     return loss.item()
 
@@ -311,13 +307,13 @@ def worker(ctx: RankContext, cfg: Config) -> list[Result]:
     the reference (gradients, weights after the SGD step) and warms up; the others are timed."""
     xs = shard(cfg.x, ctx.rank, ctx.world_size).to(ctx.device)
     ys = shard(cfg.y, ctx.rank, ctx.world_size).to(ctx.device)
-    costs = emulate_work(ctx, cfg, cfg.model, xs.cpu())
+    emulate_work(ctx, cfg, cfg.model, xs.cpu())  # on an emulated node: each layer's modelled work
     results = []
     for variant in cfg.variants:
         replica = copy.deepcopy(cfg.model).to(ctx.device)
         if ctx.rank != 0:
             perturb(replica, seed=ctx.rank)
-        wrapped = wrap(variant, replica, cfg.bucket_cap_mb, ctx.rec, cfg.find_unused_parameters, ctx.device, costs)
+        wrapped = wrap(variant, replica, cfg.bucket_cap_mb, ctx.rec, cfg.find_unused_parameters, ctx.device)
         optimizer = torch.optim.SGD(wrapped.parameters(), lr=cfg.lr)
         result = Result(variant, RankSteps([], [], []))
 

@@ -397,8 +397,8 @@ class Result:
 def worker(ctx: RankContext, cfg: Config) -> Result:
     """Build this rank's stage, train `cfg.steps` batches on its replica's share of the batch."""
     topology, M = cfg.topology, cfg.num_microbatches
-    engine = PipelineEngine(ctx, cfg.module, topology, M, cfg.lr,
-                            costs=stage_costs(ctx, cfg, topology.get_coord(ctx.rank).pipe))
+    emulate_stage(ctx, cfg, topology.get_coord(ctx.rank).pipe)
+    engine = PipelineEngine(ctx, cfg.module, topology, M, cfg.lr)
     dp, replica = topology.get_dim("data"), topology.get_coord(ctx.rank).data
     x, y = cfg.inputs.chunk(dp)[replica], cfg.targets.chunk(dp)[replica]
     data = list(zip(x.chunk(M), y.chunk(M)))
@@ -418,12 +418,14 @@ def activation_bytes(layers: list, example: torch.Tensor, upto: int, dtype=None)
     return x.numel() * (torch_dtype(dtype).itemsize if dtype is not None and x.is_floating_point() else x.element_size())
 
 
-def stage_costs(ctx: RankContext, cfg: Config, stage: int) -> dict[str, float] | None:
-    """On an emulated node, this stage's modelled F and B seconds: its layers at the emulated size
+def emulate_stage(ctx: RankContext, cfg: Config, stage: int) -> None:
+    """On an emulated node, time this stage by its modelled F and B seconds: its layers at the emulated size
     one after another (`modelled_layer_seconds`); its messages are timed at that size too (the
     activations it sends, or on the last stage receives). None elsewhere: spans take what they take."""
     if ctx.emulator is None or cfg.emulated_layers is None:
-        return None
+        return
+    from pipelab.emulate.table import stage_table
+
     parts, S = cfg.module.partitions(), cfg.module.num_stages
     lo, hi = parts[stage], parts[stage + 1]
     seconds = modelled_layer_seconds(cfg.emulated_layers[:hi], cfg.emulated_microbatch, ctx.emulator.node.device,
@@ -432,7 +434,7 @@ def stage_costs(ctx: RankContext, cfg: Config, stage: int) -> dict[str, float] |
     real_microbatch = cfg.inputs[: cfg.inputs.shape[0] // (cfg.topology.get_dim("data") * cfg.num_microbatches)]
     ctx.emulator.scale_messages(activation_bytes(cfg.emulated_layers, cfg.emulated_microbatch, boundary, cfg.emulated_dtype),
                                 activation_bytes(cfg.module._layer_specs, real_microbatch, boundary))
-    return {kind: sum(s[kind] for s in seconds) for kind in ("F", "B")}
+    ctx.emulator.use(stage_table({stage: {kind: sum(s[kind] for s in seconds) for kind in ("F", "B")}}))
 
 
 @dataclass

@@ -12,7 +12,7 @@ from torch import nn
 from pipelab.display import conclude
 from pipelab.emulate import anchors
 from pipelab.experiments.pipeline import Config, PipelineRun, pooled_bubble, recv_waits, send_waits
-from pipelab.measure import Measured, compare, ratios
+from pipelab.measure import Measured, compare, ratios, spread_words
 from pipelab.pipeline.simulate import SimResult, gpipe_bubble
 from pipelab.timeline import Timeline
 
@@ -39,8 +39,8 @@ def bubble_vs_formula(run: PipelineRun, fitted: SimResult) -> None:
     verdict = "above" if bubble.low > formula else "below" if bubble.high < formula else "at"
     conclude(
         "06.bubble_vs_formula", f"{verdict} the formula",
-        f"the measured bubble at p={p}, m={m} was {bubble:.3f} (median, min-max over the timed steps), "
-        f"{verdict} the formula's (p-1)/(m+p-1) = {formula:.3f}. The simulation with this run's measured per-stage "
+        f"the run's bubble at p={p}, m={m} was {bubble:.3f} ({spread_words(bubble)}), "
+        f"{verdict} the formula's (p-1)/(m+p-1) = {formula:.3f}. The simulation with this run's per-stage "
         f"costs and free messages gives {fitted.bubble_fraction:.3f}. In the step shown, the ranks spent "
         f"{for_sender * 1e3:.1f} ms in recv boxes waiting for the sender to finish its action and "
         f"{for_message * 1e3:.1f} ms waiting for messages already sent.",
@@ -60,10 +60,10 @@ def bubble_vs_m(runs: Sequence[PipelineRun], largest: Measured) -> float:
     direction = compare(largest, first)
     conclude(
         "06.bubble_vs_m", direction,
-        f"from m={m0} to m={m1} the measured bubble went from {first:.3f} to {largest:.3f} (median, min-max over "
-        f"the timed steps): {direction}. The formula goes from {gpipe_bubble(p, m0):.3f} to {gpipe_bubble(p, m1):.3f}, "
-        f"the simulation with each step's measured costs from {runs[0].simulated_bubble.median:.3f} to "
-        f"{runs[-1].simulated_bubble.median:.3f}. The measured bubble " + ("fell at every step of the sweep" if falls
+        f"from m={m0} to m={m1} the run's bubble went from {first:.3f} to {largest:.3f} "
+        f"({spread_words(largest)}): {direction}. The formula goes from {gpipe_bubble(p, m0):.3f} to {gpipe_bubble(p, m1):.3f}, "
+        f"the simulation with each step's own costs from {runs[0].simulated_bubble.median:.3f} to "
+        f"{runs[-1].simulated_bubble.median:.3f}. The run's bubble " + ("fell at every step of the sweep" if falls
         else "did not fall at every step of the sweep") + f" and stood at most {gap:.3f} from the formula "
         + (f"(within {FORMULA_TOLERANCE})." if gap <= FORMULA_TOLERANCE else
            f"(more than {FORMULA_TOLERANCE}: something beside fill and drain took time)."),
@@ -222,13 +222,24 @@ def step_ms(rounds: Sequence[PipelineRun]) -> Measured:
 
 
 def checkpoint_rows(stored: Sequence[PipelineRun], recomputed: Sequence[PipelineRun]) -> list[dict]:
-    """Rounds with activations stored and recomputed, a table row each way: the real stash's peak,
-    and on an emulated node the memory meter's peak at the emulated size (parameters, gradients and
-    optimizer state included)."""
-    return [{"activations": how, "m": group[0].schedule.num_microbatches, "step_ms": f"{step_ms(group):.1f}",
+    """Rounds with activations stored and recomputed, a table row each way: step time, bubble and
+    memory at one size. On an emulated node: the modelled step and the memory meter's peak at the
+    emulated size (parameters, gradients and optimizer state included); elsewhere the measured step
+    and the real stash's peak (the small model's: `stash_rows` gives it on an emulated node too)."""
+    emulated = bool(stored[0].emulated_peak_bytes)
+    step = "step_ms, modelled" if emulated else "step_ms"
+    return [{"activations": how, "m": group[0].schedule.num_microbatches, step: f"{step_ms(group):.1f}",
              "bubble": f"{pooled_bubble(group):.3f}",
-             **{f"rank {rank} peak MiB": round(mib, 2) for rank, mib in group[0].peak_stash_mib.items()},
-             **{f"rank {rank} emulated GB": round(b / 1e9, 2) for rank, b in group[0].emulated_peak_bytes.items()}}
+             **({f"rank {rank} peak GB at the emulated size": round(b / 1e9, 2)
+                 for rank, b in group[0].emulated_peak_bytes.items()} if emulated else
+                {f"rank {rank} peak stash MiB": round(mib, 2) for rank, mib in group[0].peak_stash_mib.items()})}
+            for how, group in (("stored", stored), ("recomputed", recomputed))]
+
+
+def stash_rows(stored: Sequence[PipelineRun], recomputed: Sequence[PipelineRun]) -> list[dict]:
+    """The same rounds' real stash at the peak, per rank: what this machine's small model kept."""
+    return [{"activations": how, **{f"rank {rank} peak stash MiB (real size)": round(mib, 2)
+                                    for rank, mib in group[0].peak_stash_mib.items()}}
             for how, group in (("stored", stored), ("recomputed", recomputed))]
 
 
@@ -258,7 +269,7 @@ def checkpoint_time(stored: Sequence[PipelineRun], recomputed: Sequence[Pipeline
     more = F / (F + b_in + b_w)
     verdict = "slower" if slowdown.low > 1 else "faster" if slowdown.high < 1 else "within noise"
     text = (f"a step with recomputed activations took {slowdown:.2f} times as long as one with stored activations "
-            f"(median, min-max of {len(stored)} rounds run by turns): {verdict}. Stage 0's forward costs {F:.2f} ms "
+            f"({spread_words(slowdown, f'{len(stored)} rounds run by turns')}): {verdict}. Stage 0's forward costs {F:.2f} ms "
             f"and its backward {b_in + b_w:.2f} ms here, so one more forward adds F / (F + B) = {more:.0%} to a rank's "
             f"work; the simulation with these costs predicts {expected:.2f} times the step.")
     if verdict != "slower":

@@ -6,7 +6,7 @@ one long pipeline or as pure data parallelism.
 
 The processes start once and run every layout (pipe x data) in alternating rounds, so that a busy
 machine slows them all alike. On an emulated node (`cfg.emulate`) every step is timed by the
-device and link models at `cfg.emulated_scale` times the width and the batch (`emulated_costs`),
+device and link models at `cfg.emulated_scale` times the width and the batch (`emulated_table`),
 so the rounds agree exactly. In each, a process finds its place with `hybrid.grid_place` (a
 `RankContext` of its own pipeline, its pipe and data groups in `ctx.groups`), cuts its stages with
 `split_model`, takes its replica's share of the batch and trains with `hybrid.run_grid_step`.
@@ -176,15 +176,16 @@ def stage_inputs(stages: Sequence[nn.Module], rows: int, width: int) -> list[tor
     return inputs
 
 
-def emulated_costs(ctx: RankContext, cfg: Config, layout: Layout, stages: Sequence[int]) -> dict[int, dict[str, float]] | None:
-    """On an emulated node, the modelled F, B, I and W seconds of this process's `stages` of
+def emulated_table(ctx: RankContext, cfg: Config, layout: Layout, stages: Sequence[int]):
+    """On an emulated node, the cost table of this process's `stages` of
     `layout`: the same layers `cfg.emulated_scale` times wider on micro-batches as many times
-    larger, counted on the meta device. Its messages and all-reduces are timed at that size too.
-    None elsewhere (the spans last what the machine takes)."""
+    larger, counted on the meta device: their modelled F, B, I and W seconds. Its messages and
+    all-reduces are timed at that size too. None elsewhere (the spans last what the machine takes)."""
     if ctx.emulator is None:
         return None
     from pipelab.emulate.cost import stage_seconds
     from pipelab.emulate.specs import torch_dtype
+    from pipelab.emulate.table import stage_table
 
     schedule = layout.schedule(cfg.schedule)
     big = split_model(emulated_model(cfg.model, cfg.emulated_scale), schedule.num_stages)
@@ -192,7 +193,7 @@ def emulated_costs(ctx: RankContext, cfg: Config, layout: Layout, stages: Sequen
     inputs = stage_inputs(big, rows, cfg.x.shape[1] * cfg.emulated_scale)
     emulated_bytes = torch.empty((), dtype=torch_dtype(cfg.emulated_dtype)).element_size()
     ctx.emulator.scale_messages(cfg.emulated_scale ** 2 * emulated_bytes, cfg.x.element_size())
-    return {s: stage_seconds(big[s], inputs[s], ctx.emulator.node.device, cfg.emulated_dtype) for s in stages}
+    return stage_table({s: stage_seconds(big[s], inputs[s], ctx.emulator.node.device, cfg.emulated_dtype) for s in stages})
 
 
 def reference(cfg: Config, steps: int) -> Reference:
@@ -236,7 +237,7 @@ class LayoutTrainer:
         self.names = {id(p): n for n, p in local.named_parameters()}  # names as in the whole model
         self.x, self.y = x.to(ctx.device), y.to(ctx.device)
         self.optimizer = torch.optim.SGD([p for m in self.modules.values() for p in m.parameters()], lr=cfg.lr)
-        self.costs = emulated_costs(ctx, cfg, layout, sorted(self.modules))  # None unless emulated
+        self.ctx, self.table = ctx, emulated_table(ctx, cfg, layout, sorted(self.modules))  # None unless emulated
         self.first_grads: dict | None = None
 
     def zero_grad(self, _=None) -> None:
@@ -245,8 +246,9 @@ class LayoutTrainer:
     def step(self, _=None) -> list[float] | None:
         """One step: the grid's rank loop, then SGD; the micro-batch losses where this process
         holds the last stage."""
-        runner = run_grid_step(self.place, self.schedule, self.modules, self.cfg.loss_fn, self.x, self.y, self.specs,
-                               self.costs)
+        if self.table is not None:  # the layouts take turns on one emulated rank
+            self.ctx.emulator.use(self.table)
+        runner = run_grid_step(self.place, self.schedule, self.modules, self.cfg.loss_fn, self.x, self.y, self.specs)
         if self.first_grads is None:
             self.first_grads = self.tensors(grad=True)
         self.optimizer.step()
@@ -498,9 +500,8 @@ def predict(cfg: Config) -> Prediction:
     one, else on one CPU thread."""
     if cfg.emulate is not None:
         from pipelab.emulate.cost import stage_seconds
-        from pipelab.emulate.specs import parse_node
 
-        node = parse_node(cfg.emulate)
+        node = cfg.node
         big = emulated_model(cfg.model, cfg.emulated_scale)
         [x] = stage_inputs([big], cfg.emulated_batch, cfg.x.shape[1] * cfg.emulated_scale)
         seconds = stage_seconds(big, x, node.device, cfg.emulated_dtype)
@@ -522,7 +523,7 @@ def layouts_table(cfg: Config, runs: Sequence[GridRun], prediction: Prediction) 
     return [{"layout": r.name, "bubble (p-1)/(m+p-1)": round((r.layout.pipe - 1) / (r.layout.num_microbatches + r.layout.pipe - 1), 3),
              "all-reduce per process": human_bytes(allreduce_bytes(r.layout, model, size)),
              **{label: round(per[r.name], 1) for label, per in predicted.items()},
-             "measured (ms)": f"{r.step_time.scaled(1e3):.1f}"} for r in runs]
+             "step (ms)": f"{r.step_time.scaled(1e3):.1f}"} for r in runs]
 
 
 # ---------------------------------------------------------------------------------------------

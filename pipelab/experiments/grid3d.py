@@ -122,28 +122,29 @@ def worker(ctx: RankContext, cfg: Config) -> Result:
     stage = parallel_stage(stages[coord.pipe], tp)
     optimizer = torch.optim.SGD(stage.parameters(), lr=cfg.lr)
     schedule = Schedule1F1B(cfg.pipe, cfg.num_microbatches)
-    costs = emulated_costs(ctx, cfg, ntoken, coord.pipe)
+    emulate_stage(ctx, cfg, ntoken, coord.pipe)
     losses = []
     for x, y in batches:
         x, y = (t.chunk(cfg.data)[coord.data] for t in (x, y))  # this replica's columns
         optimizer.zero_grad(set_to_none=True)
         ctx.rec.clear()
         runner = run_grid_step(pipeline, schedule, {coord.pipe: stage}, lm.lm_loss, x, y,
-                               message_specs(stages, x, cfg.num_microbatches), costs)
+                               message_specs(stages, x, cfg.num_microbatches))
         optimizer.step()
         mb = microbatch_losses(runner)
         losses.append(sum(mb) / len(mb) if mb else float("nan"))
     return Result(ctx.rank, (coord.pipe, coord.data, coord.model), losses, tp.meter.total_bytes(), ctx.rec.timeline())
 
 
-def emulated_costs(ctx: RankContext, cfg: Config, ntoken: int, stage: int) -> dict[int, dict[str, float]] | None:
-    """On an emulated node, this process's stage's modelled seconds at the emulated size: the same
+def emulate_stage(ctx: RankContext, cfg: Config, ntoken: int, stage: int) -> None:
+    """On an emulated node, time this process's stage by its modelled seconds at the emulated size: the same
     layers `emulated_emsize` wide on `emulated_columns` x `emulated_seq_len` tokens, counted on the
     meta device, divided by the tensor-parallel size (each process computes 1/t of every matrix
     product). Its messages are timed at that size too."""
     if ctx.emulator is None:
-        return None
+        return
     from pipelab.emulate.cost import stage_seconds
+    from pipelab.emulate.table import stage_table
 
     scale = cfg.emulated_emsize / cfg.emsize
     big = lm.TransformerLM(ntoken, cfg.emulated_emsize, cfg.nhead, int(cfg.nhid * scale), cfg.nlayers).to("meta")
@@ -156,7 +157,7 @@ def emulated_costs(ctx: RankContext, cfg: Config, ntoken: int, stage: int) -> di
     mb_rows = cfg.batch // (cfg.data * cfg.num_microbatches)
     ctx.emulator.scale_messages(cfg.emulated_columns * cfg.emulated_seq_len * cfg.emulated_emsize,
                                 mb_rows * cfg.seq_len * cfg.emsize)
-    return {stage: {kind: s / cfg.tensor for kind, s in seconds.items()}}
+    ctx.emulator.use(stage_table({stage: {kind: s / cfg.tensor for kind, s in seconds.items()}}))
 
 
 @dataclass

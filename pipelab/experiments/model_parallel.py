@@ -220,6 +220,10 @@ class ResNet50Pace(Pace):
         """The pace of `node` (None where nothing is emulated: then there is no pace)."""
         return None if node is None else cls(node, real_batch, cut)
 
+    def label(self, index: int) -> str:
+        """Paced device `index` on the timeline: the emulated GPU it stands for, not this machine's CPU."""
+        return f"emulated {self.node.device.name.removeprefix('NVIDIA ')}:{index}"
+
     @property
     def size(self) -> str:
         """The emulated size, in words, for the lesson's first line."""

@@ -27,8 +27,10 @@ from pipelab import experiments
 from pipelab.build import materialize
 from pipelab.checks import divides, mean_loss, same_batch, whole_number
 from pipelab.measure import Measured, RankSteps, Steps, TimedSteps, gather_steps, time_steps, timed_slice
-from pipelab.pipeline.emulated import EmulatedStage, emulated_mlp, emulated_stages  # noqa: F401 - lessons use emulated_mlp
+from pipelab.emulate.stages import EmulatedStage, emulated_stages
+from pipelab.models import mlp
 from pipelab.pipeline.p2p import TensorSpec, message_specs, trace
+from pipelab.pipeline.partition import split_model
 from pipelab.pipeline.runtime import run_step
 from pipelab.pipeline.schedules import Schedule, make_schedule
 from pipelab.pipeline.simulate import Costs, simulate
@@ -125,21 +127,19 @@ class Config(experiments.Config):
         memory on the emulated node's device, counted on the meta device."""
         if self.emulate is None:
             return None
-        from pipelab.emulate.specs import parse_node
-
-        return emulated_stages(self.emulated_stages, self.emulated_x, self.loss_fn, parse_node(self.emulate),
+        return emulated_stages(self.emulated_stages, self.emulated_x, self.loss_fn, self.node,
                                self.emulated_dtype, self.optimizer)
 
     def memory_estimate(self, stage: int, microbatches_in_flight: int, checkpoint: bool = False):
         """What `stage` would hold at its peak on the emulated node's device (`emulate.memory`),
         with `microbatches_in_flight` micro-batches' activations stashed (GPipe: m)."""
         from pipelab.emulate.memory import stage_memory
-        from pipelab.emulate.specs import parse_node, torch_dtype
+        from pipelab.emulate.specs import torch_dtype
 
         if self.emulated is None:
             raise ValueError("memory_estimate needs an emulated node: pass emulate='2xH100-nvlink' and emulated_stages")
         e = self.emulated[stage]
-        return stage_memory(e.module, e.example, parse_node(self.emulate).device, stage=stage,
+        return stage_memory(e.module, e.example, self.node.device, stage=stage,
                             optimizer=self.optimizer, microbatches_in_flight=microbatches_in_flight,
                             checkpoint=checkpoint, dtype=torch_dtype(self.emulated_dtype))
 
@@ -149,11 +149,10 @@ class Config(experiments.Config):
         if self.emulated is None:
             raise ValueError("simulated_costs needs an emulated node: pass emulate='2xH100-nvlink' and emulated_stages")
         from pipelab.emulate.cost import message_seconds
-        from pipelab.emulate.specs import parse_node
 
         per_stage = {s: (1e3 * e.seconds["F"], 1e3 * e.seconds["I"], 1e3 * e.seconds["W"])
                      for s, e in self.emulated.items()}
-        transfer = 1e3 * message_seconds(self.emulated[0].output_bytes, parse_node(self.emulate).link)
+        transfer = 1e3 * message_seconds(self.emulated[0].output_bytes, self.node.link)
         return Costs(transfer=transfer if messages else 0.0, per_stage=per_stage)
 
     @cached_property
@@ -191,6 +190,18 @@ class Config(experiments.Config):
                                  "torch.utils.checkpoint inside the stages instead")
             return Job(schedule, x, y, checkpoint)
         return Job(schedule, x, y, checkpoint, message_specs(self.stages, x, schedule.num_microbatches))
+
+
+def emulated_mlp(node: str | None, layers: int, num_stages: int, width: int, rows: int, dtype: str = "bfloat16") -> dict:
+    """The `experiments.pipeline.Config` arguments that run on the emulated `node` (None: nothing emulated, {}) an MLP of
+    `layers` Linear layers of `width` cut into `num_stages` stages, `rows` rows per micro-batch, in
+    `dtype`: the stages built on the meta device, shapes and no memory."""
+    if node is None:
+        return {}
+    with torch.device("meta"):
+        stages = split_model(mlp([width] * (layers + 1)), num_stages)
+        x = torch.empty(rows, width)
+    return dict(emulate=node, emulated_stages=stages, emulated_x=x, emulated_dtype=dtype)
 
 
 def per_schedule(name: str, value, kind: type, count: int) -> list:
@@ -254,33 +265,35 @@ def pipelab_job(ctx: RankContext, cfg: Config, job: Job) -> Result:
     """`cfg.steps` steps of `job` with pipelab's runtime (`run_step`); the last one's losses and gradients."""
     x, y = job.x.to(ctx.device), job.y.to(ctx.device)
     modules = rank_modules(ctx, cfg, job.schedule)
-    costs, stash_bytes = emulate_job(ctx, cfg, job, modules)
+    emulated = emulate_job(ctx, cfg, job, modules)
     measured = time_steps(ctx, lambda _: run_step(ctx, job.schedule, modules, cfg.loss_fn, x, y, job.specs,
-                                                  job.checkpoint, costs, stash_bytes),
+                                                  job.checkpoint),
                           cfg.steps, prepare=zero_grads(modules))
     last = measured.results[-1]
     traces = [step.stash.trace for step in measured.results[timed_slice(cfg.steps)]]
     timed = RankSteps([], measured.seconds, measured.timelines)  # the steps' tensors stay here
-    peak = ctx.emulator.memory.peak if stash_bytes else 0.0
+    peak = ctx.emulator.memory.peak if emulated else 0.0
     return Result(ctx.rank, sorted(modules), [float(loss) for loss in last.losses], gradients_of(modules), timed,
                   traces, last.stash.peak, last.stash.peak_bytes, last.messages_sent, last.bytes_sent, peak)
 
 
-def emulate_job(ctx: RankContext, cfg: Config, job: Job, modules: dict[int, nn.Module]) -> tuple:
-    """On an emulated node, this rank's stages' modelled seconds and stash bytes at the emulated
-    size (else None, None). The rank's memory meter starts the job holding its stages' parameters,
-    gradients and optimizer state, and each message is timed at the emulated size."""
+def emulate_job(ctx: RankContext, cfg: Config, job: Job, modules: dict[int, nn.Module]) -> bool:
+    """On an emulated node, time this rank's stages by their cost table at the emulated size, its
+    memory meter starting with its stages' parameters, gradients and optimizer state, and each
+    message at the emulated size. False elsewhere."""
     if ctx.emulator is None or cfg.emulated is None:
-        return None, None
+        return False
     from pipelab.emulate.memory import MemoryMeter
+    from pipelab.emulate.table import stage_table
 
     mine = {s: cfg.emulated[s] for s in modules}
-    ctx.emulator.memory = MemoryMeter(ctx.emulator.node.device, sum(e.held_bytes for e in mine.values()))
+    table = stage_table({s: e.seconds for s, e in mine.items()},
+                        {s: (e.stash_bytes, e.input_bytes) for s, e in mine.items()}, job.checkpoint)
+    ctx.emulator.use(table, MemoryMeter(ctx.emulator.node.device, sum(e.held_bytes for e in mine.values())))
     real = job.specs[0][0]  # stage 0's output on one micro-batch, as sent
     real_bytes = torch.empty((), dtype=real.dtype).element_size() * torch.Size(real.shape).numel()
     ctx.emulator.scale_messages(cfg.emulated[0].output_bytes, real_bytes)
-    return ({s: e.seconds for s, e in mine.items()},
-            {s: (e.stash_bytes, e.input_bytes) for s, e in mine.items()})
+    return True
 
 
 def torch_job(ctx: RankContext, cfg: Config, job: Job) -> Result:
@@ -343,13 +356,16 @@ class PipelineRun(TimedSteps):
         return {rank: b / 2**20 for rank, b in self.peak_stash_bytes.items()}
 
     def row(self) -> dict:
-        """The figures as one table row (step time and bubble: median, min-max of the timed steps)."""
-        return {"schedule": self.schedule.name, "p": self.schedule.num_ranks,
-                "m": self.schedule.num_microbatches, "step_ms": f"{self.step_time.scaled(1e3):.1f}",
+        """The figures as one table row (step time and bubble: median, min-max of the timed steps),
+        at one size: on an emulated node the modelled step and the peak memory at the emulated size,
+        elsewhere the measured step and the real stash's bytes."""
+        emulated = bool(self.emulated_peak_bytes)
+        memory = ({"peak GB, emulated size": round(max(self.emulated_peak_bytes.values()) / 1e9, 2)} if emulated else
+                  {"peak_stash_KiB": round(max(self.peak_stash_bytes.values()) / 1024, 1)})
+        return {"schedule": self.schedule.name, "p": self.schedule.num_ranks, "m": self.schedule.num_microbatches,
+                "step_ms, modelled" if emulated else "step_ms": f"{self.step_time.scaled(1e3):.1f}",
                 "bubble": f"{self.bubble_fraction:.3f}", "simulated bubble": f"{self.simulated_bubble:.3f}",
-                "peak_stash": max(self.peak_stash.values()),
-                "peak_stash_KiB": round(max(self.peak_stash_bytes.values()) / 1024, 1),
-                "messages": self.messages_sent}
+                "peak_stash": max(self.peak_stash.values()), **memory, "messages": self.messages_sent}
 
 
 def gather(cfg: Config, results: Sequence[list[Result]]) -> list[PipelineRun]:

@@ -10,7 +10,7 @@ from typing import Mapping
 from pipelab import hardware
 from pipelab.display import conclude
 from pipelab.experiments.pipeline import PipelineRun, recv_waits
-from pipelab.measure import compare, compare_medians
+from pipelab.measure import compare, compare_medians, spread_words
 from pipelab.pipeline.schedules import messages_per_step
 from pipelab.pipeline.simulate import SimResult
 
@@ -53,9 +53,9 @@ def bubble_against(key: str, runs: Runs, a: str, b: str, theory: str) -> None:
     verdict = compare_medians(measured[a], measured[b])
     said = {"lower": "lower than", "higher": "higher than", "within noise": "within noise of"}[verdict]
     every = compare(measured[a], measured[b]) == verdict != "within noise"
-    text = (f"{label[a]}'s measured bubble {measured[a]:.3f} was {said} {label[b]}'s {measured[b]:.3f} "
-            f"(median, min-max of {len(measured[a].values)} steps; {measured[a].median / measured[b].median:.2f}x "
-            f"by the medians" + (", and in every step" if every else "") + "). With this run's measured costs and "
+    text = (f"{label[a]}'s bubble {measured[a]:.3f} was {said} {label[b]}'s {measured[b]:.3f} "
+            f"({spread_words(measured[a], f'{len(measured[a].values)} steps')}; {measured[a].median / measured[b].median:.2f}x "
+            f"by the medians" + (", and in every step" if every else "") + "). With this run's own costs and "
             f"free messages the simulator gives {simulated[a]:.3f} against {simulated[b]:.3f}")
     words = {"within noise": "equal bubbles", "lower": f"a lower bubble for {label[a]}"}[theory]
     if verdict == theory:
@@ -65,9 +65,9 @@ def bubble_against(key: str, runs: Runs, a: str, b: str, theory: str) -> None:
     else:
         agree = compare(simulated[a], simulated[b]) == verdict
         text += (f"; the theory says {words}. " + (
-            "The simulator agrees with the measurement, so the measured compute costs themselves (unequal or "
+            "The simulator agrees with the run, so the compute costs themselves (unequal or "
             "noisy stages) make the difference." if agree else
-            "The simulator, with the measured compute costs but free messages, does not show it, so it comes "
+            "The simulator, with the run's compute costs but free messages, does not show it, so it comes "
             "from what the simulator leaves out: messages, and waiting for a core."))
     conclude(key, verdict, text, **{a: measured[a], b: measured[b],
                                     f"{a} simulated": simulated[a], f"{b} simulated": simulated[b]})
@@ -79,7 +79,7 @@ def measured_vs_simulated(name: str, run: PipelineRun) -> None:
     measured, simulated = run.bubble_fraction, run.simulated_bubble
     verdict = "below" if measured.median < 0.9 * simulated.median else "at or above"
     conclude(f"07.measured_vs_simulated.{name}", verdict,
-             f"{run.schedule.name}: measured bubble {measured:.3f}, {measured.median / simulated.median:.2f}x the "
+             f"{run.schedule.name}: the run's bubble {measured:.3f}, {measured.median / simulated.median:.2f}x the "
              f"simulated {simulated:.3f} (medians): " + (
                  "the simulator, without messages, is a lower bound." if verdict == "at or above"
                  else "below the simulator's bound: this run's measured costs moved between steps."),

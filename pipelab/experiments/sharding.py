@@ -22,7 +22,7 @@ from pipelab import experiments
 from pipelab.checks import divides, mean_loss, positive_number, same_batch, trainable, whole_number
 from pipelab.display import human_bytes
 from pipelab.measure import (Measured, RankSteps, Steps, TimedSteps, alternate, compare, compare_medians, gather_steps,
-                             ratios, time_steps)
+                             ratios, spread_words, time_steps)
 from pipelab.sharding import (OPTIMIZERS, Collectives, DataParallel, Held, Zero1, Zero2, Zero3, formula,
                               layers_of, make_optimizer)
 from pipelab.sharding.memory import PeakMeter
@@ -164,7 +164,8 @@ class Result:
 
 def layer_costs(model: nn.Module, x: torch.Tensor, batch: int) -> list[tuple]:
     """Each layer's modelled (forward, backward) cost, FLOPs and bytes counted on the meta device
-    for a batch of `batch` rows (the emulated size; the real run stays small)."""
+    for a batch of `batch` rows (the emulated size; the real run stays small). `emulate_layers`
+    makes them the rank's cost table."""
     from pipelab.emulate.cost import forward_backward_counts
 
     inputs = {}
@@ -185,10 +186,12 @@ def layer_costs(model: nn.Module, x: torch.Tensor, batch: int) -> list[tuple]:
 def train(ctx: RankContext, cfg: Config, variant: str, x: torch.Tensor, y: torch.Tensor) -> VariantResult:
     """Train this rank's model with `variant` for cfg.steps steps on its slice (x, y)."""
     model = cfg.build().to(ctx.device)
-    emulated = getattr(ctx, "emulator", None) is not None  # on an emulated node: model each layer's compute
-    costs = layer_costs(model, x, cfg.emulated_batch or x.shape[0]) if emulated else None
+    if ctx.emulator is not None:  # on an emulated node: each layer's compute modelled at the emulated size
+        from pipelab.emulate.table import sharded_table
+
+        names = [layer.name for layer in layers_of(model, 1)]
+        ctx.emulator.use(sharded_table(names, layer_costs(model, x, cfg.emulated_batch or x.shape[0])))
     t = trainer(ctx, cfg, variant, model)
-    t.costs = costs
     comm = getattr(t, "comm", None)
 
     def step(i: int) -> float:
@@ -389,8 +392,8 @@ def prefetch_verdict(run: Run) -> tuple:
              "within noise": "no difference" + ("." if run.emulate else " beyond the run-to-run noise.")}
     hidden = {"lower": "less with prefetch", "higher": "more with prefetch", "within noise": "no difference"}
     text = (f"{where}, ZeRO-3's step on {run.world_size} ranks took {on.makespan.scaled(1e3):.3g} ms with prefetch "
-            f"and {off.makespan.scaled(1e3):.3g} ms without (first to last span; median, min-max over the timed "
-            f"steps): {steps[step]} "
+            f"and {off.makespan.scaled(1e3):.3g} ms without (first to last span; "
+            f"{spread_words(on.makespan)}): {steps[step]} "
             f"Communication no compute hid: {on.exposed_comm.scaled(1e3):.3g} ms with prefetch, "
             f"{off.exposed_comm.scaled(1e3):.3g} ms without ({hidden[exposed]}). The cost does not depend on the "
             f"machine: prefetch held up to {human_bytes(peak_on)} of whole-layer parameters at once, without it "

@@ -125,10 +125,10 @@ def worker(ctx: RankContext, cfg: Config) -> Result:
         modules = {s: stages[s] for s in schedule.stages_of(ctx.rank)}
         specs = message_specs(stages, x, schedule.num_microbatches)
         first: dict = {}
-        costs = stage_costs(ctx, cfg, schedule.num_stages, modules)
+        emulate_stages(ctx, cfg, schedule.num_stages, modules)
 
-        def step(i: int, schedule=schedule, modules=modules, specs=specs, first=first, costs=costs) -> None:
-            done = run_step(ctx, schedule, modules, nn.MSELoss(), x, y, specs, costs=costs)
+        def step(i: int, schedule=schedule, modules=modules, specs=specs, first=first) -> None:
+            done = run_step(ctx, schedule, modules, nn.MSELoss(), x, y, specs)
             if i == 0:
                 first["losses"] = [float(l) for l in done.losses]
                 first["grads"] = {s: [p.grad.clone() for p in m.parameters()] for s, m in modules.items()}
@@ -137,25 +137,28 @@ def worker(ctx: RankContext, cfg: Config) -> Result:
 
         timed = time_steps(ctx, step, cfg.steps,
                            prepare=lambda i, modules=modules: [m.zero_grad(set_to_none=True) for m in modules.values()])
+        if ctx.emulator is not None:
+            ctx.emulator.use(None)  # torch's own step below is checked, not timed
         torch_losses = _torch_losses(ctx, cfg, name, schedule, x, y) if cfg.with_torch and name in TORCH_CLASSES else None
         out[name] = ScheduleResult(first["losses"], first["grads"], first["stash"].peak, first["stash"].peak_bytes,
                                    timed.seconds, timed.timelines, torch_losses)
     return Result(ctx.rank, out)
 
 
-def stage_costs(ctx: RankContext, cfg: Config, num_stages: int, modules) -> dict[int, dict[str, float]] | None:
-    """On an emulated node, each of this rank's stages' modelled F, B, I and W seconds for the same
-    layers at the emulated size (counted on the meta device, so the size costs no memory)."""
+def emulate_stages(ctx: RankContext, cfg: Config, num_stages: int, modules) -> None:
+    """On an emulated node, time this rank's stages by their modelled F, B, I and W seconds for the
+    same layers at the emulated size (counted on the meta device, so the size costs no memory)."""
     if ctx.emulator is None:
-        return None
+        return
     from pipelab.emulate.cost import stage_seconds
+    from pipelab.emulate.table import stage_table
 
     layers = cfg.layers // num_stages
     big = nn.Sequential(*(layer for _ in range(layers) for layer in (nn.Linear(cfg.emulated_width, cfg.emulated_width),
                                                                         nn.Tanh()))).to("meta")
     example = torch.empty(cfg.emulated_microbatch, cfg.emulated_width, device="meta")
     seconds = stage_seconds(big, example, ctx.emulator.node.device, cfg.emulated_dtype)
-    return {s: seconds for s in modules}
+    ctx.emulator.use(stage_table({s: seconds for s in modules}))
 
 
 def _torch_losses(ctx: RankContext, cfg: Config, name: str, schedule: Schedule, x, y) -> list[float]:
@@ -278,7 +281,7 @@ def table(run: VRun) -> list[dict]:
     for name, r in run.schedules.items():
         half = 0.5 if isinstance(r.schedule, VSchedule) else 1.0
         rows.append({"schedule": name, "bubble simulated": round(r.simulated.bubble_fraction, 3),
-                     "bubble measured": f"{r.bubble_fraction:.3f}",
+                     "bubble of the run": f"{r.bubble_fraction:.3f}",
                      "peak stash (1F1B stages)": max(r.stash_peak.values()) * half,
                      "simulated peak stash": max(r.simulated.peak_stash.values()) * half,
                      "peak stash bytes": max(r.stash_peak_bytes.values())})

@@ -3,8 +3,8 @@
 A ``PipelineEngine`` builds only its stage's layers from the ``PipelineModule`` and walks the
 instructions ``TrainSchedule`` yields for its stage, one method per instruction, named as in
 DeepSpeed's ``deepspeed.runtime.pipe.engine.PipelineEngine`` (``_exec_forward_pass``,
-``_exec_send_grads``, ...). Every instruction is recorded on the rank's timeline; on an emulated
-node a forward and a backward last what ``costs`` models for them. Starting the
+``_exec_send_grads``, ...). Every instruction is recorded on the rank's timeline (a forward or a
+backward as one span named by its kind, stage and micro-batch). Starting the
 ranks and checking the training against one process is ``pipelab.experiments.deepspeed``'s job.
 """
 from __future__ import annotations
@@ -33,7 +33,7 @@ class PipelineEngine:
     1/``dp_world_size``: together, the batch's mean."""
 
     def __init__(self, ctx: RankContext, module: PipelineModule, topology: ProcessTopology, micro_batches: int,
-                 lr: float, costs: dict[str, float] | None = None):
+                 lr: float):
         self.ctx, self.device, self.global_rank = ctx, ctx.device, ctx.rank
         coord = topology.get_coord(ctx.rank)
         self.stage_id, self.num_stages = coord.pipe, topology.get_dim("pipe")
@@ -43,9 +43,6 @@ class PipelineEngine:
         self.prev_rank = topology.get_rank(pipe=self.stage_id - 1, data=coord.data) if not self.is_first_stage else None
         self.next_rank = topology.get_rank(pipe=self.stage_id + 1, data=coord.data) if not self.is_last_stage else None
         self.micro_batches, self.loss_fn = micro_batches, module.loss_fn
-        # On an emulated node, the modelled seconds of this stage's "F" and "B" (a span's cost=).
-        self.costs = costs or {}
-
         self.module = module.build_stage(self.stage_id).to(self.device)  # only this stage's layers
         # new_group is collective: every rank creates every group, in the same order.
         self.tied_comms = self._tied_groups(module, topology)
@@ -109,7 +106,7 @@ class PipelineEngine:
         # A clone, as in DeepSpeed: an in-place first layer (ReLU(inplace=True)) must not overwrite
         # the received buffer, whose .grad the backward fills.
         inputs = self.pipe_buffers["inputs"][buffer_id].clone()
-        with self.ctx.rec.span("F", lane="compute", mb=mb, stage=self.stage_id, cost=self.costs.get("F")):
+        with self.ctx.rec.span("F", lane="compute", mb=mb, stage=self.stage_id):
             outputs = self.module(inputs)
             if self.is_last_stage:  # the last stage keeps the micro-batch loss as its output
                 outputs = self.loss_fn(outputs, self.pipe_buffers["labels"][buffer_id])
@@ -119,8 +116,7 @@ class PipelineEngine:
 
     def _exec_backward_pass(self, buffer_id: int) -> None:
         outputs = self.pipe_buffers["outputs"][buffer_id]
-        with self.ctx.rec.span("B", lane="compute", mb=self.pipe_buffers["mb"][buffer_id], stage=self.stage_id,
-                               cost=self.costs.get("B")):
+        with self.ctx.rec.span("B", lane="compute", mb=self.pipe_buffers["mb"][buffer_id], stage=self.stage_id):
             if self.is_last_stage:
                 # Each micro-batch loss counts 1/M (a mean loss), so the M backwards add up to the batch's.
                 (outputs / self.micro_batches).backward()

@@ -36,18 +36,13 @@ class Step:
 
 def run_step(ctx: RankContext, schedule: Schedule, modules: dict[int, nn.Module], loss_fn: Callable,
              x: torch.Tensor, y: torch.Tensor, specs: list[list[TensorSpec]],
-             checkpoint: bool = False, costs: dict[int, dict[str, float]] | None = None,
-             stash_bytes: dict[int, tuple[float, float]] | None = None) -> Step:
+             checkpoint: bool = False) -> Step:
     """One training step (no optimizer): run this rank's actions of `schedule` in order. `specs` are
     the messages' shapes and dtypes (`p2p.message_specs`); `checkpoint` recomputes each stage's
-    forward in its backward instead of stashing its activations; on an emulated node, `costs[stage]`
-    gives each kind's modelled seconds (`emulate.cost.stage_seconds`) and `stash_bytes[stage]` what
-    one micro-batch's forward stashes at the emulated size (all, input alone), which the stage
-    runner stashes and releases on the rank's memory meter (`ctx.emulator.memory`)."""
+    forward in its backward instead of stashing its activations."""
     m = schedule.num_microbatches
     p2p = P2P(ctx, schedule, specs)
-    runner = StageRunner(ctx, schedule, modules, loss_fn, p2p, list(x.chunk(m)), list(y.chunk(m)), checkpoint,
-                         costs=costs, stash_bytes=stash_bytes)
+    runner = StageRunner(ctx, schedule, modules, loss_fn, p2p, list(x.chunk(m)), list(y.chunk(m)), checkpoint)
     for action in schedule.actions[ctx.rank]:
         runner.run(action)
     p2p.finish()

@@ -61,12 +61,11 @@ class Stash:
     nbytes: int
     output_grads: list[torch.Tensor] | None = None  # per layer, left by I for W
     rng: tuple | None = None  # a checkpointed forward's random-number state, to recompute it alike
-    emulated_bytes: float = 0.0  # on an emulated node: what it holds at the emulated size
 
 
 class StashMeter:
     """Counts live stashes and their bytes over the step, so memory is measured, not assumed.
-    `clock` stamps the changes (the rank's: logical on an emulated node)."""
+    `clock` stamps the changes (the rank's own, whichever it keeps)."""
 
     def __init__(self, clock: Callable[[], float] = now):
         self.clock = clock
@@ -141,7 +140,7 @@ def forward_by_layer(module: nn.Module, x: torch.Tensor) -> tuple[torch.Tensor, 
 def weight_gradients(layer: LayerIO, grad_out: torch.Tensor) -> list[torch.Tensor | None]:
     """The gradients of `layer`'s parameters from its input and its output's gradient alone. A
     linear layer's are two products (dW = g^T x, db = sum of g); another layer runs its own forward
-    again from its input, which costs that one layer's forward."""
+    again from its input: one more forward of that layer."""
     if isinstance(layer.module, nn.Linear):
         g, x = grad_out.reshape(-1, grad_out.shape[-1]), layer.input.reshape(-1, layer.input.shape[-1])
         by_param = {id(layer.module.weight): g.T @ x}
@@ -156,25 +155,12 @@ def weight_gradients(layer: LayerIO, grad_out: torch.Tensor) -> list[torch.Tenso
 class StageRunner:
     """Runs the F, B, I and W actions of the stages one rank holds (`modules`: stage -> module);
     with `checkpoint`, F keeps only each stage's input and the backward recomputes the rest.
-
-    On an emulated node `costs[stage]` gives each kind's modelled seconds ({"F", "B", "I", "W"},
-    e.g. `emulate.cost.stage_seconds` at the emulated size): each span then lasts that on the
-    rank's logical clock, whatever the real math took (a recompute R lasts its forward's).
-    `stash_bytes[stage]` gives what one micro-batch's forward stashes at the emulated size, (all
-    its activations, its input alone): the runner stashes and releases them on the rank's memory
-    meter (`ctx.emulator.memory`) as it does its real stash, so the meter's peak is the emulated
-    size's."""
+    Each action is one span on the rank's timeline, named by its kind, stage and micro-batch."""
 
     def __init__(self, ctx: RankContext, schedule: Schedule, modules: dict[int, nn.Module], loss_fn: Callable,
-                 p2p: P2P, x_mbs: list[torch.Tensor], y_mbs: list[torch.Tensor], checkpoint: bool = False,
-                 costs: dict[int, dict[str, float]] | None = None,
-                 stash_bytes: dict[int, tuple[float, float]] | None = None):
+                 p2p: P2P, x_mbs: list[torch.Tensor], y_mbs: list[torch.Tensor], checkpoint: bool = False):
         self.ctx, self.schedule, self.modules, self.loss_fn = ctx, schedule, modules, loss_fn
         self.p2p, self.x_mbs, self.y_mbs, self.checkpoint = p2p, x_mbs, y_mbs, checkpoint
-        self.costs = costs or {}
-        emulator = getattr(ctx, "emulator", None)
-        self.memory = emulator.memory if emulator is not None and stash_bytes else None
-        self.stash_bytes = stash_bytes or {}
         self.last = schedule.num_stages - 1
         # A (stage, micro-batch) whose backward is split into I and W runs its forward layer by layer.
         self.split = schedule.split_backwards()
@@ -188,11 +174,6 @@ class StageRunner:
         self.not_stash = {t.untyped_storage().data_ptr() for t in [*x_mbs, *y_mbs]}
         self.not_stash |= {p.untyped_storage().data_ptr() for m in modules.values() for p in m.parameters()}
 
-    def cost(self, stage: int, kind: str) -> float | None:
-        """The modelled seconds of `kind` on `stage` (None where nothing is modelled)."""
-        costs = self.costs.get(stage)
-        return None if costs is None else costs["F" if kind == "R" else kind]
-
     def run(self, action: Action) -> None:
         """Run one action: the method named by its kind."""
         {"F": self.F, "B": self.B, "I": self.I, "W": self.W}[action.kind](action.stage, action.mb)
@@ -204,7 +185,7 @@ class StageRunner:
         if stage > 0 and x.is_floating_point():  # the gradient of what we received goes back
             x.requires_grad_(True)
         saved = SavedBytes(self.not_stash)
-        with self.ctx.rec.span("F", mb=mb, stage=stage, cost=self.cost(stage, "F")):
+        with self.ctx.rec.span("F", mb=mb, stage=stage):
             if self.checkpoint:  # no graph: keep the input and the random state to run it again
                 rng = rng_state(self.ctx.device)
                 with torch.no_grad():
@@ -221,7 +202,6 @@ class StageRunner:
             self.losses.append(out.detach())
         self.stash[stage, mb] = stash
         self.meter.change(+1, stash.nbytes)
-        self.emulated_stash(stash, stage, "input" if self.checkpoint else "all")
         if stage < self.last:
             self.p2p.send(Message("act", stage, mb), out)
 
@@ -241,14 +221,13 @@ class StageRunner:
         recording this time, with the random state of the first run. Its saved bytes join the stash."""
         st = self.stash[stage, mb]
         saved = SavedBytes(self.not_stash | {st.inputs.untyped_storage().data_ptr()})  # counted already
-        with (self.ctx.rec.span("R", mb=mb, stage=stage, cost=self.cost(stage, "R")), saved.hooks(),
+        with (self.ctx.rec.span("R", mb=mb, stage=stage), saved.hooks(),
               replayed_rng(st.rng, self.ctx.device)):
             st.outputs, st.layers = self.forward(stage, mb, st.inputs)
         for layer in st.layers:
             saved.add(layer.output)
         st.nbytes += saved.total
         self.meter.change(0, saved.total)
-        self.emulated_stash(st, stage, "all")
         return st
 
     def stashed(self, stage: int, mb: int) -> Stash:
@@ -265,7 +244,7 @@ class StageRunner:
         input gradient back and free the stash."""
         grad_out = self.output_grad(stage, mb)
         st = self.stashed(stage, mb)
-        with self.ctx.rec.span("B", mb=mb, stage=stage, cost=self.cost(stage, "B")):
+        with self.ctx.rec.span("B", mb=mb, stage=stage):
             if st.outputs.requires_grad:
                 torch.autograd.backward(st.outputs, grad_out)
         self.free(stage, mb)
@@ -277,7 +256,7 @@ class StageRunner:
         grad_out = self.output_grad(stage, mb)
         st = self.stashed(stage, mb)
         takes_grad = st.inputs.requires_grad  # a received floating-point activation
-        with self.ctx.rec.span("I", mb=mb, stage=stage, cost=self.cost(stage, "I")):
+        with self.ctx.rec.span("I", mb=mb, stage=stage):
             wanted = ([st.inputs] if takes_grad else []) + [layer.output for layer in st.layers]
             grads = (list(torch.autograd.grad(st.outputs, wanted, grad_out, allow_unused=True))
                      if wanted and st.outputs.requires_grad else [None] * len(wanted))
@@ -300,7 +279,7 @@ class StageRunner:
         """Weight gradients of `stage` on `mb`, from each layer's input and output gradient that I
         kept; free the stash."""
         st = self.stash[stage, mb]
-        with self.ctx.rec.span("W", mb=mb, stage=stage, cost=self.cost(stage, "W")):
+        with self.ctx.rec.span("W", mb=mb, stage=stage):
             for layer, g in zip(st.layers, st.output_grads):
                 # Each layer's weight gradient from its own output gradient: no walk back through
                 # the earlier layers, which I already did.
@@ -319,16 +298,3 @@ class StageRunner:
         """Drop the stash of (stage, mb): its activations can go."""
         st = self.stash.pop((stage, mb))
         self.meter.change(-1, -st.nbytes)
-        if self.memory is not None:
-            self.memory.release(st.emulated_bytes)
-
-    def emulated_stash(self, st: Stash, stage: int, what: str) -> None:
-        """On an emulated node, stash at the emulated size what `st` now keeps: all of a
-        micro-batch's activations ("all", a forward or a recompute), or its input ("input", a
-        checkpointed forward). A recompute's activations come on top of the kept input, as in
-        `emulate.memory.stage_memory`'s estimate."""
-        if self.memory is None or stage not in self.stash_bytes:
-            return
-        nbytes = self.stash_bytes[stage][0 if what == "all" else 1]
-        st.emulated_bytes += nbytes
-        self.memory.stash(nbytes)

@@ -11,7 +11,7 @@ from pipelab.collectives import AllReduceTime, MessageTime, ring_all_reduce_time
 from pipelab.plots import sweep
 
 
-def plot_ping_pong(rows: list[MessageTime], latency: float, bandwidth: float, axes=None):
+def plot_ping_pong(rows: list[MessageTime], latency: float, bandwidth: float, axes=None, modelled: bool = False):
     """One-way time and bandwidth against message size (log-log; median and min-max over rounds),
     with the fitted model `latency + bytes / bandwidth` drawn through them."""
     if axes is None:
@@ -20,12 +20,13 @@ def plot_ping_pong(rows: list[MessageTime], latency: float, bandwidth: float, ax
     smooth = np.geomspace(min(sizes), max(sizes), 100)
     model = latency + smooth / bandwidth
     left, right = axes
-    sweep(sizes, {"measured (median, min-max over rounds)": [r.one_way.scaled(1e6) for r in rows]},
+    sweep(sizes, {("modelled on the emulated node" if modelled else "measured (median, min-max over rounds)"):
+               [r.one_way.scaled(1e6) for r in rows]},
           "message size (bytes, log scale)", "one-way time (µs, log scale)", "Time of one message",
           ax=left, logx=True, logy=True)
     left.plot(smooth, model * 1e6, "--", color="black",
               label=f"model: {latency * 1e6:.0f} µs + bytes / {bandwidth / 1e6:.0f} MB/s")
-    sweep(sizes, {"measured: bytes / one-way time": [r.bandwidth.scaled(1e-6) for r in rows]},
+    sweep(sizes, {f"{'modelled' if modelled else 'measured'}: bytes / one-way time": [r.bandwidth.scaled(1e-6) for r in rows]},
           "message size (bytes, log scale)", "bandwidth (MB/s, log scale)", "Bandwidth of one message",
           ax=right, logx=True, logy=True)
     right.plot(smooth, smooth / model / 1e6, "--", color="black", label="model")
@@ -87,17 +88,19 @@ def draw_ring(world_size: int = 4, ax=None):
     return ax
 
 
-def plot_all_reduce(rows: list[AllReduceTime], world_size: int, latency: float, bandwidth: float, ax=None):
+def plot_all_reduce(rows: list[AllReduceTime], world_size: int, latency: float, bandwidth: float, ax=None,
+                    modelled: bool = False):
     """Measured all-reduce times (torch's and our ring; median, min-max over rounds) beside the
     ring's cost model with the ping-pong's latency and bandwidth (log-log)."""
     if ax is None:
         _, ax = plt.subplots(figsize=(7, 4))
     sizes = [r.bytes for r in rows]
     smooth = np.geomspace(min(sizes), max(sizes), 100)
-    measured = {"measured: dist.all_reduce (median, min-max over rounds)": [r.torch.scaled(1e6) for r in rows],
-                "measured: our ring_all_reduce": [r.ring.scaled(1e6) for r in rows]}
+    clock = "modelled on the emulated node" if modelled else "measured"
+    measured = {(f"{clock}: dist.all_reduce" + ("" if modelled else " (median, min-max over rounds)")): [r.torch.scaled(1e6) for r in rows],
+                "our ring_all_reduce": [r.ring.scaled(1e6) for r in rows]}
     sweep(sizes, measured, "tensor size (bytes, log scale)", "time of one all-reduce (µs, log scale)",
-          f"All-reduce on {world_size} ranks: predicted and measured", ax=ax,
+          f"All-reduce on {world_size} ranks: predicted and {clock}", ax=ax,
           logx=True, logy=True)
     predicted = [ring_all_reduce_time(s, world_size, bandwidth, latency) * 1e6 for s in smooth]
     ax.plot(smooth, predicted, ":", color="black", linewidth=2,

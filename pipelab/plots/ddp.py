@@ -112,9 +112,11 @@ def plot_sweep(points: list[SweepPoint], axes=None):
     return axes
 
 
-def plot_bucket_times(buckets, predicted: Sequence[float], measured: Sequence, ax=None):
-    """Each bucket's all-reduce: the ring cost model's time beside the measured launch-to-arrival
-    spans (median, min-max over steps and ranks), log scale."""
+def plot_bucket_times(buckets, predicted: Sequence[float], measured: Sequence, ax=None, bytes_scale: float = 1.0,
+                      modelled: bool = False):
+    """Each bucket's all-reduce: the ring cost model's time beside the launch-to-arrival spans
+    (median, min-max over steps and ranks), log scale. On an emulated node (`modelled`) the spans
+    are modelled and each bucket is labelled with its size there (`bytes_scale` times the real)."""
     if ax is None:
         _, ax = plt.subplots(figsize=(max(6.0, 1.6 * len(buckets) + 2), 4.2))
     x = np.arange(len(buckets))
@@ -123,13 +125,14 @@ def plot_bucket_times(buckets, predicted: Sequence[float], measured: Sequence, a
     mid = np.array([m.median for m in measured]) * 1e3
     low, high = np.array([m.low for m in measured]) * 1e3, np.array([m.high for m in measured]) * 1e3
     ax.bar(x + 0.2, mid, width=0.4, color=kind_color("allreduce"), edgecolor="black",
-           yerr=[mid - low, high - mid], capsize=3, label="measured: launch to arrival (median, min-max)")
+           yerr=[mid - low, high - mid], capsize=3, label="modelled on the emulated node: launch to arrival" if modelled
+           else "measured: launch to arrival (median, min-max)")
     ax.set_xticks(x)
-    ax.set_xticklabels([f"bucket {b.index}\n{human_bytes(b.nbytes)}" for b in buckets])
+    ax.set_xticklabels([f"bucket {b.index}\n{human_bytes(b.nbytes * bytes_scale)}" for b in buckets])
     ax.set_yscale("log")
     ax.set_ylim(bottom=min(predicted) * 1e3 / 2, top=max(high.max(), max(predicted) * 1e3) * 4)
     ax.set_ylabel("all-reduce time (ms, log scale)")
-    ax.set_title("Each bucket's all-reduce: predicted and measured")
+    ax.set_title("Each bucket's all-reduce: predicted and " + ("modelled" if modelled else "measured"))
     ax.grid(axis="y", alpha=0.3, which="both")
     ax.legend(fontsize="small", loc="upper center")
     return ax

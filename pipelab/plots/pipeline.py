@@ -152,11 +152,13 @@ def draw_topology(topo: ProcessTopology, ax=None, title: str | None = None):
 
 
 def plot_memory_time_trade(points: dict[str, tuple[Measured, dict[int, float]]],
-                           simulated_ms: dict[str, float] | None = None, ax=None, title: str | None = None):
+                           simulated_ms: dict[str, float] | None = None, ax=None, title: str | None = None,
+                           xlabel: str | None = None, ylabel: str | None = None):
     """Peak stash against step time, one marker per way of running (e.g. activations stored or
     recomputed) and rank: `points[name] = (step time in ms as a Measured, {rank: peak stash in MiB})`.
     A bar spans the repeats' fastest to slowest step; a dotted line joins a rank's points.
-    `simulated_ms` marks the simulator's step time of each way as a dashed vertical line."""
+    `simulated_ms` marks the simulator's step time of each way as a dashed vertical line; `xlabel`
+    and `ylabel` say what the figures are where they are not measured (e.g. modelled)."""
     if ax is None:
         _, ax = plt.subplots(figsize=(7, 4))
     markers = "os^Dv"
@@ -173,8 +175,8 @@ def plot_memory_time_trade(points: dict[str, tuple[Measured, dict[int, float]]],
         ax.axvline(ms, color="grey", linestyle="--", linewidth=1)
         ax.text(ms, 1.0 - 0.07 * (i + 1), f" simulated, {name}", transform=ax.get_xaxis_transform(),
                 fontsize=8, color="dimgrey")
-    ax.set_xlabel("step time (ms): median, bar from fastest to slowest repeat")
-    ax.set_ylabel("peak stashed activations (MiB)")
+    ax.set_xlabel(xlabel or "step time (ms): median, bar from fastest to slowest repeat")
+    ax.set_ylabel(ylabel or "peak stashed activations (MiB)")
     ax.set_ylim(bottom=0)
     ax.set_title(title or "Memory against time")
     ax.grid(alpha=0.3)

@@ -20,9 +20,9 @@ def plot_measured_vs_simulated(measured: Timeline, simulated: SimResult, title: 
     rows = len(measured.rows()) + len(simulated.timeline.rows())
     fig, (top, bottom) = plt.subplots(2, 1, figsize=(11, 1.0 + 0.45 * rows), sharex=True,
                                       height_ratios=[len(measured.rows()), len(simulated.timeline.rows())])
-    gantt(measured, ax=top, title=f"{title} measured: {measured.makespan * 1e3:.1f} ms, "
+    gantt(measured, ax=top, title=f"{title}, the run: {measured.makespan * 1e3:.1f} ms, "
           f"bubble {measured.bubble_fraction():.2f}")
-    gantt(simulated.timeline, ax=bottom, title=f"{title} simulated with the measured costs, free messages: "
+    gantt(simulated.timeline, ax=bottom, title=f"{title} simulated with the run's costs, free messages: "
           f"{simulated.makespan_ms:.1f} ms, bubble {simulated.bubble_fraction:.2f}")
     top.set_xlabel("")
     fig.tight_layout()

@@ -45,8 +45,8 @@ class Pending:
     """A collective in flight: `wait()` returns once it has arrived. Its span on the `comm` lane runs
     from issue to arrival (the moment the backend finished it, not the moment someone waited), both
     on the rank's one clock: on a GPU CUDA events, the arrival recorded on a stream that waits for
-    the collective and nothing else (`pipelab.ddp.flat.arrival_stamp`); on an emulated node the
-    modelled end; on a CPU the moment gloo's thread finished it. `start` is a `Recorder.stamp`."""
+    the collective and nothing else (`pipelab.ddp.flat.arrival_stamp`); on a logical clock the end
+    it gives; on a CPU the moment gloo's thread finished it. `start` is a `Recorder.stamp`."""
 
     def __init__(self, work, rec: Recorder, kind: str, start, device: torch.device | None = None, **meta):
         self.work, self.rec, self.kind, self.start, self.meta = work, rec, kind, start, meta
@@ -65,7 +65,7 @@ class Pending:
 
 
 # torch 2.13 renamed reduce_scatter_tensor and all_gather_into_tensor to reduce_scatter_single and
-# all_gather_single; the old names, which every torch since 1.13 has and `pipelab.emulate` times,
+# all_gather_single; the old names, which every torch since 1.13 has and a timed communication layer sees,
 # still work (they call the new ones) but warn at every rank. We call the old names, unwarned.
 warnings.filterwarnings("ignore", message=r"`torch\.distributed\.(reduce_scatter_tensor|all_gather_into_tensor)` "
                         r"is deprecated", category=FutureWarning)
@@ -78,7 +78,7 @@ class Collectives:
     def __init__(self, rec: Recorder, group=None):
         self.rec, self.group = rec, group
         self.world_size = dist.get_world_size(group)
-        self.clock = getattr(rec, "now", None) or now  # an emulated rank's recorder has its own clock
+        self.clock = getattr(rec, "now", None) or now  # a recorder with a logical clock keeps its own time
         self.messages: list[Message] = []
 
     def all_reduce(self, tensor: torch.Tensor, layer: str | None = None, async_op: bool = False) -> Pending:

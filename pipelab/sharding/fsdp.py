@@ -91,7 +91,7 @@ class Zero3(Trainer):
         self.started[i] = self.rec.stamp()  # on a GPU an event on the stream the layer runs on
 
     def after_forward(self, i: int, out: torch.Tensor) -> torch.Tensor:
-        self.spend(0, i)  # on an emulated node: the layer's modelled forward
+        self.rec.ran("F", layer=self.layers[i].name)  # for a clock that keeps modelled time
         self.rec.add_stamped("F", self.started[i], self.rec.stamp(), layer=self.layers[i].name)
         self.free(i)  # autograd keeps the views; their storage is refilled before backward
         if out.requires_grad:
@@ -109,7 +109,7 @@ class Zero3(Trainer):
     def after_backward(self, i: int) -> None:
         """Layer `i`'s gradient is complete in its vector: reduce-scatter it, free the layer."""
         full = self.full[i]
-        self.spend(1, i)
+        self.rec.ran("B", layer=self.layers[i].name)
         self.rec.add_stamped("B", self.started[i], self.rec.stamp(), layer=self.layers[i].name)
         grad, full.grad = full.grad, None
         pending = self.comm.reduce_scatter(self.shards[i].grad, grad, layer=self.layers[i].name, async_op=True)

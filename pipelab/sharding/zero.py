@@ -41,7 +41,6 @@ class Trainer:
     counted collectives, and how to lay parameters and gradients out as flat vectors."""
 
     optimizer: torch.optim.Optimizer
-    costs: list[tuple] | None = None  # per layer, the modelled (forward, backward) cost: see `spend`
 
     def __init__(self, model: nn.Module, comm: Collectives):
         self.model, self.comm, self.rec = model, comm, comm.rec
@@ -54,26 +53,11 @@ class Trainer:
         raise NotImplementedError
 
     def forward_backward(self, x: torch.Tensor, y: torch.Tensor, loss_fn: Callable) -> float:
-        with self.rec.span("F", **self.cost(0)):
+        with self.rec.span("F"):
             loss = loss_fn(self.model(x), y)
-        with self.rec.span("B", **self.cost(1)):
+        with self.rec.span("B"):
             loss.backward()
         return loss.item()
-
-    def cost(self, part: int, layer: int | None = None) -> dict:
-        """On an emulated node (`pipelab.emulate`), the modelled cost of a layer's (or, with
-        `layer=None`, every layer's) forward (part 0) or backward (part 1), as the recorder's
-        `cost=`; elsewhere nothing: the work itself takes the time."""
-        if self.costs is None:
-            return {}
-        costs = [c[part] for c in self.costs] if layer is None else [self.costs[layer][part]]
-        return {"cost": sum(costs[1:], costs[0])}
-
-    def spend(self, part: int, layer: int) -> None:
-        """Move an emulated rank's logical clock by a layer's modelled forward or backward."""
-        clock = getattr(self.rec, "clock", None)
-        if self.costs is not None and clock is not None:
-            clock.spend(self.cost(part, layer)["cost"])
 
     def step_shards(self, shards: list[torch.Tensor]) -> None:
         """Wait for the gradients' reduce-scatters still in flight, turn each summed gradient

@@ -49,7 +49,7 @@ def devices(n: int, pace: Pace | None = None) -> Devices:
     whole_number("n", n, example="devices(2)")
     if pace is None and torch.cuda.is_available() and torch.cuda.device_count() >= n:
         return Devices(CudaDevice(f"cuda:{i}") for i in range(n))
-    return Devices(VirtualDevice(f"cpu:{i}", pace=pace) for i in range(n))
+    return Devices(VirtualDevice(f"cpu:{i}", label=pace and pace.label(i), pace=pace) for i in range(n))
 
 
 def timeline(devs: list[Device]) -> Timeline:

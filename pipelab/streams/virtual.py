@@ -122,6 +122,10 @@ class Pace:
     def seconds(self, kind: str, fn: Callable, args: tuple) -> float:
         raise NotImplementedError
 
+    def label(self, index: int) -> str | None:
+        """What paced device `index` is called on the timeline (None: its own name, "cpu:0")."""
+        return None
+
     def reached(self, t: float) -> None:
         with self._lock:
             self._latest = max(self._latest, t)

@@ -36,7 +36,7 @@ class ColumnParallelLinear(nn.Module):
     (sequence parallel). The output is this rank's columns of Y.
 
     Under sequence parallelism the weight's gradient needs the whole X. Keeping the gathered X for
-    backward costs a full activation per layer on every rank; `regather=True` keeps only this
+    backward needs a full activation per layer on every rank; `regather=True` keeps only this
     rank's slice and gathers X again in backward, as Megatron-LM does: less memory, one more
     all-gather."""
 

@@ -1,11 +1,10 @@
-"""A pipeline's stages at the emulated size: what an emulated node's ranks are paced by.
+"""A pipeline's stages at the emulated size: what an emulated node's ranks are timed by.
 
 A lesson computes at a small size on this machine's CPU, but times each action as the same stages
 would take at a GPU's size (`emulate.cost.stage_seconds`, counted on the meta device: shapes and no
 memory) and tracks each rank's memory at that size (`emulate.memory`). `emulated_stages` counts every
-stage once, in the parent; the ranks (`experiments.pipeline.worker`, through `runtime.run_step`'s
-`costs` and `stash_bytes`) and the simulator (`experiments.pipeline.Config.simulated_costs`) then use
-the same figures.
+stage once, in the parent; the ranks (their clocks' cost tables, `table.stage_table`) and the
+simulator (`experiments.pipeline.Config.simulated_costs`) then use the same figures.
 """
 
 from __future__ import annotations
@@ -16,8 +15,6 @@ from typing import Callable, Sequence
 import torch
 from torch import nn
 
-from pipelab.models import mlp
-from pipelab.pipeline.partition import split_model
 
 
 @dataclass(frozen=True)
@@ -72,15 +69,3 @@ def emulated_stages(stages: Sequence[nn.Module], x: torch.Tensor, loss_fn: Calla
                                fixed.total)
         h = y
     return out
-
-
-def emulated_mlp(node: str | None, layers: int, num_stages: int, width: int, rows: int, dtype: str = "bfloat16") -> dict:
-    """The `experiments.pipeline.Config` arguments that run on the emulated `node` (None: nothing emulated, {}) an MLP of
-    `layers` Linear layers of `width` cut into `num_stages` stages, `rows` rows per micro-batch, in
-    `dtype`: the stages built on the meta device, shapes and no memory."""
-    if node is None:
-        return {}
-    with torch.device("meta"):
-        stages = split_model(mlp([width] * (layers + 1)), num_stages)
-        x = torch.empty(rows, width)
-    return dict(emulate=node, emulated_stages=stages, emulated_x=x, emulated_dtype=dtype)
