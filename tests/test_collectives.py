@@ -218,27 +218,25 @@ EMULATED = dict(sizes_bytes=[8, 2048, 2**20, 2**21], rounds=1, trips=1, allreduc
                 matrix_size=16, steps=2, emulate="2xH100-nvlink", emulated_matrix=1024)
 
 
-def test_emulated_ping_pong_and_ring_follow_the_link_model_exactly():
-    """The issue's contradictions: a fitted bandwidth above every row, an 8 B all-reduce at 4.9x the
-    model's 2α. On the emulated node each message lasts latency + bytes / bandwidth, so the fit
-    finds the link's figures and the ring (torch's and ours) costs what its formula says."""
-    from pipelab.emulate.specs import parse_node
+def test_emulated_ping_pong_and_ring_follow_the_calibrated_link_model():
+    """On the emulated node each message and collective lasts what the calibrated model
+    (`pipelab.emulate.seconds`, NCCL's measured protocols) gives; a latency + bytes / bandwidth line
+    fitted to the ping-pong then lies within 10 % of every row, the 8 B all-reduce costs 2α, and a
+    1 MiB all-reduce takes longer than that line predicts (NCCL's ring is not one message per step)."""
+    from pipelab.emulate import seconds
 
-    link = parse_node("2xH100-nvlink").link
     cfg = lesson.Config(**EMULATED)
     pp = experiments.run(lesson.ping_pong_worker, cfg, lesson.gather_ping_pong)
     for row in pp.rows:
-        assert row.one_way.median == pytest.approx(link.latency_s + row.bytes / link.bandwidth_Bps, rel=1e-6)
-    assert pp.latency.median == pytest.approx(link.latency_s, rel=1e-3)
-    assert pp.bandwidth == pytest.approx(link.bandwidth_Bps, rel=1e-3)
-    assert pp.misfit() < 1e-3 and lesson.fit_verdict(pp)[1] == "fits"
+        assert row.one_way.median == pytest.approx(seconds("send", nbytes=row.bytes, node="2xH100-nvlink"), rel=1e-6)
+    assert pp.misfit() < 0.1 and lesson.fit_verdict(pp)[1] == "fits"
     assert all(r.bandwidth.median < pp.bandwidth for r in pp.rows)  # a row's bandwidth includes its latency
     sweep = lesson.all_reduce_run(cfg, pp)
-    for row, predicted in zip(sweep.rows, sweep.predicted):
-        assert row.torch.median == pytest.approx(predicted, rel=1e-3)
-        assert row.ring.median == pytest.approx(predicted, rel=1e-3)  # message by message, the same
+    for row in sweep.rows:
+        assert row.ring.median == pytest.approx(row.torch.median, rel=1e-6)  # message by message, the same
     key, verdict, text, figures = lesson.ring_model_verdict(sweep)
-    assert verdict == "fits" and "T ≈ 2α holds" in text and figures["small_ratio"].median == pytest.approx(1, rel=1e-3)
+    assert "T ≈ 2α holds" in text and figures["small_ratio"].median == pytest.approx(1, rel=0.02)
+    assert verdict == "slower than the model"
 
 
 def test_emulated_step_lasts_the_counted_matmuls_and_the_light_rank_waits():
