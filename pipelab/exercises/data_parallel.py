@@ -31,7 +31,8 @@ def _broadcast_rank(ctx: RankContext, fn, src: int) -> dict:
     tensor = values.clone() if ctx.rank == src else torch.zeros(3)
     out, rec = student_call(ctx, fn, ctx, tensor, src, refuse=_only_p2p)
     return {"tensor": tensor.tolist(), "out": out.tolist() if isinstance(out, torch.Tensor) else None,
-            "received": [c.peer for c in rec.calls if c.op in ("recv", "irecv")]}
+            "received": [c.peer for c in rec.calls if c.op in ("recv", "irecv")],
+            "sent": [c.peer for c in rec.calls if c.op in ("send", "isend")]}
 
 
 @checker("00_broadcast")
@@ -48,6 +49,9 @@ def check_broadcast(my_broadcast) -> str:
         elif got["out"] == want:
             why = ("your function returned the right values in a new tensor, but `tensor` itself was not filled: "
                    "receive into `tensor` (in place), which is what the caller holds")
+        elif not got["received"] and got["sent"]:
+            why = (f"this rank sent (to rank(s) {got['sent']}) and received nothing: it acted as the source, but src is "
+                   f"rank {BROADCAST_SRC}; use the `src` argument, not a fixed rank")
         elif not got["received"]:
             why = "this rank posted no receive at all"
         elif got["tensor"] == [0.0] * 3:
@@ -81,7 +85,10 @@ def _ddp_rank(ctx: RankContext, fn) -> dict:
     local = {name: p.grad.clone() for name, p in named}
     before = {name: p.grad for name, p in named}  # the tensors themselves, to see what a collective touched
     _, rec = student_call(ctx, fn, [p for _, p in named], ctx.world_size)
-    return {"grads": {name: None if p.grad is None else p.grad.clone() for name, p in named}, "local": local,
+    spans = [(g.untyped_storage().data_ptr(), g.untyped_storage().data_ptr() + g.untyped_storage().nbytes())
+             for g in before.values()]
+    stray = [c.op for c in rec.collectives() if not any(a <= c.ptr < b for a, b in spans)]
+    return {"stray": stray, "grads": {name: None if p.grad is None else p.grad.clone() for name, p in named}, "local": local,
             "touched": {name: rec.touched(g) for name, g in before.items()},
             "collectives": [c.op for c in rec.collectives()]}
 
@@ -118,8 +125,8 @@ def check_ddp_average(my_average) -> str:
             if same(g, want[name]):
                 continue
             if same(g, r["local"][name]):
-                if r["collectives"] and not r["touched"][name]:
-                    raise Wrong(f"{where}: the gradient is still this rank's own: your {r['collectives'][0]} ran on a "
+                if r["stray"]:
+                    raise Wrong(f"{where}: the gradient is still this rank's own: your {r['stray'][0]} ran on a "
                                 "temporary (a new tensor such as p.grad / n), so p.grad never saw the result; reduce "
                                 "p.grad itself, then divide it in place")
                 raise Wrong(f"{where}: the gradient is still this rank's own: no collective ever reduced it "

@@ -73,6 +73,10 @@ def _gpipe_rank(ctx: RankContext, fn) -> dict[str, torch.Tensor]:
             fn(out, grad, m)
         else:
             fn(out, None, m)
+            if inp.grad is None:
+                raise Wrong("stage 1: after your backward, its input (the activation stage 0 sent) has no gradient, so "
+                            "there is nothing to send back: no gradient at all flowed (use .backward, which fills "
+                            ".grad; torch.autograd.grad only returns gradients)")
             dist.send(inp.grad, dst=0)
     # a slice of a Sequential keeps the layers' names, so these are the whole model's names
     return {name: None if p.grad is None else p.grad.clone() for name, p in stage.named_parameters()}
