@@ -14,6 +14,7 @@ from pipelab.exercises.core import Wrong, call, checker, how_far, same
 
 BATCH, WIDTH, SPLIT = 10, 16, 4  # 10 rows in splits of 4: the last split is shorter
 HOLD_SECONDS = 1.0
+LATE_COPY_SECONDS = 0.1
 
 
 def _case():
@@ -39,11 +40,19 @@ def _hold(stream, until, seconds: float = HOLD_SECONDS) -> None:
 
 
 def _late_producer(devs) -> None:
-    """Device 0 and device 1's copy stream held until device 1 has run a forward: a read that does
-    not wait for its copy then comes first every time."""
+    """Device 0 and device 1's copy stream held until device 1 has run a forward, and each copy
+    landing late: a read that does not wait for its copy then comes first every time."""
     ran_forward = lambda: bool(devs[1].timeline().filter(kind="F"))  # noqa: E731
     _hold(devs[0].stream("compute"), ran_forward)
-    _hold(devs[1].stream("copy"), ran_forward)
+    copy_stream = devs[1].stream("copy")
+    _hold(copy_stream, ran_forward)
+    land = copy_stream._copy_now
+
+    def late_copy(src, out, chunk_bytes):  # every copy lands late, so nothing unordered reads after it by luck
+        time.sleep(LATE_COPY_SECONDS)
+        return land(src, out, chunk_bytes)
+
+    copy_stream._copy_now = late_copy
 
 
 def _slow_consumer(devs) -> None:
