@@ -23,15 +23,15 @@ from pipelab import exercises  # noqa: E402
 
 def main(argv: list[str]) -> int:
     repeats = int(argv[0]) if argv and argv[0].isdigit() else 5
-    only = set(a for a in argv if not a.isdigit())
+    only = [a for a in argv if not a.isdigit()]
     cases = [(name, fn, words, False) for name, fn, words in answers.WRONG]
     cases += [(name, fn, [], True) for name, fn in answers.RIGHT]
     cases += [(name, exercises.solution(name), [], True) for name in exercises.EXERCISES]
+    if only:  # in the order asked
+        cases = sorted((c for c in cases if c[0] in only), key=lambda c: only.index(c[0]))
     counts = {"answers": 0, "always_as_expected": 0, "runs": 0}
     start = time.monotonic()
     for name, fn, words, right in cases:
-        if only and name not in only:
-            continue
         check = exercises.EXERCISES[name][1]
         good, messages = 0, set()
         for _ in range(repeats):
