@@ -143,3 +143,26 @@ def test_notebook_exercise_cells_are_complete():
             params = next(c for c in nb.cells if "parameters" in c.metadata.get("tags", []))
             assert "solutions = False" in params.source, path
     assert seen == set(exercises.EXERCISES)
+
+
+def test_every_lesson_makes_an_nbgrader_source_notebook(tmp_path):
+    """Each lesson with exercises gives an assignment notebook: a solution region in each answer
+    cell (valid Python), a locked autograded checker cell with the exercise's points."""
+    import glob
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    lessons = [p for p in sorted(glob.glob(os.path.join(root, "notebooks", "*.ipynb")))
+               if __import__("pipelab.exercises.grading", fromlist=["x"]).submitted_code(p)]
+    assert main(["exercises", "assignment", str(tmp_path), *lessons]) == 0
+    answers_seen = set()
+    for path in sorted(tmp_path.glob("*.ipynb")):
+        nb = nbformat.read(path, as_version=4)
+        for cell in nb.cells:
+            grader = cell.metadata.get("nbgrader", {})
+            if grader.get("solution"):
+                assert "### BEGIN SOLUTION" in cell.source and "### END SOLUTION" in cell.source
+                compile(cell.source, str(path), "exec")
+                answers_seen.add(cell.metadata["pipelab"]["exercise"])
+            if grader.get("grade"):
+                assert grader["locked"] and grader["points"] > 0
+    assert answers_seen == set(exercises.EXERCISES)

@@ -41,7 +41,7 @@ How an exercise is written (lessons 14 and later follow the same convention):
 """
 
 from pipelab.exercises.capstone import check_perplexity, check_split_point
-from pipelab.exercises.core import Grade, solution
+from pipelab.exercises.core import Grade, solution, solution_text
 from pipelab.exercises.devices import check_event_wait, check_naive_forward, check_split_forward
 from pipelab.exercises.data_parallel import (check_broadcast, check_ddp_average, check_grid_groups,
                                              check_row_parallel, check_zero2_shard)
@@ -69,4 +69,4 @@ EXERCISES = {
     "13_split_backward": ("my_split_backward", check_split_backward),
 }
 
-__all__ = ["EXERCISES", "Grade", "solution", *(c.__name__ for _, c in EXERCISES.values())]
+__all__ = ["EXERCISES", "Grade", "solution", "solution_text", *(c.__name__ for _, c in EXERCISES.values())]

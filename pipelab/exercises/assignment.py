@@ -50,14 +50,18 @@ def solution_cell(student_source: str, name: str) -> str:
     missing = [line for line in imports if line not in student_source]
     lines = student_source.rstrip().splitlines()
     gap = next((i for i, line in enumerate(lines) if "NotImplementedError" in line or "your code here" in line), None)
-    if gap is None:
-        raise ValueError(f"the student cell of {name} has no line to fill (raise NotImplementedError or '# your code here')")
+    if gap is None:  # a cell to rewrite (lesson 07's loop): its whole body is the region
+        fn = next(s for s in ast.parse(student_source).body if isinstance(s, ast.FunctionDef))
+        first = fn.body[1] if len(fn.body) > 1 and isinstance(fn.body[0], ast.Expr) else fn.body[0]
+        indent = re.match(r"\s*", lines[first.lineno - 1]).group(0)
+        filled = [indent + BEGIN, *(indent + line if line else "" for line in missing + body), indent + END]
+        return "\n".join(lines[:first.lineno - 1] + filled + lines[fn.end_lineno:])
     indent = re.match(r"\s*", lines[gap]).group(0)
     if "NotImplementedError" in lines[gap]:
         region = missing + body
     else:  # a cell to complete: the solution's lines the cell lacks go where it says
         have = {line.strip() for line in lines}
-        region = [line for line in body if line.strip() not in have]
+        region = textwrap.dedent("\n".join(line for line in body if line.strip() not in have)).splitlines()
     filled = [indent + BEGIN, *(indent + line if line else "" for line in region), indent + END]
     return "\n".join(lines[:gap] + filled + lines[gap + 1:])
 

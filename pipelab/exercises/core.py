@@ -59,6 +59,8 @@ def checker(exercise: str):
                 grade = Grade(exercise, False, f"{name_of(fn)} raised {type(e).__name__}: {first_line(e)}")
             if not quiet:
                 print(grade)
+                if not grade.passed:
+                    print(f"(stuck? the worked solution: print(exercises.solution_text({exercise!r})))")
             return grade
         run.exercise = exercise
         return run
@@ -227,6 +229,14 @@ def _explain(e, name: str) -> str:
 # ---------------------------------------------------------------------------------------------
 # Solutions
 # ---------------------------------------------------------------------------------------------
+
+
+def solution_text(name: str) -> str:
+    """The worked solution of exercise `name` as text, for a student who passed or gave up."""
+    path = SOLUTIONS / f"{name}.py"
+    if not path.exists():
+        raise ValueError(f"no solution {name!r} in {SOLUTIONS}; known: {sorted(p.stem for p in SOLUTIONS.glob('[0-9]*.py'))}")
+    return path.read_text()
 
 
 def solution(name: str) -> Callable:
