@@ -269,26 +269,41 @@ def cmd_calibrate(ns: argparse.Namespace) -> int:
 
 
 def cmd_exercises(ns: argparse.Namespace) -> int:
-    """`pipelab exercises`: the exercises per lesson; `pipelab exercises grade FOLDER`: a table of
-    every submitted notebook's exercises, graded in fresh processes (and a CSV with --csv)."""
-    from pipelab.exercises import EXERCISES
-    from pipelab.exercises import grading
+    """`pipelab exercises`: the exercises per lesson; `grade FOLDER`: every student's exercises,
+    each notebook graded in its own process, with points and totals (a CSV with --csv, a file per
+    student with --feedback); `assignment OUT NOTEBOOK...`: the lessons' exercises as nbgrader
+    source notebooks (pipelab.exercises.grading, pipelab.exercises.assignment)."""
+    from pipelab.exercises import EXERCISES, assignment, grading
 
     if ns.action == "list":
         for name, (function, check) in EXERCISES.items():
             summary = " ".join((check.__doc__ or "").split())
             print(f"lesson {name[:2]}  {name:<20} {function}: {summary}")
         return 0
+    if ns.action == "assignment":
+        if not ns.folder or not ns.notebooks:
+            raise UsageError("give a folder and the lessons: pipelab exercises assignment OUT NOTEBOOK [NOTEBOOK ...]")
+        missing = [p for p in ns.notebooks if not os.path.isfile(p)]
+        if missing:
+            raise UsageError(f"no notebook {missing[0]!r}; pass lesson notebooks, e.g. notebooks/05_*.ipynb")
+        try:
+            for path in assignment.write_assignment(ns.folder, ns.notebooks):
+                print(f"wrote {path}")
+        except ValueError as e:
+            raise UsageError(str(e)) from None
+        return 0
     if not ns.folder:
         raise UsageError("give the folder of submitted notebooks: pipelab exercises grade FOLDER [--csv OUT]")
     try:
-        rows = grading.grade_folder(ns.folder, ns.timeout)
+        rows = grading.grade_folder(ns.folder, ns.timeout, progress=lambda line: print(line, file=sys.stderr))
     except ValueError as e:
         raise UsageError(str(e)) from None
     print(grading.table(rows) if rows else f"no student cells defining an exercise in {ns.folder}")
     if ns.csv:
         grading.write_csv(rows, ns.csv)
         print(f"wrote {ns.csv}")
+    if ns.feedback:
+        print(f"wrote {len(grading.write_feedback(rows, ns.feedback))} feedback files in {ns.feedback}")
     return 0
 
 
@@ -351,11 +366,14 @@ def parser() -> argparse.ArgumentParser:
                            "else ~/.cache/pipelab/calibration.json)")
     calibrate.set_defaults(func=cmd_calibrate)
 
-    exercises = sub.add_parser("exercises", help="list the graded exercises, or grade a folder of submitted notebooks")
-    exercises.add_argument("action", nargs="?", choices=["list", "grade"], default="list")
-    exercises.add_argument("folder", nargs="?", help="with grade: the folder of submitted notebooks")
-    exercises.add_argument("--csv", metavar="OUT", help="with grade: also write the table as CSV")
-    exercises.add_argument("--timeout", type=_seconds, default=300.0, metavar="SECONDS", help="per exercise")
+    exercises = sub.add_parser("exercises", help="list the graded exercises, grade a folder of submitted notebooks, "
+                                                 "or write the lessons' exercises as nbgrader assignments")
+    exercises.add_argument("action", nargs="?", choices=["list", "grade", "assignment"], default="list")
+    exercises.add_argument("folder", nargs="?", help="grade: the folder of submitted notebooks; assignment: the output folder")
+    exercises.add_argument("notebooks", nargs="*", help="with assignment: the lesson notebooks")
+    exercises.add_argument("--csv", metavar="OUT", help="with grade: also write the rows and totals as CSV")
+    exercises.add_argument("--feedback", metavar="DIR", help="with grade: write each student's messages to DIR/<student>.txt")
+    exercises.add_argument("--timeout", type=_seconds, default=600.0, metavar="SECONDS", help="per notebook")
     exercises.set_defaults(func=cmd_exercises)
     return top
 

@@ -119,15 +119,19 @@ def merge_not_written(out_a, lse_a, out_b, lse_b):
     raise NotImplementedError("your code here")
 
 
-@pytest.mark.parametrize("right", [exercises.solution("14_online_softmax_merge"), merge_with_max])
+RIGHT_ANSWERS = [merge_with_max]
+WRONG_ANSWERS = [
+    (merge_average, "plain average"), (merge_unnormalised, "not normalised"), (merge_swapped, "swaps the weights"),
+    (merge_lse_max, "larger of L_a and L_b"), (merge_lse_sum, "L_a + L_b"),
+    (merge_overflowing, "overflows float32"), (merge_not_written, "not written yet")]
+
+
+@pytest.mark.parametrize("right", [exercises.solution("14_online_softmax_merge"), *RIGHT_ANSWERS])
 def test_right_merges_pass(right):
     assert exercises.check_online_softmax_merge(right, quiet=True).passed
 
 
-@pytest.mark.parametrize("wrong, expected", [
-    (merge_average, "plain average"), (merge_unnormalised, "not normalised"), (merge_swapped, "swaps the weights"),
-    (merge_lse_max, "larger of L_a and L_b"), (merge_lse_sum, "L_a + L_b"),
-    (merge_overflowing, "overflows float32"), (merge_not_written, "not written yet")])
+@pytest.mark.parametrize("wrong, expected", WRONG_ANSWERS)
 def test_wrong_merges_fail_naming_the_mistake(wrong, expected):
     grade = exercises.check_online_softmax_merge(wrong, quiet=True)
     assert not grade.passed and expected in grade.message, grade.message

@@ -263,6 +263,9 @@ WRONG = [
 ]
 
 
+WRONG_ANSWERS, RIGHT_ANSWERS = WRONG, [flat_accumulate_then_average]
+
+
 @pytest.mark.parametrize("wrong, expected", WRONG, ids=[w.__name__ for w, _ in WRONG])
 def test_a_wrong_fix_fails_naming_its_mistake(wrong, expected):
     grade = exercises.check_find_the_bug(wrong, quiet=True)

@@ -136,16 +136,27 @@ def dispatch_without_counts(rows, expert, experts_per_rank):
     return out
 
 
-def test_another_correct_answer_passes():
-    # the solution's own run, and the even split's, are in tests/test_exercises.py
-    assert exercises.check_dispatch(dispatch_gathering_every_count).passed
+def dispatch_even_split(rows, expert, experts_per_rank):
+    out = torch.empty_like(rows)
+    dist.all_to_all_single(out, rows[torch.argsort(expert, stable=True)])
+    return out
 
 
-@pytest.mark.parametrize("wrong, words", [
+RIGHT_ANSWERS = [dispatch_gathering_every_count]
+WRONG_ANSWERS = [
     (dispatch_unsorted, ["row(s) of other ranks' experts", "sort the rows by expert"]),
     (dispatch_round_robin, ["consecutive blocks", "not e % world_size"]),
     (dispatch_without_counts, ["exchange the counts"]),
-], ids=lambda v: getattr(v, "__name__", ""))
+    (dispatch_even_split, ["an even split", "[6, 6]", "exchanged first"]),
+]
+
+
+def test_another_correct_answer_passes():
+    # the solution's own run is in tests/test_exercises.py
+    assert exercises.check_dispatch(dispatch_gathering_every_count).passed
+
+
+@pytest.mark.parametrize("wrong, words", WRONG_ANSWERS, ids=lambda v: getattr(v, "__name__", ""))
 def test_a_wrong_dispatch_fails_naming_its_mistake(wrong, words):
     grade = exercises.check_dispatch(wrong)
     assert not grade.passed

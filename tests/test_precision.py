@@ -178,13 +178,17 @@ def test_the_exercise_passes_its_solution_and_another_correct_answer():
     assert exercises.check_loss_scale_update(update_written_otherwise, quiet=True).passed
 
 
-@pytest.mark.parametrize("wrong, expected", [
+RIGHT_ANSWERS = [update_written_otherwise]
+WRONG_ANSWERS = [
     (doubles_on_overflow, "you doubled the scale"),
     (keeps_count_on_overflow, "must start again at 0"),
     (grows_one_step_late, "you grow one step late"),
     (never_resets_after_growth, "reset it to 0"),
     (returns_the_scale_only, "return the pair"),
-])
+]
+
+
+@pytest.mark.parametrize("wrong, expected", WRONG_ANSWERS)
 def test_wrong_answers_fail_naming_the_mistake(wrong, expected):
     grade = exercises.check_loss_scale_update(wrong, quiet=True)
     assert not grade.passed and expected in grade.message, grade.message

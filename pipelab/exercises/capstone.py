@@ -8,7 +8,7 @@ import math
 import torch
 from torch import nn
 
-from pipelab.exercises.core import Wrong, call, checker
+from pipelab.exercises.core import Wrong, call, checker, unchanged
 
 # ---------------------------------------------------------------------------------------------
 # 09: where to split
@@ -50,21 +50,34 @@ def check_split_point(my_split_point) -> str:
     stages holding as equal a number of parameters as possible (the heaviest as light as it can be)."""
     torch.manual_seed(9)
     model = Tower()
+    kept = {k: v.clone() for k, v in model.state_dict().items()}
     point = call(my_split_point, model)
+    if set(model.state_dict()) != set(kept) or any(not torch.equal(v, kept[k]) for k, v in model.state_dict().items()):
+        raise Wrong("your function changed the model it was given (its parameters or submodules): only read it")
     names = [name for name, _ in model.named_modules() if name and name != "blocks"]
     if point not in names:
         raise Wrong(f"{point!r} is not a submodule of the model; the candidates are {names}")
+    if point == names[0]:
+        raise Wrong(f"cut before {point!r}, the first stage would hold nothing: the cut goes between two submodules")
     try:
         mine = _stage_parameters(model, point)
     except Wrong:
         raise
     except Exception as e:  # noqa: BLE001 - a point torch.fx cannot cut at
         raise Wrong(f"the model cannot be cut before {point!r}: {e}") from None
-    best_point, best = min(((n, _stage_parameters(model, n)) for n in names if n != "embed"), key=lambda t: max(t[1]))
+    candidates = [(n, _stage_parameters(model, n)) for n in names[1:]]
+    best_point, best = min(candidates, key=lambda t: max(t[1]))
     if max(mine) > max(best):
+        at = names.index(point)
+        why = ""
+        if abs(at - (len(names) - at)) <= 1:
+            why = (f": this cut puts {at} and {len(names) - at} submodules on the stages, balancing the layers; "
+                   "count each submodule's parameters instead")
+        elif at == names.index(best_point) + 1:
+            why = (f": the best cut is just before, before {best_point!r}; the name is of the first submodule of the "
+                   "second stage")
         raise Wrong(f"cut before {point!r}, the stages hold {mine[0]:,} and {mine[1]:,} parameters; the best cut's "
-                    f"heaviest stage holds {max(best):,}: count each submodule's parameters (the head alone holds "
-                    f"{sum(p.numel() for p in model.head.parameters()):,}), not the layers")
+                    f"heaviest stage holds {max(best):,}{why}")
     return f"cut before {point!r}: stages of {mine[0]:,} and {mine[1]:,} parameters, the best balance"
 
 
@@ -97,7 +110,10 @@ def check_perplexity(my_perplexity) -> str:
     """`my_perplexity(mb_losses, mb_tokens)` -> the batch's perplexity, from each micro-batch's
     loss (a mean over its tokens, as the last stage computed it) and its number of tokens."""
     losses, tokens, want = perplexity_case()
-    got = call(my_perplexity, list(losses), list(tokens))
+    given_losses, given_tokens = list(losses), list(tokens)
+    got = call(my_perplexity, given_losses, given_tokens)
+    unchanged("mb_losses", losses, given_losses)
+    unchanged("mb_tokens", tokens, given_tokens)
     try:
         got = float(got)
     except (TypeError, ValueError):

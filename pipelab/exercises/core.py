@@ -59,6 +59,8 @@ def checker(exercise: str):
                 grade = Grade(exercise, False, f"{name_of(fn)} raised {type(e).__name__}: {first_line(e)}")
             if not quiet:
                 print(grade)
+                if not grade.passed:
+                    print(f"(stuck? the worked solution: print(exercises.solution_text({exercise!r})))")
             return grade
         run.exercise = exercise
         return run
@@ -108,18 +110,41 @@ def how_far(got: torch.Tensor, want: torch.Tensor, hints: dict[float, str] | Non
     """'2.00x the reference: <hint>' or 'off by up to 0.31 (largest where the reference is 1.2)'."""
     if got.shape != want.shape:
         return f"has shape {tuple(got.shape)} where the reference has {tuple(want.shape)}"
-    scale = ratio(got, want)
-    if scale is not None:
-        hint = next((text for k, text in (hints or {}).items() if abs(scale - k) < 1e-3 * max(1, abs(k))), "")
-        return f"is {scale:.2f}x the reference" + (f": {hint}" if hint else "")
+    scaled = scale_text(got, want, hints)
+    if scaled is not None:
+        return scaled
     diff = (got.detach().double() - want.detach().double()).abs()
     worst = int(diff.flatten().argmax())
     return (f"differs from the reference by up to {diff.max().item():.3g} "
             f"(element {worst}: yours {got.flatten()[worst].item():.4g}, reference {want.flatten()[worst].item():.4g})")
 
 
+def scale_text(got: torch.Tensor, want: torch.Tensor, hints: dict[float, str] | None = None) -> str | None:
+    """'is 2.00x the reference: <hint or what a scale means>' when `got` is a multiple of `want`, else None."""
+    if got.shape != want.shape:
+        return None
+    scale = ratio(got, want)
+    if scale is None:
+        return None
+    hint = next((text for k, text in (hints or {}).items() if abs(scale - k) < 1e-3 * max(1, abs(k))), "")
+    return f"is {scale:.2f}x the reference: " + (hint or "the right direction at the wrong scale (a factor too many or missing)")
+
+
 def same(got: torch.Tensor, want: torch.Tensor) -> bool:
     return got.shape == want.shape and torch.allclose(got.double(), want.double(), rtol=1e-4, atol=1e-5)
+
+
+def unchanged(name: str, before, after) -> None:
+    """Raise Wrong when the student's function changed an input the caller still uses."""
+    equal = torch.equal(before, after) if isinstance(before, torch.Tensor) else before == after
+    if not equal:
+        raise Wrong(f"your function changed its input {name} in place (it was {_short(before)}, now {_short(after)}): "
+                    "the caller still uses it; compute on a copy")
+
+
+def _short(value) -> str:
+    text = str(value.tolist() if isinstance(value, torch.Tensor) else value)
+    return text if len(text) < 60 else text[:57] + "..."
 
 
 # ---------------------------------------------------------------------------------------------
@@ -127,21 +152,47 @@ def same(got: torch.Tensor, want: torch.Tensor) -> bool:
 # ---------------------------------------------------------------------------------------------
 
 
-def on_ranks(body: Callable, world_size: int, *args, timeout: float = 90.0) -> list:
+def on_ranks(body: Callable, world_size: int, *args, timeout: float = 90.0, runs: int = 1) -> list:
     """`body(ctx, *args)` on `world_size` real ranks under NCCL's ordering rule (`spawn(...,
     nccl_rule=True)`): a wrong order of sends, receives or collectives fails within seconds, as it
-    would hang on GPUs. Returns the ranks' results; raises `Wrong` saying which ranks waited on what,
-    or what the student's function raised."""
+    would hang on GPUs. Run `runs` times, sends starting late in the first run and at once in the
+    next, so an answer that is right only by timing fails. Returns the last run's results; raises
+    `Wrong` saying which ranks waited on what, or what the student's function raised."""
+    from pipelab.exercises.recorder import SEND_DELAY
     from pipelab.launch import WorkerError, spawn
 
     printed = io.StringIO()
     try:
-        with contextlib.redirect_stdout(printed):
-            return spawn(body, world_size, *args, timeout=timeout, nccl_rule=True)
-    except WorkerError as e:
-        raise Wrong(_explain(e, name_of(args[0]) if args else "your function")) from None
+        for run in range(runs):
+            with contextlib.redirect_stdout(printed):
+                try:
+                    results = spawn(_perturbed, world_size, body, SEND_DELAY if run == 0 else 0.0, *args,
+                                    timeout=timeout, nccl_rule=True)
+                except WorkerError as e:
+                    raise Wrong(_explain(e, name_of(args[0]) if args else "your function")) from None
+            printed = io.StringIO() if run < runs - 1 else printed
+        return results
     finally:
         _print_students_lines(printed.getvalue())
+
+
+def _perturbed(ctx, body: Callable, send_delay: float, *args):
+    """In a rank: the body, with the recorder's sends starting `send_delay` s late."""
+    from pipelab.exercises import recorder
+
+    recorder.SEND_DELAY = send_delay
+    return body(ctx, *args)
+
+
+def student_call(ctx, fn: Callable, *args, refuse=None):
+    """`fn(*args)` on this rank with its torch.distributed calls recorded; every request it issued
+    must have been waited for. Returns (result, the Recorder)."""
+    from pipelab.exercises import recorder
+
+    with recorder.Recorder(ctx.rank, refuse, recorder.SEND_DELAY) as rec:
+        out = fn(*args)
+    rec.finish()
+    return out, rec
 
 
 def _print_students_lines(text: str) -> None:
@@ -155,6 +206,9 @@ def _print_students_lines(text: str) -> None:
 def _explain(e, name: str) -> str:
     """One or two lines from a failed run: the deadlock's waits, the student's error, or the cause."""
     text = e.args[0]
+    for each in [e, *getattr(e, "consequences", [])]:  # a failed check on any rank names the mistake best
+        if "raised Wrong: " in each.args[0]:
+            return each.args[0].split("raised Wrong: ", 1)[1].strip()
     if "raised DeadlockError: " in text:
         report = text.split("raised DeadlockError: ", 1)[1]
         lines = [line.strip(" ;.") for line in report.splitlines()[1:] if line.startswith("  ")]
@@ -163,10 +217,11 @@ def _explain(e, name: str) -> str:
         finished = f" (rank{'s' if len(done) > 1 else ''} {', '.join(done)} finished)" if done else ""
         return ("deadlock, it would hang on GPUs: " + "; ".join(waits) + finished
                 + ". A send waits until its receive is posted: every receive needs its send, in the same order")
-    for kind in ("NotImplementedError", "Wrong"):
-        if f"raised {kind}: " in text:
-            detail = text.split(f"raised {kind}: ", 1)[1]
-            return detail if kind == "Wrong" else not_written(name, detail)
+    if "raised NotImplementedError: " in text:
+        return not_written(name, text.split("raised NotImplementedError: ", 1)[1])
+    if "GLHF" in text or "Connection closed by peer" in text:
+        return ("a rank's connection closed in the middle of a message: a peer ended while a message to or from "
+                "it was still in flight (a request never waited for, or a send with no receive)")
     last = e.traceback.strip().splitlines()[-1] if e.traceback.strip() else ""
     return first_line(text) + (f" ({first_line(last)})" if last and last not in text else "")
 
@@ -174,6 +229,14 @@ def _explain(e, name: str) -> str:
 # ---------------------------------------------------------------------------------------------
 # Solutions
 # ---------------------------------------------------------------------------------------------
+
+
+def solution_text(name: str) -> str:
+    """The worked solution of exercise `name` as text, for a student who passed or gave up."""
+    path = SOLUTIONS / f"{name}.py"
+    if not path.exists():
+        raise ValueError(f"no solution {name!r} in {SOLUTIONS}; known: {sorted(p.stem for p in SOLUTIONS.glob('[0-9]*.py'))}")
+    return path.read_text()
 
 
 def solution(name: str) -> Callable:

@@ -10,7 +10,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from pipelab.exercises.core import Wrong, call, checker, first_line, how_far, on_ranks, same
+from pipelab.exercises.core import Wrong, call, checker, first_line, how_far, on_ranks, same, scale_text, student_call, unchanged
+from pipelab.exercises.recorder import COLLECTIVES
 from pipelab.worker import RankContext
 
 NUM_MICROBATCHES, BATCH = 4, 8
@@ -40,9 +41,9 @@ def compare_stage_grads(results: list[dict], want: dict, hints: dict[int, dict[f
             if g is None:
                 raise Wrong(f"rank {rank} (stage {rank}), parameter {name}: no gradient at all: was backward called?")
             if not same(g, want[name]):
-                text = how_far(g, want[name], hints.get(rank))
-                raise Wrong(f"rank {rank} (stage {rank}), parameter {name}: your gradient {text}"
-                            + ("" if "?" in text or ": " in text else f": {tip}"))
+                scaled = scale_text(g, want[name], hints.get(rank))
+                text = scaled or f"{how_far(g, want[name])}; {tip}"
+                raise Wrong(f"rank {rank} (stage {rank}), parameter {name}: your gradient {text}")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -72,6 +73,10 @@ def _gpipe_rank(ctx: RankContext, fn) -> dict[str, torch.Tensor]:
             fn(out, grad, m)
         else:
             fn(out, None, m)
+            if inp.grad is None:
+                raise Wrong("stage 1: after your backward, its input (the activation stage 0 sent) has no gradient, so "
+                            "there is nothing to send back: no gradient at all flowed (use .backward, which fills "
+                            ".grad; torch.autograd.grad only returns gradients)")
             dist.send(inp.grad, dst=0)
     # a slice of a Sequential keeps the layers' names, so these are the whole model's names
     return {name: None if p.grad is None else p.grad.clone() for name, p in stage.named_parameters()}
@@ -110,7 +115,18 @@ def check_few_microbatches(my_1f1b_actions) -> str:
     from pipelab.pipeline.schedules import Schedule
 
     for p, m in [(2, 4), (4, 4), (4, 8)]:
-        actions = [list(call(my_1f1b_actions, r, p, m)) for r in range(p)]
+        actions = []
+        for r in range(p):
+            try:
+                actions.append(list(my_1f1b_actions(r, p, m)))
+            except ValueError as e:
+                raise Wrong(f"rank {r} refused {m} micro-batches on {p} ranks ({first_line(e)}), but that is enough: "
+                            "only fewer micro-batches than stages leaves the pipeline unfilled") from None
+            except NotImplementedError:
+                raise
+            except Exception as e:  # noqa: BLE001
+                raise Wrong(f"with {p} ranks and {m} micro-batches, rank {r}: my_1f1b_actions raised "
+                            f"{type(e).__name__}: {first_line(e)}") from None
         try:
             validate(Schedule(p, m, actions=actions, name="yours"))
         except ScheduleError as e:
@@ -124,19 +140,21 @@ def check_few_microbatches(my_1f1b_actions) -> str:
                 raise Wrong(f"with {p} ranks and {m} micro-batches, rank {r} holds {peak} micro-batches' activations "
                             f"at once: 1F1B starts a backward as soon as it can and holds at most {p - r} "
                             "(num_ranks - rank)")
-    for p, m in [(4, 2), (2, 1)]:
-        try:
-            my_1f1b_actions(0, p, m)
-        except ValueError as e:
-            if str(m) not in str(e) or str(p) not in str(e):
-                raise Wrong(f"refused {m} micro-batches on {p} ranks, but the message does not name both "
-                            f"numbers: {e}") from None
-            continue
-        except Exception as e:  # noqa: BLE001
-            raise Wrong(f"with {m} micro-batches on {p} ranks it raised {type(e).__name__}, not a ValueError: {e}") from None
-        raise Wrong(f"accepted {m} micro-batch(es) on {p} ranks: with fewer micro-batches than stages the pipeline never "
-                    "fills (torchtitan#775 hung); raise ValueError naming both numbers and the fix")
-    return "1F1B order valid with at most num_ranks - rank micro-batches in flight; fewer micro-batches than stages refused"
+    for p, m in [(4, 2), (2, 1), (4, 3)]:
+        for r in range(p):  # every rank must refuse: one that accepts would start and wait forever
+            try:
+                my_1f1b_actions(r, p, m)
+            except ValueError as e:
+                if str(m) not in str(e) or str(p) not in str(e):
+                    raise Wrong(f"rank {r} refused {m} micro-batches on {p} ranks, but the message does not name both "
+                                f"numbers: {e}") from None
+                continue
+            except Exception as e:  # noqa: BLE001
+                raise Wrong(f"with {m} micro-batches on {p} ranks, rank {r} raised {type(e).__name__}, not a "
+                            f"ValueError: {e}") from None
+            raise Wrong(f"rank {r} accepted {m} micro-batch(es) on {p} ranks: with fewer micro-batches than stages the "
+                        "pipeline never fills (torchtitan#775 hung); every rank must raise ValueError naming both numbers")
+    return "1F1B order valid with at most num_ranks - rank micro-batches in flight; fewer micro-batches than stages refused on every rank"
 
 
 # ---------------------------------------------------------------------------------------------
@@ -144,39 +162,57 @@ def check_few_microbatches(my_1f1b_actions) -> str:
 # ---------------------------------------------------------------------------------------------
 
 
-def best_heaviest(weights: list[int], parts: int) -> int:
-    """The smallest possible heaviest stage of a contiguous split (try every bound: small lists)."""
-    def stages_needed(cap):
-        count, total = 1, 0
-        for w in weights:
-            if total + w > cap:
-                count, total = count + 1, 0
-            total += w
-        return count
-    return min(cap for cap in sorted(set(weights) | {sum(weights[i:j]) for i in range(len(weights))
-                                                      for j in range(i + 1, len(weights) + 1)})
-               if cap >= max(weights) and stages_needed(cap) <= parts)
+def _stage_sums(weights: list[int], bounds: list[int]) -> list[int]:
+    return [sum(weights[a:b]) for a, b in zip(bounds[:-1], bounds[1:])]
 
 
-PARTITION_CASES = [([80, 10, 10, 80, 10, 10], 2), ([5, 5, 50, 5, 5, 5, 5, 20], 3), ([4, 0, 4, 0, 4, 0, 4, 0], 4)]
+def best_split(weights: list[int], parts: int) -> tuple[int, int]:
+    """(the smallest heaviest-minus-lightest, the smallest heaviest) over every split into `parts`
+    non-empty contiguous stages (tried one by one: the lists are short)."""
+    from itertools import combinations
+
+    sums = [_stage_sums(weights, [0, *cuts, len(weights)]) for cuts in combinations(range(1, len(weights)), parts - 1)]
+    return min(max(s) - min(s) for s in sums), min(max(s) for s in sums)
+
+
+# each needs more than equal layer counts, and more than the smallest heaviest stage alone
+PARTITION_CASES = [([80, 10, 10, 80, 10, 10], 2), ([5, 5, 50, 5, 5, 5, 5, 20], 3), ([4, 0, 4, 0, 4, 0, 4, 0], 4),
+                   ([1, 2, 3, 4, 5, 6, 7, 8], 3), ([3, 3, 3, 3, 3, 3, 3], 3)]
 
 
 @checker("08_partition")
 def check_partition(my_partition) -> str:
-    """`my_partition(weights, num_stages)` -> stage boundaries [0, ..., len(weights)]: contiguous
-    stages whose heaviest holds as few parameters as possible (DeepSpeed's partition_method='parameters')."""
+    """`my_partition(weights, num_stages)` -> stage boundaries [0, ..., len(weights)]: contiguous,
+    non-empty stages whose heaviest minus lightest parameter count is as small as it can be (the
+    rule of the lesson's `partition.partition_balanced`)."""
     for weights, parts in PARTITION_CASES:
-        bounds = list(call(my_partition, list(weights), parts))
+        given = list(weights)
+        bounds = call(my_partition, given, parts)
+        unchanged("weights", list(weights), given)
+        try:
+            bounds = [int(b) for b in bounds]
+        except (TypeError, ValueError):
+            raise Wrong(f"for {parts} stages of {weights} you returned {bounds!r}, not a list of boundaries") from None
         if len(bounds) != parts + 1 or bounds[0] != 0 or bounds[-1] != len(weights) or bounds != sorted(bounds):
             raise Wrong(f"for {parts} stages of {weights} you returned {bounds}: give {parts + 1} increasing "
                         f"boundaries from 0 to {len(weights)}")
-        sums = [sum(weights[a:b]) for a, b in zip(bounds[:-1], bounds[1:])]
-        best = best_heaviest(weights, parts)
-        if max(sums) > best:
-            heavy = sums.index(max(sums))
-            raise Wrong(f"for {parts} stages of {weights}: your stage {heavy} holds {max(sums)} parameters "
-                        f"(stages {sums}), where the best split's heaviest holds {best}: balance parameters, not layers")
-    return f"{len(PARTITION_CASES)} layer lists cut with the lightest possible heaviest stage"
+        empty = [i for i, (a, b) in enumerate(zip(bounds[:-1], bounds[1:])) if a == b]
+        if empty:
+            raise Wrong(f"for {parts} stages of {weights} you returned {bounds}: stage {empty[0]} is empty "
+                        "(every stage needs at least one layer)")
+        sums = _stage_sums(weights, bounds)
+        spread, heaviest = best_split(weights, parts)
+        if max(sums) - min(sums) > spread:
+            n, k = len(weights), len(weights) // parts
+            why = ""
+            if bounds in ([i * k for i in range(parts)] + [n], [round(i * n / parts) for i in range(parts + 1)]):
+                why = ": the stages hold equal numbers of layers; the rule balances parameters, not layers"
+            elif max(sums) == heaviest:
+                why = (f": your heaviest stage is as light as it can be ({heaviest}), but the rule is the smallest "
+                       "heaviest-minus-lightest, which can need a heavier heaviest stage")
+            raise Wrong(f"for {parts} stages of {weights}: your stages hold {sums} parameters, heaviest minus lightest "
+                        f"{max(sums) - min(sums)}, where the best split's is {spread}{why}")
+    return f"{len(PARTITION_CASES)} layer lists cut into non-empty stages with the smallest heaviest-minus-lightest"
 
 
 VOCAB, DIM = 10, 6
@@ -190,40 +226,82 @@ def tied_case():
     return weight, ids, targets
 
 
-def _tied_rank(ctx: RankContext, fn) -> torch.Tensor:
+TIED_RANKS, TIED_HOLDERS = 3, (0, 2)  # the embedding on the first stage, the head on the last
+
+
+def _tied_rank(ctx: RankContext, fn) -> dict | None:
+    """Three stages: the embedding (rank 0), a tanh (rank 1, no tied weight), the head (rank 2)."""
     weight, ids, targets = tied_case()
-    tied = nn.Parameter(weight.clone())  # each stage holds its own copy of the tied weight
+    group = dist.new_group(list(TIED_HOLDERS))
+    tied = nn.Parameter(weight.clone())  # each holder has its own copy of the tied weight
     if ctx.rank == 0:
         h = nn.functional.embedding(ids, tied)
         dist.send(h.detach(), dst=1)
         grad = torch.empty_like(h)
         dist.recv(grad, src=1)
         h.backward(grad)
-    else:
+    elif ctx.rank == 1:
         h = torch.empty(BATCH, DIM)
         dist.recv(h, src=0)
         h.requires_grad_()
-        nn.functional.cross_entropy(torch.tanh(h) @ tied.T, targets).backward()
+        out = torch.tanh(h)
+        dist.send(out.detach(), dst=2)
+        grad = torch.empty_like(out)
+        dist.recv(grad, src=2)
+        out.backward(grad)
         dist.send(h.grad, dst=0)
-    fn(tied, None)
-    return tied.grad.clone()
+        return None
+    else:
+        h = torch.empty(BATCH, DIM)
+        dist.recv(h, src=1)
+        h.requires_grad_()
+        nn.functional.cross_entropy(h @ tied.T, targets).backward()
+        dist.send(h.grad, dst=1)
+    part = tied.grad
+    mine = part.clone()
+
+    def refuse(c):
+        if c.op in COLLECTIVES and c.group != TIED_HOLDERS:
+            over = "every rank" if c.group is None else f"ranks {list(c.group)}"
+            return (f"wrong group: your {c.op} on rank {ctx.rank} runs over {over}, but only ranks {list(TIED_HOLDERS)} "
+                    "hold the tied weight (rank 1, the middle stage, never joins): pass group=group")
+        return None
+
+    _, rec = student_call(ctx, fn, tied, group, refuse=refuse)
+    return {"grad": None if tied.grad is None else tied.grad.clone(), "part": mine, "touched": rec.touched(part),
+            "collectives": [c.op for c in rec.collectives()]}
 
 
 @checker("08_tied_weights")
 def check_tied_weights(my_tied_grads) -> str:
-    """`my_tied_grads(weight, group)`: stage 0's embedding and stage 1's output head share one
-    weight, a copy on each rank; after backward each copy holds only its stage's part of the
-    gradient. Make both hold the whole gradient (so both copies take the same step)."""
+    """`my_tied_grads(weight, group)`: the first stage's embedding and the last stage's output head
+    share one weight, a copy on each of the two ranks of `group`; after backward each copy holds
+    only its stage's part of the gradient. Make both hold the whole gradient (so both take the
+    same step). Run on 3 ranks: the middle one holds no copy and does not call it."""
     weight, ids, targets = tied_case()
     tied = nn.Parameter(weight.clone())
     nn.functional.cross_entropy(torch.tanh(nn.functional.embedding(ids, tied)) @ tied.T, targets).backward()
     want = tied.grad
-    for rank, got in enumerate(on_ranks(_tied_rank, 2, my_tied_grads)):
-        if not same(got, want):
-            text = how_far(got, want, {0.5: "an average: the tied weight's gradient is the SUM of the stages' parts"})
-            raise Wrong(f"rank {rank}: the tied weight's gradient {text}"
-                        + ("" if "SUM" in text else ": does each rank add the other stage's part (all-reduce, sum)?"))
-    return "both stages hold the tied weight's whole gradient, the sum of the embedding's and the head's parts"
+    results = on_ranks(_tied_rank, TIED_RANKS, my_tied_grads)
+    parts = {rank: results[rank]["part"] for rank in TIED_HOLDERS}
+    for rank in TIED_HOLDERS:
+        r, other = results[rank], parts[TIED_HOLDERS[1] if rank == TIED_HOLDERS[0] else TIED_HOLDERS[0]]
+        got = r["grad"]
+        if got is None:
+            raise Wrong(f"rank {rank}: the tied weight's .grad is None after your function: sum into it, do not drop it")
+        if same(got, want):
+            continue
+        if same(got, r["part"]):
+            raise Wrong(f"rank {rank}: the tied weight's gradient is still this stage's part only: "
+                        + (f"your {r['collectives'][0]} ran on a temporary (a new tensor), so weight.grad never saw "
+                           "the result" if r["collectives"] and not r["touched"] else
+                           f"nothing summed the other stage's part into it (calls: {r['collectives'] or 'none'})"))
+        if same(got, other):
+            raise Wrong(f"rank {rank}: the tied weight's gradient is the other stage's part alone: this stage's part "
+                        "is missing (copied or broadcast where the two parts are summed)")
+        text = how_far(got, want, {0.5: "an average: the tied weight's gradient is the SUM of the stages' parts"})
+        raise Wrong(f"rank {rank}: the tied weight's gradient {text}")
+    return "both holders of the tied weight hold its whole gradient, the sum of the embedding's and the head's parts"
 
 
 # ---------------------------------------------------------------------------------------------
@@ -246,26 +324,46 @@ def check_split_backward(my_split_backward) -> str:
     x.requires_grad_()
     stage(x).backward(grad_out)
     want_x, want = x.grad.clone(), {n: p.grad.clone() for n, p in stage.named_parameters()}
-    stage.zero_grad(set_to_none=True)
+    # what earlier micro-batches left in .grad: W adds to it, as backward does
+    gen = torch.Generator().manual_seed(31)
+    earlier = {n: torch.randn(p.shape, generator=gen) for n, p in stage.named_parameters()}
+    for n, p in stage.named_parameters():
+        p.grad = earlier[n].clone()
     x = x.detach().requires_grad_()
+    x_kept = x.detach().clone()
+    input_grads = []  # every time autograd computes the input's gradient
+    x.register_hook(lambda g: input_grads.append(1))
     weights = list(stage.parameters())
     answer = call(my_split_backward, stage(x), x, weights, grad_out)
     if not (isinstance(answer, tuple) and len(answer) == 2 and callable(answer[1])):
         raise Wrong(f"my_split_backward returned {type(answer).__name__}; return (input_grad, weight_step)")
+    unchanged("x", x_kept, x.detach())
     x_grad, weight_step = answer
-    early = [n for n, p in stage.named_parameters() if p.grad is not None]
-    if early:
-        raise Wrong(f"after I, {early[0]} already has its gradient: I computes only the input's "
-                    "(torch.autograd.grad(output, [x], grad_output, retain_graph=True)); the weights' wait for W")
+    for n, p in stage.named_parameters():
+        if p.grad is None or not torch.equal(p.grad, earlier[n]):
+            raise Wrong(f"after I, {n}'s .grad " + ("was set to None" if p.grad is None else "changed")
+                        + ": I computes only the input's gradient; the weights' wait for W")
     if not isinstance(x_grad, torch.Tensor) or not same(x_grad, want_x):
         got = how_far(x_grad, want_x) if isinstance(x_grad, torch.Tensor) else f"is {x_grad!r}"
         raise Wrong(f"the input's gradient {got}")
+    computed, x_grad_kept = len(input_grads), None if x.grad is None else x.grad.clone()
     try:
         weight_step()
     except RuntimeError as e:
         raise Wrong(f"W raised RuntimeError ({first_line(e)[:80]}...): keep the graph in I "
                     "(retain_graph=True), W still needs it") from None
+    if len(input_grads) > computed or (x.grad is not None and (x_grad_kept is None or not torch.equal(x.grad, x_grad_kept))):
+        raise Wrong("W computed the input's gradient again: that is I's work, already done; W computes the weights' "
+                    "gradients only (inputs=weights)")
     for name, p in stage.named_parameters():
-        if p.grad is None or not same(p.grad, want[name]):
-            raise Wrong(f"after W, {name}'s gradient " + ("is None" if p.grad is None else how_far(p.grad, want[name])))
-    return "I gave the input's gradient alone, W then the weights': both equal one full backward's"
+        if p.grad is None:
+            raise Wrong(f"after W, {name}'s .grad is None: W must add the weights' gradients to .grad")
+        if same(p.grad, earlier[name] + want[name]):
+            continue
+        if same(p.grad, want[name]):
+            raise Wrong(f"after W, {name}'s .grad holds this micro-batch's gradient alone: W overwrote what earlier "
+                        "micro-batches had accumulated there; add to .grad, as backward does")
+        if same(p.grad, earlier[name]):
+            raise Wrong(f"after W, {name}'s .grad is unchanged: W computed nothing into .grad (a missing part)")
+        raise Wrong(f"after W, {name}'s .grad less what was there before {how_far(p.grad - earlier[name], want[name])}")
+    return "I gave the input's gradient alone, W then added the weights' to .grad: both equal one full backward's"
