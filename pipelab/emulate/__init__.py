@@ -24,7 +24,7 @@ import os
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from pipelab.emulate import comm
+from pipelab.emulate import calibrate, comm  # noqa: F401 - calibrate reads "8x:FILE" node names
 from pipelab.emulate.clock import LogicalClock, RealClock
 from pipelab.emulate.model import seconds
 from pipelab.emulate.describe import model_table  # noqa: F401 - what every emulated lesson shows first

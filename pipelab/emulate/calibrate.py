@@ -33,7 +33,6 @@ DEFAULT_PATH = os.path.join("~", ".cache", "pipelab", "calibration.json")
 
 MATMUL_SIZES = (256, 512, 1024, 2048, 4096, 8192)
 COPY_BYTES = tuple(2**k for k in range(20, 31, 2))  # 1 MiB .. 1 GiB
-MESSAGE_BYTES = tuple(2**k for k in range(10, 29, 3))  # 1 KiB .. 256 MiB
 # A product lasting under this many launches is launch-bound: the fit of its rate leaves it out.
 LAUNCH_BOUND = 3
 # Bytes each rank sends per byte of message, NCCL's "bus bandwidth" factor for n ranks.
@@ -361,3 +360,18 @@ def in_use(path: str | None = None) -> str:
         return f"calibration file {path}: {describe(load(path))}"
     except (ValueError, KeyError) as e:
         return f"data sheets (pipelab/emulate/specs.py); the calibration file at {path} is unusable: {e}"
+
+
+def _read_name(text: str):
+    """`specs.parse_node`'s reader of "8x:calibration.json" names (None for any other name)."""
+    return parse_node(text) if ":" in text else None
+
+
+def _register() -> None:
+    from pipelab.emulate import specs
+
+    if _read_name not in specs.NODE_READERS:
+        specs.NODE_READERS.append(_read_name)
+
+
+_register()

@@ -228,10 +228,11 @@ def measure_collectives(world: int, sizes, log=print) -> dict[str, list]:
     return results
 
 
+MESSAGE_BYTES = tuple(2**k for k in range(10, 29, 3))  # 1 KiB .. 256 MiB
+
+
 def measure_links(log=print, sizes=None) -> dict:
     """With two GPUs or more: the copy between two and the collectives over all (up to 8)."""
-    from pipelab.emulate.calibrate import MESSAGE_BYTES
-
     world = min(torch.cuda.device_count(), 8)
     sizes = tuple(sizes or MESSAGE_BYTES)
     log(f"links: {world} GPUs")

@@ -415,10 +415,6 @@ def parse_node(text: "str | Node") -> Node:
     returned as it is."""
     if isinstance(text, Node):
         return text
-    if ":" in str(text):  # "8x:calibration.json": GPUs measured by `pipelab calibrate` (calibrate.py)
-        from pipelab.emulate.calibrate import parse_node as calibrated_node
-
-        return calibrated_node(str(text))
     for reader in NODE_READERS:
         node = reader(str(text))
         if node is not None:

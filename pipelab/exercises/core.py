@@ -21,6 +21,8 @@ from typing import Callable
 
 import torch
 
+from pipelab.exercises.recorder import Wrong
+
 SOLUTIONS = Path(__file__).resolve().parents[2] / "solutions"
 
 
@@ -37,10 +39,6 @@ class Grade:
 
     def __bool__(self) -> bool:
         return self.passed
-
-
-class Wrong(Exception):
-    """Raised inside a checker to end it with a failing grade; its text is the message."""
 
 
 def checker(exercise: str):
