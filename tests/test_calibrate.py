@@ -10,6 +10,7 @@ import torch
 
 from pipelab import cli
 from pipelab.emulate import calibrate as cal
+from pipelab.emulate import gpu_timing
 from pipelab.emulate import specs
 from pipelab.emulate.cost import Counts, compute_seconds
 from pipelab.launch import spawn
@@ -35,9 +36,9 @@ def synthetic(noise: float = 0.0, links: bool = False, seed: int = 0) -> dict:
     if links:
         ranks = 8
         measured["links"] = {"ranks": ranks, "copy": [
-            {"bytes": b, "seconds": noisy(LINK[0] + b / LINK[1], rng, noise)} for b in cal.MESSAGE_BYTES],
+            {"bytes": b, "seconds": noisy(LINK[0] + b / LINK[1], rng, noise)} for b in gpu_timing.MESSAGE_BYTES],
             "collectives": {name: [{"bytes": b, "seconds": noisy(LINK[0] + b * f(ranks) / LINK[1], rng, noise)}
-                                   for b in cal.MESSAGE_BYTES] for name, f in cal.BUS_FACTOR.items()}}
+                                   for b in gpu_timing.MESSAGE_BYTES] for name, f in cal.BUS_FACTOR.items()}}
     return measured
 
 
