@@ -162,8 +162,9 @@ def test_collective_edges():
 
 
 def test_tables_have_sources_and_dense_rates():
-    for device in specs.DEVICES.values():
-        assert "http" in device.source and device.flops["float32"] > 0
+    for device in specs.DEVICES.values():  # a GPU `pipelab calibrate` measured names its file instead
+        assert ("http" in device.source or device.source.startswith("measured by pipelab calibrate")) \
+            and device.flops["float32"] > 0
     for link in specs.LINKS.values():
         assert "http" in link.source and "estimate" in link.latency_source
     h100 = specs.DEVICES["h100"]
