@@ -187,13 +187,20 @@ def hiding_condition(cfg: Config, link: str) -> dict:
     """The scaling book's comparison for one expert layer, per rank with T tokens, k experts each,
     width D, expert hidden size F, b bytes per value, over n ranks: four all-to-alls of
     T k D b (n-1)/n bytes at W bytes/s against the experts' 12 T k D F FLOPs at C FLOP/s (forward
-    and backward; the compute rate the emulator models). Hidden when F > (n-1)/n * b * C / (3 W)."""
-    from pipelab.emulate.cost import EFFICIENCY
+    and backward). Hidden when F > (n-1)/n * b * C / (3 W). C and W are what the emulator's
+    calibrated model reaches at this layer's sizes: the experts' product and one message per peer."""
     from pipelab.emulate.specs import parse_node, torch_dtype
 
-    n = parse_node(f"{cfg.ep_size}x{link}")
-    b, rate = torch_dtype(cfg.dtype).itemsize, n.device.rate(cfg.dtype) * EFFICIENCY
-    threshold = (n.count - 1) / n.count * b * rate / (3 * n.link.bandwidth_Bps)
+    name = f"{cfg.ep_size}x{link}"
+    n = parse_node(name)
+    b = torch_dtype(cfg.dtype).itemsize
+    tokens = cfg.emulated_tokens * cfg.top_k // cfg.experts  # one expert's tokens at an even load
+    shape = (tokens, cfg.emulated_dim, cfg.emulated_hidden)
+    rate = 4 * tokens * cfg.emulated_dim * cfg.emulated_hidden / modelled_seconds(
+        "expert_forward", node=name, shape=shape, dtype=cfg.dtype)
+    sent = cfg.emulated_tokens * cfg.top_k * cfg.emulated_dim * b * (n.count - 1) / n.count
+    bandwidth = sent / modelled_seconds("all_to_all", nbytes=sent, node=name, dtype=cfg.dtype)
+    threshold = (n.count - 1) / n.count * b * rate / (3 * bandwidth)
     return {"link": n.link.name, "threshold F": threshold,
             "formula: compute / all-to-all": cfg.emulated_hidden / threshold}
 
