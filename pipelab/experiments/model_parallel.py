@@ -39,7 +39,7 @@ from torch import nn
 from pipelab import hardware
 from pipelab import model_parallel as mp
 from pipelab.checks import same_batch, whole_number
-from pipelab.emulate import anchors, cost, specs
+from pipelab.emulate import anchors, calibrated, cost, specs
 from pipelab.measure import Measured, alternate, compare_medians, ratios
 from pipelab.models import SplitResNet
 from pipelab.reference import assert_same, exact_fp32, reference_run
@@ -204,8 +204,8 @@ class ResNet50Pace(Pace):
 
     Each of the lesson's `real_batch` rows stands for 120 / real_batch images. A split of r rows
     then lasts, on its stream: `seq1` the first half's counts at that many images over the GPU's
-    roofline (`emulate.cost.compute_seconds`: FLOPs or bytes at half the data sheet's peak, plus a
-    launch per kernel); `second_half` the second half's; the whole model both; a copy the cut's
+    calibrated model (`emulate.cost.compute_seconds`: the longer of the kernels' launches and their
+    FLOPs and bytes at the efficiency measured on that GPU); `second_half` the second half's; the whole model both; a copy the cut's
     activation of those images over the link (latency + bytes / bandwidth)."""
 
     def __init__(self, node, real_batch: int, cut: str = "layer2", dtype: str = "float32") -> None:
@@ -699,8 +699,9 @@ def launch_text(run: SweepRun, split_size: int) -> str:
     images = split_size * pace.images_per_row
     kernels = pace.half("seq1", images).kernels + pace.half("seq2", images).kernels
     per_split = pace.half_seconds("seq1", images) + pace.half_seconds("seq2", images)
-    return (f"Every split launches the model's {kernels} kernels again ({cost.LAUNCH_OVERHEAD_S * 1e6:g} us each in "
-            f"the cost model): at split_size={split_size}, launches are {kernels * cost.LAUNCH_OVERHEAD_S / per_split:.0%} "
+    launch = calibrated.efficiency_of(pace.node.device).launch_s
+    return (f"Every split launches the model's {kernels} kernels again ({launch * 1e6:.1f} us each, as measured on "
+            f"this GPU): at split_size={split_size}, launches are {min(1.0, kernels * launch / per_split):.0%} "
             f"of a split's modelled {per_split * 1e3:.2f} ms on the {pace.node.device.name}.")
 
 
