@@ -700,8 +700,8 @@ def launch_text(run: SweepRun, split_size: int) -> str:
     kernels = pace.half("seq1", images).kernels + pace.half("seq2", images).kernels
     per_split = pace.half_seconds("seq1", images) + pace.half_seconds("seq2", images)
     launch = calibrated.efficiency_of(pace.node.device).launch_s
-    return (f"Every split launches the model's {kernels} kernels again ({launch * 1e6:.1f} us each, as measured on "
-            f"this GPU): at split_size={split_size}, launches are {min(1.0, kernels * launch / per_split):.0%} "
+    return (f"Every split launches the model's {kernels} kernels again ({launch * 1e6:.1f} us each, the launch floor measured for "
+            f"this GPU kind): at split_size={split_size}, launches are {min(1.0, kernels * launch / per_split):.0%} "
             f"of a split's modelled {per_split * 1e3:.2f} ms on the {pace.node.device.name}.")
 
 
