@@ -174,7 +174,7 @@ def ensure_calibration(plans: list[Planned]) -> None:
 def cmd_run(ns: argparse.Namespace) -> int:
     given = {name: parse_value(value) for name, value in ns.parameters or []}
     plans = plan_runs(select_notebooks(ns.notebooks, ns.folder), given, ns.profile,
-                      calibration=os.path.expanduser(ns.calibration) if ns.calibration else None)
+                      calibration=os.path.abspath(os.path.expanduser(ns.calibration)) if ns.calibration else None)
     check_out_folder(ns.out)
     ensure_calibration(plans)
     # Mirror the folders below the notebooks' common folder, so equal file names never collide.

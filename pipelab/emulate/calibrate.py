@@ -65,7 +65,7 @@ measurements cannot be fitted (they are written, unfitted, to the file).
 
 def default_path() -> str:
     """The calibration file's default place: $PIPELAB_CALIBRATION, else ~/.cache/pipelab/calibration.json."""
-    return os.path.expanduser(os.environ.get(ENV_PATH) or DEFAULT_PATH)
+    return os.path.abspath(os.path.expanduser(os.environ.get(ENV_PATH) or DEFAULT_PATH))
 
 
 # ---------------------------------------------------------------------------------------------
