@@ -26,11 +26,14 @@ def calibration(tmp_path_factory) -> str:
 
 
 def test_a_one_gpu_machine_plans_every_lesson_on_its_calibrated_node(calibration):
-    assert len(LESSONS) == 14
+    assert len(LESSONS) == 18
     plans = cli.plan_runs(LESSONS, {}, "gpu", machine=ONE_H100, calibration=calibration)
     assert [p.path for p in plans] == LESSONS
     for plan in plans:
         assert plan.skip == "", plan.path
+        if "no profile 'gpu'" in plan.note:  # lessons 16 and 17 run on CPU cores: their defaults, as they are
+            assert plan.parameters == {} and "running with its defaults" in plan.note
+            continue
         assert plan.note.startswith("one GPU (NVIDIA H100 80GB HBM3) where the profile asks for"), plan.path
         emulated = {k: v for k, v in plan.parameters.items() if k in ("emulate", "grid_emulate")}
         for value in emulated.values():
@@ -55,7 +58,15 @@ def lessons():
     return [(path, *cli._read_parameters(path), cli._read_needs(path)) for path in LESSONS]
 
 
-def test_a_machine_with_the_gpus_runs_the_profile_as_it_is_and_one_without_skips_it(lessons, calibration):
+@pytest.fixture(scope="module")
+def gpu_lessons(lessons):
+    """The lessons with a gpu profile (16 and 17 run on CPU cores only)."""
+    return [lesson for lesson in lessons if "gpu" in lesson[2]]
+
+
+def test_a_machine_with_the_gpus_runs_the_profile_as_it_is_and_one_without_skips_it(gpu_lessons, calibration):
+    lessons = gpu_lessons
+
     def plans(machine):
         return [plan_one(path, declared, profiles, needs, {}, "gpu", machine, calibration)
                 for path, declared, profiles, needs in lessons]
@@ -120,7 +131,7 @@ def test_the_gpu_profile_without_a_gpu_skips_every_lesson_and_exits_3(tmp_path, 
     monkeypatch.setattr(Machine, "detect", staticmethod(lambda: Machine()))  # this machine, or one without GPUs
     assert cli.main(["run", "--profile", "gpu", "--out", str(tmp_path)]) == cli.NOTHING_RAN
     rows = json.loads((tmp_path / "summary.json").read_text())["notebooks"]
-    assert len(rows) == 14 and {r["status"] for r in rows} == {"skipped"}
+    assert len(rows) == len(LESSONS) and {r["status"] for r in rows} == {"skipped"}
     out = capsys.readouterr().out
     for row in rows:  # each notebook's reason once (the table says `skipped`, not the reason again)
         assert out.count(f"{row['notebook']}: {row['note']}") == 1
