@@ -150,7 +150,7 @@ def plan_one(path: str, declared: dict, profiles: dict, needs: dict[str, Needs],
             elif why:
                 plan = Planned(path, {}, skip=why)
         elif profile == "gpu" and not machine.gpus:  # without a GPU, a GPU batch run runs nothing
-            plan = Planned(path, {}, skip="no gpu profile and no GPU here: it runs on CPU cores; run it without --profile")
+            plan = Planned(path, {}, skip="no gpu profile and this machine has 0 GPUs: it runs on CPU cores; run it without --profile")
         else:
             note = f"no profile {profile!r} (has: {', '.join(profiles) or 'none'}); running with its defaults"
     plan = plan or Planned(path, params, note)
