@@ -65,9 +65,9 @@ class Steps:
     timelines: list[Timeline] = field(repr=False)  # per timed step: every rank's spans merged
 
     @property
-    def step_time(self) -> float:
-        """Median over the timed steps of the slowest rank's time (seconds)."""
-        return statistics.median(self.seconds)
+    def step_time(self) -> "Measured":
+        """Seconds of every timed step (the slowest rank's), as repeats: median and spread."""
+        return Measured.of(self.seconds)
 
     @property
     def spread(self) -> tuple[float, float]:
@@ -95,7 +95,7 @@ class TimedSteps:
     @property
     def step_time(self) -> "Measured":
         """Seconds of every timed step (the slowest rank's), as repeats: median and spread."""
-        return Measured.of(self.steps.seconds)
+        return self.steps.step_time
 
     @property
     def timeline(self) -> Timeline:
