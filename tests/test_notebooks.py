@@ -11,6 +11,8 @@ import pytest
 
 from pipelab.cli import run_notebook
 
+from notebook_checks import reader_problems
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 NOTEBOOKS = sorted(glob.glob(os.path.join(ROOT, "notebooks", "*.ipynb")))
 
@@ -34,3 +36,5 @@ def test_notebook_executes(path, tmp_path):
     run = run_notebook(path, str(tmp_path), {"solutions": True})
     assert run.status == "ok", f"{run.notebook} failed: {run.error} (executed copy in {tmp_path})"
     assert run.headline is not None, "the notebook must report its headline with pipelab.headline()"
+    problems = reader_problems(os.path.join(str(tmp_path), os.path.basename(path)))
+    assert not problems, "what a reader would trip over:\n" + "\n".join(problems)
