@@ -32,7 +32,7 @@ import time
 from contextlib import contextmanager
 from typing import Callable
 
-from pipelab import hardware
+from pipelab import hardware, worker_server
 from pipelab.checks import positive_number, whole_number
 from pipelab.emulate import environment, finished, install_from_environment
 from pipelab.worker import RankContext, hello, init_worker  # noqa: F401 - importable from here
@@ -228,6 +228,9 @@ def _start_worker(rank: int, world_size: int, backend: str, port: int, timeout: 
         loopback = hardware.loopback_interface()
         if loopback and "GLOO_SOCKET_IFNAME" not in env:
             env["GLOO_SOCKET_IFNAME"] = loopback  # every rank is on this machine: talk over loopback
+    server = worker_server.server() if worker_server.usable() else None
+    if server is not None:  # forked from a process that has torch imported: no 3 s of imports
+        return server.start(workdir, env)
     return subprocess.Popen(
         [sys.executable, "-m", "pipelab.launch", "--spawned-worker", workdir],
         env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,

@@ -109,7 +109,8 @@ def rank_path(workdir: str, kind: str, rank: int) -> str:
 def run_spawned(workdir: str) -> None:
     """Entry point of a process started by spawn(): run the function, leave its result or error."""
     rank = int(os.environ["RANK"])
-    _watch_caller(int(os.environ["PIPELAB_PARENT_PID"]), workdir)
+    # A rank forked by pipelab.worker_server watches the server, which goes when the caller does.
+    _watch_caller(int(os.environ.get("PIPELAB_WATCH_PID") or os.environ["PIPELAB_PARENT_PID"]), workdir)
     phase = "load"
     try:
         crash_log = open(rank_path(workdir, "crash", rank), "w")  # noqa: SIM115 - open until we exit
