@@ -17,26 +17,10 @@ from pipelab.debug.flight_recorder import FlightRecorder
 from pipelab.experiments import debug as dx
 from pipelab.exercises.debug import broken_step
 from pipelab.launch import spawn
+from processes import live_processes
 
 CFG = dx.Config(hang_seconds=5.0, check_seconds=2.0)  # 5 s: a busy machine's slowest step must not look like a hang
 FAST = dx.Config(hang_seconds=3.0, check_seconds=2.0)  # for hangs at the first operation
-
-
-def live_processes(parent_pid: int) -> list[int]:
-    """Live processes of this test process's spawn() calls: its ranks and what they started, which
-    inherit PIPELAB_PARENT_PID (as in tests/test_launch.py)."""
-    found = []
-    for pid in filter(str.isdigit, os.listdir("/proc")):
-        try:
-            with open(f"/proc/{pid}/environ", "rb") as f:
-                env = dict(kv.split(b"=", 1) for kv in f.read().split(b"\0") if b"=" in kv)
-            with open(f"/proc/{pid}/stat") as f:
-                zombie = f.read().rsplit(")", 1)[1].split()[0] == "Z"
-        except (FileNotFoundError, ProcessLookupError, PermissionError):
-            continue
-        if not zombie and env.get(b"PIPELAB_PARENT_PID") == str(parent_pid).encode():
-            found.append(int(pid))
-    return found
 
 
 # ---- the collective check ------------------------------------------------------------------------
