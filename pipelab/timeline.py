@@ -35,45 +35,65 @@ class Span:
         return self.end - self.start
 
 
-def _union_length(intervals: Iterable[tuple[float, float]]) -> float:
-    """Total length covered by intervals, counting overlapping parts once."""
-    total, cur_start, cur_end = 0.0, None, None
-    for s, e in sorted(intervals):
-        if cur_end is None or s > cur_end:
-            if cur_end is not None:
-                total += cur_end - cur_start
-            cur_start, cur_end = s, e
-        else:
-            cur_end = max(cur_end, e)
-    if cur_end is not None:
-        total += cur_end - cur_start
-    return total
+# ---- interval algebra ------------------------------------------------------------------------
+# Time as lists of (start, end) intervals: every metric of a timeline (busy time, utilization,
+# overlap, exposed communication, idle gaps) is one of these four operations on a rank's spans.
+
+Interval = tuple[float, float]
 
 
-def _merged(intervals: Iterable[tuple[float, float]]) -> list[tuple[float, float]]:
-    """Intervals merged into disjoint, sorted pieces."""
+def union(intervals: Iterable[Interval]) -> list[Interval]:
+    """Sorted, disjoint intervals covering the same time: overlapping or touching ones merged."""
     out: list[list[float]] = []
-    for s, e in sorted(intervals):
-        if out and s <= out[-1][1]:
-            out[-1][1] = max(out[-1][1], e)
+    for a, b in sorted(intervals):
+        if out and a <= out[-1][1]:
+            out[-1][1] = max(out[-1][1], b)
         else:
-            out.append([s, e])
-    return [(s, e) for s, e in out]
+            out.append([a, b])
+    return [(a, b) for a, b in out]
 
 
-def _intersection_length(a: list[tuple[float, float]], b: list[tuple[float, float]]) -> float:
-    """Length of time covered by both of two disjoint, sorted interval lists."""
-    i = j = 0
-    total = 0.0
-    while i < len(a) and j < len(b):
-        lo, hi = max(a[i][0], b[j][0]), min(a[i][1], b[j][1])
+def length(intervals: Iterable[Interval]) -> float:
+    """Seconds the intervals cover, overlapping parts counted once."""
+    return sum(b - a for a, b in union(intervals))
+
+
+def overlap(xs: Iterable[Interval], ys: Iterable[Interval]) -> list[Interval]:
+    """The time both `xs` and `ys` cover (e.g. communication hidden behind compute)."""
+    xs, ys = union(xs), union(ys)
+    out, i, j = [], 0, 0
+    while i < len(xs) and j < len(ys):  # walk both sorted lists once
+        lo, hi = max(xs[i][0], ys[j][0]), min(xs[i][1], ys[j][1])
         if hi > lo:
-            total += hi - lo
-        if a[i][1] < b[j][1]:
+            out.append((lo, hi))
+        if xs[i][1] < ys[j][1]:
             i += 1
         else:
             j += 1
-    return total
+    return out
+
+
+def complement(xs: Iterable[Interval], within: Iterable[Interval]) -> list[Interval]:
+    """The gaps: the time of `within` that `xs` does not cover (e.g. a rank's idle time in a step,
+    or the communication no compute hides)."""
+    xs, out = union(xs), []
+    for a, b in union(within):
+        t = a
+        for c, d in xs:
+            if d <= t:
+                continue
+            if c >= b:
+                break
+            if c > t:
+                out.append((t, c))
+            t = d
+        if t < b:
+            out.append((t, b))
+    return out
+
+
+def _intervals(timeline: "Timeline") -> list[Interval]:
+    return [(s.start, s.end) for s in timeline]
 
 
 @dataclass
@@ -146,7 +166,7 @@ class Timeline:
 
         With rank=None, the sum over ranks."""
         ranks = self.ranks if rank is None else [rank]
-        return sum(_union_length((s.start, s.end) for s in self.filter(rank=r, lane=lane)) for r in ranks)
+        return sum(length(_intervals(self.filter(rank=r, lane=lane))) for r in ranks)
 
     def utilization(self, lane="compute", window: tuple[float, float] | None = None) -> dict:
         """Busy fraction of the step for each rank on `lane`: busy time / step time.
@@ -154,12 +174,10 @@ class Timeline:
         The step runs from the first to the last span of the whole timeline (all ranks), unless
         `window` = (start, end) is given."""
         lo, hi = window if window is not None else (self.start, self.end)
-        length = hi - lo
         out = {}
         for r in self.ranks:
-            pieces = [(max(s.start, lo), min(s.end, hi)) for s in self.filter(rank=r, lane=lane)]
-            busy = _union_length((a, b) for a, b in pieces if b > a)
-            out[r] = busy / length if length > 0 else 0.0
+            busy = length(overlap(_intervals(self.filter(rank=r, lane=lane)), [(lo, hi)]))
+            out[r] = busy / (hi - lo) if hi > lo else 0.0
         return out
 
     def bubble_fraction(self, lane="compute", window: tuple[float, float] | None = None) -> float:
@@ -172,12 +190,8 @@ class Timeline:
     def overlap_time(self, lane_a="compute", lane_b="comm", rank=None) -> float:
         """Seconds during which a rank was busy on both lanes at once (summed over ranks)."""
         ranks = self.ranks if rank is None else [rank]
-        total = 0.0
-        for r in ranks:
-            a = _merged((s.start, s.end) for s in self.filter(rank=r, lane=lane_a))
-            b = _merged((s.start, s.end) for s in self.filter(rank=r, lane=lane_b))
-            total += _intersection_length(a, b)
-        return total
+        return sum(length(overlap(_intervals(self.filter(rank=r, lane=lane_a)),
+                                  _intervals(self.filter(rank=r, lane=lane_b)))) for r in ranks)
 
     def overlap(self, lane_a="compute", lane_b="comm", rank=None) -> float:
         """Fraction of `lane_b`'s busy time hidden under `lane_a` (e.g. communication hidden

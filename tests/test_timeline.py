@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-from pipelab.timeline import Recorder, Span, Timeline
+from pipelab.timeline import Recorder, Span, Timeline, complement, length, overlap, union
 
 
 def two_rank_pipeline() -> Timeline:
@@ -44,6 +44,16 @@ def test_overlap_of_two_lanes():
     assert tl.overlap_time("compute", "comm") == pytest.approx(1.0)
     assert tl.overlap("compute", "comm") == pytest.approx(0.5)  # half the send hid under compute
     assert tl.overlap("compute", "comm", rank=1) == 0.0  # rank 1 has no comm
+
+
+def test_interval_algebra():
+    xs = [(3.0, 5.0), (0.0, 2.0), (1.0, 2.5), (5.0, 6.0)]  # unsorted, overlapping, touching
+    assert union(xs) == [(0.0, 2.5), (3.0, 6.0)]
+    assert length(xs) == 5.5
+    assert overlap(xs, [(2.0, 4.0), (5.5, 9.0)]) == [(2.0, 2.5), (3.0, 4.0), (5.5, 6.0)]
+    assert complement(xs, [(-1.0, 7.0)]) == [(-1.0, 0.0), (2.5, 3.0), (6.0, 7.0)]  # the gaps
+    assert complement([], [(1.0, 2.0)]) == [(1.0, 2.0)] and complement(xs, [(0.5, 2.0)]) == []
+    assert union([]) == [] and length([]) == 0 and overlap([], xs) == []
 
 
 def test_merge_filter_shift():

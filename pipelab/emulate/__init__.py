@@ -20,6 +20,7 @@ the rule (e.g. a whole test run).
 
 from __future__ import annotations
 
+import functools
 import os
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -75,9 +76,22 @@ class Emulator:
         return compute_seconds(cost, self.node.device, self.dtype, self.efficiency)
 
 
-def node_of(emulate) -> Any:
-    """The `specs.Node` an `emulate=` argument names ("4xH100-nvlink" or a Node); a ValueError
-    listing the known devices and links for a bad name."""
+def node_of(emulate, world_size: int | None = None) -> Any:
+    """The `specs.Node` an `emulate=` argument names ("4xH100-nvlink" or a Node; None for None), a
+    name parsed once: a ValueError listing the known devices and links for a bad name, or naming a
+    node that fits when it has fewer devices than `world_size` ranks."""
+    if emulate is None:
+        return None
+    node = _named(emulate) if isinstance(emulate, str) else _named.__wrapped__(emulate)
+    if world_size is not None and node.count < world_size:
+        given, rest = (repr(emulate), emulate.split("x", 1)[-1]) if isinstance(emulate, str) else ("a Node", "H100-nvlink")
+        raise ValueError(f"world_size={world_size} ranks do not fit on emulate={given} ({node}); name a node "
+                         f"with at least {world_size} devices, e.g. emulate='{world_size}x{rest}'")
+    return node
+
+
+@functools.lru_cache(maxsize=None)
+def _named(emulate) -> Any:
     from pipelab.emulate.specs import parse_node
 
     return parse_node(emulate)
@@ -88,12 +102,7 @@ def environment(emulate=None, nccl_rule: bool = False, world_size: int | None = 
     Node) or to run under NCCL's rule alone; checked here, before any process starts."""
     if emulate is None:
         return {ENV_RULE: "1"} if nccl_rule else {}
-    node = node_of(emulate)
-    if world_size is not None and world_size > node.count:
-        raise ValueError(f"world_size={world_size} ranks do not fit on the emulated node {node} "
-                         f"({node.count} devices): emulate at least {world_size}, e.g. "
-                         f"emulate='{world_size}xH100-nvlink'")
-    return {ENV_NODE: node.to_json(), ENV_RULE: "1"}
+    return {ENV_NODE: node_of(emulate, world_size).to_json(), ENV_RULE: "1"}
 
 
 def install_from_environment(ctx: "RankContext") -> None:

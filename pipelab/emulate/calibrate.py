@@ -355,11 +355,11 @@ def in_use(path: str | None = None) -> str:
     file at `path` (default: default_path()), or the data sheets when there is none."""
     path = path or default_path()
     if not os.path.exists(path):
-        return f"data sheets (pipelab/emulate/specs.py); no calibration file at {path} (`pipelab calibrate` writes one)"
+        return f"data sheets (pipelab/emulate/datasheets.py); no calibration file at {path} (`pipelab calibrate` writes one)"
     try:
         return f"calibration file {path}: {describe(load(path))}"
     except (ValueError, KeyError) as e:
-        return f"data sheets (pipelab/emulate/specs.py); the calibration file at {path} is unusable: {e}"
+        return f"data sheets (pipelab/emulate/datasheets.py); the calibration file at {path} is unusable: {e}"
 
 
 def _read_name(text: str):

@@ -21,8 +21,6 @@ class RealClock:
     """The machine's clock (`time.perf_counter`, shared by every process): time passes by itself,
     so `spend` and `wait_until` have nothing to do."""
 
-    logical = False
-
     def now(self) -> float:
         return time.perf_counter()
 
@@ -43,8 +41,6 @@ class RealClock:
 class LogicalClock:
     """Modelled seconds since the rank started, moved only by the models. `seconds_of(cost)` turns
     a compute cost (seconds, or a `cost.Counts` of FLOPs and bytes) into modelled seconds."""
-
-    logical = True
 
     def __init__(self, seconds_of: Callable[[object], float] = float):
         from pipelab.emulate.table import CostTable

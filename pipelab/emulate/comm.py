@@ -20,11 +20,9 @@ receive at the head of its queue tells its sender so (a tiny "ready" message); a
 that before it moves its data. Two ranks whose heads are both receives, or both sends, wait for
 each other for ever -- as on NCCL.
 
-A *watchdog* thread on each rank publishes what the rank waits on in the rendezvous store; when
-every rank that has not finished has waited `watchdog_seconds` without any progress, each raises a
-`DeadlockError` naming every stuck rank and the operation it waits on. spawn reports it as a
-`WorkerError`. (A single transfer that really takes longer than that would be misread as a
-deadlock; the lessons' messages take milliseconds.)
+A *watchdog* on each rank (`deadlock`) raises a `DeadlockError` within seconds when the ranks wait
+for each other, naming every stuck rank and what it waits on. The queues, their operations and
+handles are in `queues`.
 
 On an emulated node the same queues also carry time: every message brings its sender's modelled
 end time (a small header before the data), so a receive completes at max(its post, the send, the
@@ -37,18 +35,16 @@ logical clock to the operation's modelled end.
 from __future__ import annotations
 
 import inspect
-import json
 import os
-import queue
 import threading
 import time
-from typing import Any, Callable
+from typing import Callable
 
 import torch
 
-WATCHDOG_SECONDS = 5.0  # without progress on any rank for this long, the ranks are deadlocked
-_TICK = 0.2  # how often the watchdog publishes this rank's state and looks at the others'
-READY, HEADER, DATA = 1, 2, 3  # gloo tags of the rule's own messages (user tags are ignored, as on NCCL)
+from pipelab.emulate.deadlock import WATCHDOG_SECONDS, DeadlockError, Watchdog
+from pipelab.emulate.queues import Channel, GroupQueue, Handle, Op
+
 P2P_NAMES = ("send", "recv", "isend", "irecv", "batch_isend_irecv")
 COLLECTIVE_NAMES = ("all_reduce", "reduce_scatter_tensor", "all_gather_into_tensor", "all_gather",
                     "broadcast", "barrier", "reduce_scatter_single", "all_gather_single", "all_to_all_single")
@@ -67,206 +63,9 @@ RING_KIND = {"all_reduce": "all_reduce", "reduce_scatter_tensor": "reduce_scatte
 _active: "Rule | None" = None
 
 
-class DeadlockError(RuntimeError):
-    """The ranks wait for each other under NCCL's ordering rule: on GPUs this program hangs."""
-
-
 def active() -> "Rule | None":
     """The rule installed in this process, if any."""
     return _active
-
-
-class Op:
-    """One operation as a rank issued it: a send or receive toward `peer`, or a collective."""
-
-    def __init__(self, kind: str, tensor: torch.Tensor | None, issued: float, number: int, where: str,
-                 peer: int | None = None):
-        self.kind, self.tensor, self.issued, self.number, self.where, self.peer = kind, tensor, issued, number, where, peer
-        self.end: float | None = None  # on the rank's clock (modelled end when emulated)
-        self.error: BaseException | None = None
-        self.result: Any = None
-        self.done = threading.Event()
-        self.callbacks: list[Callable[[], None]] = []
-        self.lock = threading.Lock()
-        self.queue: Queue | None = None  # the queue it runs on
-
-    def describe(self) -> str:
-        if self.kind == "send":
-            return f"send to rank {self.peer} (op {self.number} on {self.where})"
-        if self.kind == "recv":
-            return f"receive from rank {self.peer} (op {self.number} on {self.where})"
-        return f"{self.kind} (collective {self.number} of {self.where})"
-
-    def complete(self) -> None:
-        with self.lock:
-            self.done.set()
-            callbacks, self.callbacks = self.callbacks, []
-        for callback in callbacks:
-            callback()
-
-    def on_done(self, callback: Callable[[], None]) -> None:
-        with self.lock:
-            if not self.done.is_set():
-                self.callbacks.append(callback)
-                return
-        callback()
-
-
-class Handle:
-    """What an asynchronous operation returns under the rule (in place of torch's `Work`):
-    `wait()` blocks until the operation ran and moves the rank's clock to its end."""
-
-    def __init__(self, rule: "Rule", op: Op):
-        self.rule, self.op = rule, op
-
-    def wait(self, timeout=None) -> bool:
-        self.rule.wait(self.op)
-        return True
-
-    def is_completed(self) -> bool:
-        return self.op.done.is_set()
-
-    def is_success(self) -> bool:
-        return self.op.done.is_set() and self.op.error is None
-
-    def result(self) -> list:
-        self.wait()
-        return [self.op.tensor] if self.op.tensor is not None else []
-
-    def get_future(self) -> torch.futures.Future:
-        """A future set when the operation has run (on the queue's thread), as gloo's is."""
-        future = torch.futures.Future()
-
-        def settle():
-            if self.op.error is not None:
-                future.set_exception(self.op.error)
-            else:
-                future.set_result([self.op.tensor] if self.op.tensor is not None else [])
-
-        self.op.on_done(settle)
-        return future
-
-    @property
-    def start(self) -> float:
-        """When the rank issued it (its clock)."""
-        return self.op.issued
-
-    @property
-    def end(self) -> float | None:
-        """When it finished (its clock; the modelled end when emulated), None while it runs."""
-        return self.op.end
-
-
-class Queue:
-    """Operations that run one after another in issue order, worked through by one thread."""
-
-    def __init__(self, rule: "Rule", name: str):
-        self.rule, self.name = rule, name
-        self.entries: queue.SimpleQueue = queue.SimpleQueue()
-        self.current: list[Op] = []  # the entry at the head, running
-        self.pending: list[Op] = []  # issued and not finished, in issue order
-        self.lock = threading.Lock()
-        self.busy_until = 0.0  # when the last entry ended (rank's clock)
-        self.issued = 0
-        self.broken: BaseException | None = None
-        threading.Thread(target=self.work, name=f"nccl-rule {name}", daemon=True).start()
-
-    def number(self) -> int:
-        self.issued += 1
-        return self.issued
-
-    def put(self, entry: list[Op]) -> None:
-        with self.lock:
-            self.pending += entry
-        self.entries.put(entry)
-
-    def work(self) -> None:
-        while True:
-            entry = self.entries.get()
-            self.current = entry
-            try:
-                if self.broken is not None:
-                    raise self.broken
-                self.run(entry)
-                self.busy_until = max(op.end for op in entry)
-            except BaseException as e:  # noqa: BLE001 - handed to whoever waits on the operation
-                self.broken = self.broken or e
-                for op in entry:
-                    op.error = e
-            finally:
-                self.current = []
-                with self.lock:
-                    self.pending = [op for op in self.pending if op not in entry]
-                self.rule.progressed()
-                for op in entry:
-                    op.complete()
-
-    def run(self, entry: list[Op]) -> None:
-        raise NotImplementedError
-
-
-class Channel(Queue):
-    """This rank's point-to-point operations toward one peer, in issue order (NCCL's stream of
-    the pair). A receive at the head sends its sender a READY message carrying the time it became
-    ready; a send at the head waits for that READY, then sends a HEADER (the message's end time)
-    and the DATA. The operations of one entry (a batch) run together."""
-
-    def __init__(self, rule: "Rule", peer: int):
-        lo, hi = sorted((rule.rank, peer))
-        super().__init__(rule, f"channel {lo}<->{hi}")
-        self.peer = peer
-        self.link_free = 0.0  # when our direction of the link is free again (modelled)
-
-    def run(self, entry: list[Op]) -> None:
-        rule, peer, real = self.rule, self.peer, self.rule.original
-        ready = max([self.busy_until] + [op.issued for op in entry])  # at the head of the stream
-        works, waiting_sends = [], []
-        for op in entry:
-            if op.kind == "recv":
-                works.append(real["isend"](torch.tensor([ready], dtype=torch.float64), peer, tag=READY))
-                op.header = torch.zeros(1, dtype=torch.float64)
-                works.append(real["irecv"](op.header, peer, tag=HEADER))
-                works.append(real["irecv"](op.tensor, peer, tag=DATA))
-            else:
-                op.ready = torch.zeros(1, dtype=torch.float64)
-                waiting_sends.append((op, real["irecv"](op.ready, peer, tag=READY)))
-        for op, receiver_ready in waiting_sends:  # each send waits until its receive is at the head
-            receiver_ready.wait()
-            start = max(ready, op.ready.item(), self.link_free)
-            op.end = self.link_free = start + rule.message_seconds(op.tensor.nbytes)
-            works.append(real["isend"](torch.tensor([op.end], dtype=torch.float64), peer, tag=HEADER))
-            works.append(real["isend"](op.tensor, peer, tag=DATA))
-        for work in works:
-            work.wait()
-        for op in entry:
-            if op.kind == "recv":
-                op.end = op.header.item()
-            if not rule.modelled:
-                op.end = rule.clock.now()
-
-
-class GroupQueue(Queue):
-    """The collectives of one process group, in issue order."""
-
-    def __init__(self, rule: "Rule", group):
-        import torch.distributed as dist
-
-        self.group = group
-        self.ranks = dist.get_process_group_ranks(group)
-        super().__init__(rule, f"group {self.ranks}")
-
-    def run(self, entry: list[Op]) -> None:
-        import torch.distributed as dist
-
-        (op,) = entry
-        rule = self.rule
-        start = max(op.issued, self.busy_until)
-        if rule.modelled:  # it starts when the group's last rank has issued it
-            t = torch.tensor([start], dtype=torch.float64)
-            rule.original["all_reduce"](t, op=dist.ReduceOp.MAX, group=self.group)
-            start = t.item()
-        op.result = op.call()
-        op.end = start + rule.collective_seconds(op.kind, op.nbytes, len(self.ranks)) if rule.modelled else rule.clock.now()
 
 
 class Rule:
@@ -431,14 +230,6 @@ class Rule:
             for module in (dist, c10d):
                 setattr(module, name, fn)
 
-    def unpatch(self) -> None:
-        import torch.distributed as dist
-        import torch.distributed.distributed_c10d as c10d
-
-        for name, fn in self.original.items():
-            for module in (dist, c10d):
-                setattr(module, name, fn)
-
 
 def _world():
     import torch.distributed as dist
@@ -467,96 +258,6 @@ def _collective_bytes(name: str, a: dict, ranks: int) -> int:
     return 0  # barrier
 
 
-class Watchdog:
-    """Publishes what this rank waits on (in the rendezvous store) and raises the alarm when every
-    rank that has not finished has waited `seconds` without progress anywhere."""
-
-    def __init__(self, rule: Rule, store, seconds: float):
-        self.rule, self.store, self.seconds = rule, store, seconds
-        self.waiting_on: Op | None = None
-        self.since = time.monotonic()
-        self.progress = time.monotonic()
-        self.finished = False
-        self.published = None
-        if store is not None:
-            self.publish()
-            threading.Thread(target=self.watch, name="nccl-rule watchdog", daemon=True).start()
-
-    def wait_starts(self, op: Op) -> None:
-        self.since, self.waiting_on = time.monotonic(), op
-
-    def wait_ends(self) -> None:
-        self.waiting_on = None
-
-    def finish(self) -> None:
-        """This rank's function returned: it waits for nobody any more."""
-        self.finished = True
-        if self.store is not None:
-            self.publish()
-
-    def state(self) -> dict:
-        if self.finished:
-            return {"state": "finished"}
-        op = self.waiting_on
-        if op is None:
-            return {"state": "running"}
-        return {"state": "waiting", "what": self.describe(op), "since": max(self.since, self.progress)}
-
-    def describe(self, op: Op) -> str:
-        """"rank 0 waits for its send to rank 1 (op 2 on channel 0<->1), queued behind its ...\""""
-        text = f"rank {self.rule.rank} waits for its {op.describe()}"
-        head = op.queue.current if op.queue is not None else []
-        if head and op not in head:
-            text += ", queued behind its " + " and ".join(h.describe() for h in head)
-        elif op.queue is not None and (behind := [o for o in list(op.queue.pending) if o not in head and o is not op]):
-            text += f", before it can run its {behind[0].describe()}"
-        return text
-
-    def publish(self) -> None:
-        state = self.state()
-        if state != self.published:
-            self.store.set(str(self.rule.rank), json.dumps(state))
-            self.published = state
-
-    def everyone(self) -> list[dict]:
-        """Every rank's published state (a rank that has not published yet is still starting)."""
-        return [json.loads(self.store.get(str(r))) if self.store.check([str(r)]) else {"state": "running"}
-                for r in range(self.rule.world_size)]
-
-    def stuck(self, states: list[dict]) -> bool:
-        """Every rank finished or waiting, at least one waiting, none progressed for `seconds`."""
-        now = time.monotonic()
-        waiting = [s for s in states if s["state"] == "waiting"]
-        return (bool(waiting) and all(s["state"] in ("waiting", "finished") for s in states)
-                and all(now - s["since"] > self.seconds for s in waiting))
-
-    def watch(self) -> None:
-        while self.rule.deadlock is None:
-            time.sleep(_TICK)
-            try:
-                self.publish()
-                if self.waiting_on is None or time.monotonic() - self.state().get("since", 0) <= self.seconds:
-                    continue
-                first = self.everyone()
-                if not self.stuck(first):
-                    continue
-                time.sleep(2 * _TICK)  # confirm: a rank that just moved on has published it by now
-                if self.everyone() == first and self.waiting_on is not None:
-                    self.rule.deadlock = DeadlockError(self.report(first))
-            except Exception:  # noqa: BLE001 - the store is gone: the run is ending
-                return
-
-    def report(self, states: list[dict]) -> str:
-        lines = [s["what"] if s["state"] == "waiting" else f"rank {r} has finished its function"
-                 for r, s in enumerate(states)]
-        return (f"deadlock under NCCL's ordering rule: no rank made progress for {self.seconds:g} s.\n  "
-                + ";\n  ".join(lines) + ".\nOn GPUs this program hangs: NCCL runs the operations between two "
-                "ranks one after another in the order each rank issued them, and a send waits until its "
-                "receiver has reached the matching receive. Issue each step's matched sends and receives "
-                "together (dist.batch_isend_irecv), or post a receive only after the sends its peer is "
-                "waiting for.")
-
-
 def install(rank: int, world_size: int, clock, link=None, watchdog_seconds: float = WATCHDOG_SECONDS) -> Rule:
     """Put this rank's torch.distributed calls under NCCL's ordering rule (after the process group
     formed). The watchdog talks through the rendezvous store of MASTER_ADDR/MASTER_PORT."""
@@ -576,11 +277,3 @@ def install(rank: int, world_size: int, clock, link=None, watchdog_seconds: floa
     rule.patch()
     _active = rule
     return rule
-
-
-def uninstall() -> None:
-    """Give the process its own torch.distributed functions back."""
-    global _active
-    if _active is not None:
-        _active.unpatch()
-        _active = None

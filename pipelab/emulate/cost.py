@@ -263,12 +263,6 @@ def bound(counts: Counts, device: Device, dtype="float32") -> str:
     return "compute" if counts.flops / device.rate(dtype) >= counts.bytes / device.memory_bandwidth else "memory"
 
 
-def arithmetic_intensity(counts: Counts) -> float:
-    """FLOPs per byte moved; an operation is compute-bound on a device when this exceeds the
-    device's ridge point, FLOP/s over bytes/s."""
-    return counts.flops / counts.bytes if counts.bytes else float("inf")
-
-
 def message_seconds(nbytes: float, link: Link) -> float:
     """Seconds one message of `nbytes` takes over `link`: NCCL's measured protocols over the link's
     kind (`calibrated.message_seconds`), or latency + bytes / bandwidth for a link without one."""

@@ -114,9 +114,6 @@ class LayerCosts:
 
         return Counts(0.0, 2.0 * nbytes * self.bytes_scale, 1)
 
-    def forward_total(self):
-        return total(list(self.forward.values()))
-
     def table(self) -> CostTable:
         """These costs as the clock looks them up: "F" the whole forward, "B" by layer, "optimizer",
         and "copy" by the bytes it moves."""

@@ -14,11 +14,11 @@ One file per lesson family. The algorithms these run live below (`pipelab.ddp`,
 
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence, TypeVar
 
 from pipelab.checks import positive_number, ranks_fit
+from pipelab.emulate import node_of
 
 R = TypeVar("R")
 
@@ -37,9 +37,8 @@ class Config:
 
     @property
     def node(self):
-        """The node `emulate` names (an `emulate.specs.Node`), parsed once, when the Config checked
-        itself; None where nothing is emulated."""
-        return None if self.emulate is None else _node(self.emulate)
+        """The node this Config runs on (a `specs.Node`, parsed once); None on the machine's own."""
+        return node_of(self.emulate)
 
     def __post_init__(self) -> None:
         self.check()
@@ -53,24 +52,7 @@ class Config:
         if self.backend not in BACKENDS:
             raise ValueError(f"backend must be one of {BACKENDS}, got {self.backend!r}")
         positive_number("timeout", self.timeout, example="timeout=120", unit="seconds")
-        if self.emulate is not None:
-            node = self.node  # a bad name lists the known devices and links
-            if node.count < self.world_size:
-                raise ValueError(f"emulate={self.emulate!r} has {node.count} devices for world_size="
-                                 f"{self.world_size} ranks; name a node with at least {self.world_size}, "
-                                 f"e.g. emulate=\"{self.world_size}x{self.emulate.split('x', 1)[-1]}\"")
-
-
-def _node(emulate):
-    """The node an `emulate=` names, parsed once per name (a `specs.Node` is returned as it is)."""
-    return _named(emulate) if isinstance(emulate, str) else _named.__wrapped__(emulate)
-
-
-@functools.lru_cache(maxsize=None)
-def _named(emulate):
-    from pipelab.emulate.specs import parse_node
-
-    return parse_node(emulate)
+        node_of(self.emulate, self.world_size)  # a bad name lists the known devices and links
 
 
 def run(worker: Callable[..., Any], cfg: Config, gather: Callable[[Any, Sequence[Any]], R] | None = None) -> R:
@@ -78,6 +60,5 @@ def run(worker: Callable[..., Any], cfg: Config, gather: Callable[[Any, Sequence
     to `gather(cfg, results)`; without a gather, return the results as they are."""
     from pipelab.launch import spawn
 
-    emulated = {"emulate": cfg.emulate} if cfg.emulate is not None else {}
-    results = spawn(worker, cfg.world_size, cfg, backend=cfg.backend, timeout=cfg.timeout, **emulated)
+    results = spawn(worker, cfg.world_size, cfg, backend=cfg.backend, timeout=cfg.timeout, emulate=cfg.emulate)
     return gather(cfg, results) if gather is not None else results

@@ -11,7 +11,7 @@ from typing import Sequence
 import matplotlib.pyplot as plt
 from matplotlib.patches import Patch
 
-from pipelab.timeline import Span, Timeline
+from pipelab.timeline import Span, Timeline, complement, union
 
 # Fixed colours for the kinds the course uses, so F is the same blue in every lesson.
 KIND_COLORS = {
@@ -100,30 +100,11 @@ def exposed_spans(timeline: Timeline, compute_lane: str = "compute") -> list[Spa
     """The parts of every non-compute span (messages, all-reduces, copies) during which its rank
     computes nothing: the communication the step pays for in full, not hidden behind work.
     Ranks without a compute lane are left out (there is nothing to hide behind)."""
-    busy: dict = {}
-    for s in timeline.filter(lane=compute_lane):
-        busy.setdefault(s.rank, []).append((s.start, s.end))
-    exposed = []
-    for s in timeline:
-        if s.lane == compute_lane or s.rank not in busy:
-            continue
-        for start, end in _uncovered(s.start, s.end, busy[s.rank]):
-            exposed.append(Span(s.rank, s.lane, s.kind, start, end, s.mb, s.meta))
-    return exposed
-
-
-def _uncovered(start: float, end: float, intervals: list[tuple[float, float]]) -> list[tuple[float, float]]:
-    """The pieces of [start, end] that none of `intervals` covers."""
-    pieces, t = [], start
-    for a, b in sorted(intervals):
-        if b <= t or a >= end:
-            continue
-        if a > t:
-            pieces.append((t, a))
-        t = max(t, b)
-    if t < end:
-        pieces.append((t, end))
-    return [(a, b) for a, b in pieces if b > a]
+    busy = {r: union((s.start, s.end) for s in timeline.filter(rank=r, lane=compute_lane))
+            for r in {s.rank for s in timeline.filter(lane=compute_lane)}}
+    return [Span(s.rank, s.lane, s.kind, start, end, s.mb, s.meta)
+            for s in timeline if s.lane != compute_lane and s.rank in busy
+            for start, end in complement(busy[s.rank], [(s.start, s.end)])]
 
 
 def _label_box(ax, x0: float, width: float, y: float, text: str, total_ms: float) -> None:

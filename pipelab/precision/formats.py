@@ -28,10 +28,6 @@ class Format:
     smallest_subnormal: float
     eps: float
 
-    @property
-    def bits(self) -> int:
-        return 1 + self.exponent_bits + self.mantissa_bits
-
 
 def format_of(name: str, dtype: torch.dtype, exponent_bits: int) -> Format:
     """A format from torch.finfo: its mantissa bits are what eps = 2^-mantissa says."""

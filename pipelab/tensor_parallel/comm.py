@@ -39,9 +39,6 @@ class CommMeter:
     def total_bytes(self, direction: str | None = None) -> int:
         return sum(b for (_, d), b in self.bytes.items() if direction in (None, d))
 
-    def total_calls(self, kind: str | None = None, direction: str | None = None) -> int:
-        return sum(c for (k, d), c in self.calls.items() if kind in (None, k) and direction in (None, d))
-
     def clear(self) -> None:
         self.calls.clear()
         self.bytes.clear()
