@@ -57,8 +57,8 @@ def layer_costs(model: nn.Module, x: torch.Tensor, scale: int, rows: int) -> Lay
     are left out: at these widths their forward and backward move a few per cent of a layer's bytes."""
     owners = sorted({n.rpartition(".")[0] for n, p in model.named_parameters() if p.requires_grad} - {""})
     inputs: dict[str, torch.Tensor] = {}
-    hooks = [model.get_submodule(name).register_forward_pre_hook(lambda m, args, name=name: inputs.setdefault(name, args[0]))
-             for name in owners]
+    hooks = [model.get_submodule(name).register_forward_pre_hook(
+        lambda m, args, name=name: inputs.setdefault(name, args[0])) for name in owners]
     with torch.no_grad():
         model(x)
     for h in hooks:

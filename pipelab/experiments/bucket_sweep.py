@@ -18,7 +18,8 @@ import torch
 
 from pipelab.checks import whole_number
 from pipelab.ddp import check_bucket_cap
-from pipelab.experiments.ddp import OWN_CORES, TORCH_OWN_CORES, Training, Verdict, modelled, overlaps, shard, train_step, wrap
+from pipelab.experiments.ddp import (OWN_CORES, TORCH_OWN_CORES, Training, Verdict, modelled, overlaps, shard, train_step,
+                                     wrap)
 from pipelab.measure import Measured, RankSteps, alternate, compare, compare_medians, gather_steps, ratios, time_steps
 from pipelab.timeline import Timeline
 from pipelab.worker import RankContext
@@ -50,7 +51,8 @@ class Config(Training):
 def torch_on_own_cores(cfg: Config, cap_mb: float, rounds: int | None = None, steps: int | None = None) -> Config:
     """Ours and torch's DDP at one bucket size on this machine's own cores, in turn round after
     round (`rounds` rounds of `steps` steps, by default `cfg`'s)."""
-    return replace(cfg, caps_mb=[cap_mb], with_torch=True, **OWN_CORES, rounds=cfg.rounds if rounds is None else rounds, steps=cfg.steps if steps is None else steps)
+    return replace(cfg, caps_mb=[cap_mb], with_torch=True, **OWN_CORES, rounds=cfg.rounds if rounds is None else rounds,
+                   steps=cfg.steps if steps is None else steps)
 
 
 @dataclass
@@ -107,7 +109,7 @@ class SweepPoint:
     timeline: Timeline = field(repr=False)  # ours, a typical step
     torch_step_time: Measured | None = None  # seconds, torch's DDP with the same bucket_cap_mb
     ratio: Measured | None = None  # ours / torch, round by round (each round runs both in turn)
-    node: str | None = None  # the modelled node it ran on, or None: this machine
+    node: object = None  # the modelled node it ran on (a specs.Node), or None: this machine
 
 
 def gather(cfg: Config, results: Sequence[SweepResult]) -> list[SweepPoint]:
@@ -116,7 +118,7 @@ def gather(cfg: Config, results: Sequence[SweepResult]) -> list[SweepPoint]:
     for cap in cfg.caps_mb:
         ours = gather_steps([r.steps[cap, "bucketed"] for r in results])
         point = SweepPoint(cap, results[0].buckets[cap], Measured.of(ours.seconds), overlaps(ours.timelines),
-                           ours.typical, node=cfg.emulate)
+                           ours.typical, node=cfg.node)
         if cfg.with_torch:
             point.torch_step_time = Measured.of(gather_steps([r.steps[cap, "torch"] for r in results]).seconds)
             point.ratio = ratios(_slowest_per_round(results, (cap, "bucketed")),

@@ -1,7 +1,7 @@
 """Lesson 00 from a notebook: the ping-pong, the all-reduce sweep and a compute-then-communicate
 step on real processes, and what their figures say.
 
-    cfg = collectives.Config(world_size=2, rounds=5, emulate="2xH100-nvlink")   # refuses bad input here
+    cfg = collectives.Config(world_size=2, rounds=5)   # refuses bad input here
     pp = experiments.run(collectives.ping_pong_worker, cfg, collectives.gather_ping_pong)
     pipelab.conclude(*collectives.bytes_verdict(pp))
 
@@ -82,7 +82,7 @@ class PingPongRun:
     rows: list[MessageTime]
     latency: Measured  # seconds
     bandwidth: float  # bytes per second
-    node: str | None = None  # the modelled node it ran on, or None: this machine
+    node: object = None  # the modelled node it ran on (a specs.Node), or None: this machine
 
     def model(self, nbytes: float) -> float:
         """The fitted model's one-way seconds for a message of `nbytes`: latency + bytes / bandwidth."""
@@ -100,7 +100,7 @@ def ping_pong_worker(ctx: RankContext, cfg: Config) -> list[MessageTime] | None:
 
 def gather_ping_pong(cfg: Config, results: Sequence[list[MessageTime] | None]) -> PingPongRun:
     rows = results[0]
-    return PingPongRun(rows, small_message_latency(rows), fit_latency_bandwidth(rows)[1], cfg.emulate)
+    return PingPongRun(rows, small_message_latency(rows), fit_latency_bandwidth(rows)[1], cfg.node)
 
 
 def bytes_verdict(pp: PingPongRun) -> tuple[str, str, str, dict]:
@@ -186,7 +186,7 @@ class AllReduceRun:
 
     rows: list[AllReduceTime]
     predicted: list[float]  # seconds, from the ping-pong's latency and bandwidth
-    node: str | None = None  # the modelled node it ran on, or None: this machine
+    node: object = None  # the modelled node it ran on (a specs.Node), or None: this machine
 
     @property
     def max_difference(self) -> float:
@@ -203,7 +203,7 @@ def all_reduce_run(cfg: Config, pp: PingPongRun) -> AllReduceRun:
     """Run the sweep on `cfg.world_size` ranks and predict each size from the ping-pong's fit."""
     rows = experiments.run(all_reduce_worker, cfg)[0]
     return AllReduceRun(rows, [ring_all_reduce_time(r.bytes, cfg.world_size, pp.bandwidth, pp.latency.median)
-                               for r in rows], cfg.emulate)
+                               for r in rows], cfg.node)
 
 
 def ring_model_verdict(run: AllReduceRun, tolerance: float = 0.05) -> tuple[str, str, str, dict]:

@@ -47,8 +47,8 @@ VARIANTS = ("naive", "bucketed", "torch")
 class Training(experiments.Config):
     """What every data-parallel run here trains: `model` on the batch (`x`, `y`), split evenly
     over `world_size` ranks, with a mean loss, `steps` SGD steps of `lr`. On a modelled node every
-    Linear layer is timed `emulated_width / width` times wider (width: the batch's features) on
-    `emulated_batch` rows in all, split over the ranks like the batch."""
+    Linear layer is timed as wide as the width field below says (a whole multiple of the batch's
+    features), on as many rows in all as the batch field says, split over the ranks like the batch."""
 
     model: nn.Module = field(repr=False)
     x: torch.Tensor = field(repr=False)
@@ -69,8 +69,7 @@ class Training(experiments.Config):
         modelled_size(self, "emulated_width", "emulated_batch")
         if self.width_scale * self.x.shape[-1] != (self.emulated_width or self.x.shape[-1]):
             raise ValueError(f"emulated_width={self.emulated_width} must be a whole multiple of the model's width "
-                             f"{self.x.shape[-1]} (every Linear layer is counted that many times wider); e.g. "
-                             f"emulated_width={8 * self.x.shape[-1]}")
+                             f"{self.x.shape[-1]}: every Linear layer is counted that many times wider")
         divides("emulated_batch", self.emulated_batch or self.world_size, "world_size", self.world_size)
 
     def __post_init__(self) -> None:
@@ -115,7 +114,7 @@ class Config(Training):
 
 
 TORCH_OWN_CORES = ("torch's DistributedDataParallel runs its all-reduces in C++, out of the emulator's reach, "
-                   "so its time cannot be modelled: run it on this machine's own cores (emulate=None)")
+                   "so its time cannot be modelled: run it on this machine's own cores")
 
 
 def torch_on_own_cores(cfg: Config, steps: int | None = None) -> Config:
@@ -294,7 +293,7 @@ class DDPRun(TimedSteps):
     replica_spread: float  # largest weight difference between ranks after that step
     steps: Steps | None = field(default=None, repr=False)  # the timed steps, all ranks
     buckets: list[Bucket] | None = None  # BucketedDDP's plan
-    node: str | None = None  # the modelled node it ran on, or None: this machine
+    node: object = None  # the modelled node it ran on (a specs.Node), or None: this machine
 
     @property
     def name(self) -> str:
@@ -323,7 +322,7 @@ def gather(cfg: Config, results: Sequence[list[Result]]) -> dict[str, DDPRun]:
         ranks = [next(r for r in per_rank if r.variant == variant) for per_rank in results]
         loss = statistics.mean(r.steps.results[0] for r in ranks)
         runs[variant] = DDPRun(variant, [loss], ranks[0].grads, ranks[0].weights, max(r.spread for r in ranks),
-                               gather_steps([r.steps for r in ranks]), ranks[0].buckets, cfg.emulate)
+                               gather_steps([r.steps for r in ranks]), ranks[0].buckets, cfg.node)
     return runs
 
 

@@ -7,7 +7,7 @@
 `check_against_one_device` checks a training step against the one-device model; `time_forwards`
 times forwards in alternating rounds (`measure.alternate`), so a load that comes and goes hits all
 alike. Lessons 03-04's sweeps are `experiments.split_pipelining`. Without two GPUs, `ResNet50Pace`
-paces the devices as the tutorial's ResNet-50 on modelled GPUs (`pipelab.emulate.resnet50`).
+paces the devices as the tutorial's ResNet-50 on modelled GPUs, whose figures live in emulate/.
 """
 
 from __future__ import annotations
@@ -141,7 +141,7 @@ class ResNet50Pace(resnet50.ResNet50Halves, Pace):
                 return self.half_seconds("seq1", images) + self.half_seconds("seq2", images)
             return self.half_seconds("seq1", images)  # a first half, submitted alone
         raise ValueError(f"a paced device times seq1, second_half, the whole model and copies; got {fn!r} "
-                         f"({kind}): submit one of those, or run on this machine's cores (emulate=None)")
+                         f"({kind}): submit one of those, or run on this machine's cores")
 
 
 def pace_of(devs: Sequence[Device]) -> ResNet50Pace | None:
@@ -383,8 +383,9 @@ def naive_anchor_rows(run: NaiveRun) -> list[dict]:
     """The modelled naive slowdown beside the tutorial's 4.02 s / 3.75 s, and what sets it here:
     the activation's copy, over the node's link and over PCIe 4."""
     pace, one = run.pace, run.one_device.seconds.median
-    nbytes, copy_s = pace.copy_bytes(resnet50.EMULATED_BATCH), pace.copy_seconds(resnet50.EMULATED_BATCH)
-    pcie = pace.copy_seconds(resnet50.EMULATED_BATCH, specs.LINKS["pcie4"])
+    images = resnet50.EMULATED_BATCH  # the tutorial's whole batch crosses the cut
+    nbytes, copy_s = pace.copy_bytes(images), pace.copy_seconds(images)
+    pcie = pace.copy_seconds(images, specs.LINKS["pcie4"])
     published = anchors.anchor("tutorial_naive_mp_slowdown").value
     return [{"figure": "naive slower than one device", "tutorial (training steps)": f"{published - 1:.0%}",
              "here (forward, modelled)": f"{1 / run.speedup.median - 1:.1%}"},

@@ -58,7 +58,7 @@ class SweepRun:
     batch: int
     sample_bytes: int  # one sample's activation crossing from device 0 to device 1
     where: str = "these devices"  # the devices it ran on, in words
-    pace: ResNet50Pace | None = None  # the emulated node's, or None
+    pace: ResNet50Pace | None = None  # the modelled node's, or None
 
     def __getitem__(self, variant: str) -> SplitSweep:
         return self.sweeps[variant]
@@ -155,11 +155,12 @@ def anchor_rows(run: SweepRun, slower_node: str = "2xT4") -> list[dict]:
         rows.append({"figure": f"pipelined speedup, split size {split}", "published": f"{anchors.anchor(key).value:.2f}x",
                      here: "not run" if got is None else f"{got.median:.2f}x"})
     best = piped.best_split
-    rows.append({"figure": "best split size (speedup)", "published": f"12 ({anchors.anchor('tutorial_pipeline_split12_speedup').value:.2f}x)",
+    published_best = anchors.anchor("tutorial_pipeline_split12_speedup").value
+    rows.append({"figure": "best split size (speedup)", "published": f"12 ({published_best:.2f}x)",
                  here: f"{best} ({piped.speedup[best].median:.2f}x)"})
     if run.pace is not None:
         rows.append({"figure": "kernel launches' share of a split of 12", "published": "-",
-                     here: f"{run.pace.launch_share(12 * run.batch // resnet50.EMULATED_BATCH or 1):.0%}"})
+                     here: f"{run.pace.launch_share(12):.0%}"})
         slow = resnet50.modelled_speedups(slower_node, run.pace.cut, TUTORIAL_SPLITS)
         slow_best = max(slow, key=slow.get)
         rows.append({"figure": f"best split on {specs.parse_node(slower_node)}, same formulas", "published": "-",
@@ -199,7 +200,7 @@ def cores_verdict(modelled: SweepRun, cores: SweepRun) -> Verdict:
     e, c = modelled["pipelined"], cores["pipelined"]
     verdict = "same best split" if c.best_split == e.best_split else "other best split"
     text = f"the best split was {c.best_split} on this machine's cores and {e.best_split} on the modelled GPUs."
-    return ("03.cores", verdict, text, {"best_cores": c.best_split, "best_emulated": e.best_split,
+    return ("03.cores", verdict, text, {"best_cores": c.best_split, "best_modelled": e.best_split,
                                         "shared_sizes": [s for s in cores.split_sizes if s in e.speedup],
                                         "overlap_gain": cores.overlap_gain(c.best_split)})
 

@@ -26,12 +26,12 @@ def plot_ping_pong(rows: list[MessageTime], latency: float, bandwidth: float, ax
           "message size (bytes, log scale)", "one-way time (µs, log scale)", "Time of one message",
           ax=left, logx=True, logy=True)
     left.plot(smooth, model * 1e6, "--", color="black",
-              label=f"model: {latency * 1e6:.2f} µs + bytes / {bandwidth / 1e6:.0f} MB/s")
+              label=f"model: {latency * 1e6:.2f} µs + bytes / {bandwidth / 1e9:.3g} GB/s")
     sweep(sizes, {f"{'modelled' if modelled else 'measured'}: bytes / one-way time": [r.bandwidth.scaled(1e-6) for r in rows]},
           "message size (bytes, log scale)", "bandwidth (MB/s, log scale)", "Bandwidth of one message",
           ax=right, logx=True, logy=True)
     right.plot(smooth, smooth / model / 1e6, "--", color="black", label="model")
-    right.axhline(bandwidth / 1e6, color="grey", linewidth=0.8, label=f"fitted bandwidth {bandwidth / 1e6:.0f} MB/s")
+    right.axhline(bandwidth / 1e6, color="grey", linewidth=0.8, label=f"fitted bandwidth {bandwidth / 1e9:.3g} GB/s")
     for ax in axes:
         ax.grid(alpha=0.3, which="both")
         ax.legend(fontsize="small")
