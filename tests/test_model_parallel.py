@@ -145,7 +145,7 @@ def test_split_sweep_variants(devs):
     cfg = _cfg("toy", devs, repeats=1)
     run = split_sweep(cfg, [3, 6], variants=("dual_stream",))
     assert set(run["dual_stream"].seconds) == {3, 6} and run["dual_stream"].best_split in (3, 6)
-    assert run.split_sizes == [3, 6] and run.repeats == 1 and run.sample_bytes == 10 * 4  # ToyModel: 10 floats cross
+    assert run.split_sizes == [3, 6] and run.repeats == 1
     for bad in (("naive",), ()):
         with pytest.raises(ValueError, match="variants=.*split_by_split, pipelined, dual_stream"):
             split_sweep(cfg, [3], variants=bad)
@@ -358,7 +358,7 @@ def test_naive_verdict_claims_faster_only_when_every_round_was():
     assert naive_verdict(NaiveRun(_timed_of([1.0, 1.0]), _timed_of([0.8, 0.9])))[1] == "faster"
 
 
-def _sweep_run(one_device, variants: dict, batch=16, sample_bytes=1024):
+def _sweep_run(one_device, variants: dict, batch=16):
     """A SweepRun from made-up times: variant -> {split size: seconds per round}."""
     from pipelab.experiments.model_parallel import speedup
     from pipelab.experiments.split_pipelining import SplitSweep, SweepRun
@@ -369,7 +369,7 @@ def _sweep_run(one_device, variants: dict, batch=16, sample_bytes=1024):
         timed = {s: _timed_of(t) for s, t in sizes.items()}
         speedups = {s: speedup(base, t) for s, t in timed.items()}
         sweeps[v] = SplitSweep(v, timed, speedups, max(speedups, key=lambda s: speedups[s].median))
-    return SweepRun(base, sweeps, batch, sample_bytes)
+    return SweepRun(base, sweeps, batch)
 
 
 def test_curve_and_bound_verdicts_read_the_rounds():
@@ -387,7 +387,7 @@ def test_curve_and_bound_verdicts_read_the_rounds():
     assert key == "03.bound" and figures["split_size"] == 4 and figures["bound"] == pytest.approx(1.6)
     assert verdict == "overlap within the bound" and "stayed within the bound" in text
     fast = _sweep_run([2.0, 2.0], {"pipelined": {4: [0.5, 0.6], 16: [2.0, 2.0]},
-                                   "split_by_split": {4: [1.0, 1.0], 16: [2.0, 2.0]}}, sample_bytes=2**16)
+                                   "split_by_split": {4: [1.0, 1.0], 16: [2.0, 2.0]}})
     key, verdict, text, figures = bound_verdict(fast)
     assert verdict == "overlap above the bound" and figures["above_in_every_round"] == [4]
     assert "beat the bound 2k/(k+1): 1.83x against 1.60" in text  # the median of 2.00 and 1.67: one number

@@ -12,7 +12,6 @@ behind each one-sentence conclusion.
 from __future__ import annotations
 
 import copy
-import math
 import os
 import statistics
 from dataclasses import dataclass, field
@@ -56,7 +55,6 @@ class SweepRun:
     one_device: Timed
     sweeps: dict[str, SplitSweep]
     batch: int
-    sample_bytes: int  # one sample's activation crossing from device 0 to device 1
     where: str = "these devices"  # the devices it ran on, in words
     pace: ResNet50Pace | None = None  # the modelled node's, or None
 
@@ -106,9 +104,7 @@ def split_sweep(cfg: Config, split_sizes: Sequence[int],
         runs = {s: timed[(v, s)] for s in split_sizes}
         speedups = {s: speedup(base, t) for s, t in runs.items()}
         sweeps[v] = SplitSweep(v, runs, speedups, max(speedups, key=lambda s: speedups[s].median))
-    sample = mp.cut_shape(cfg.model, cfg.x[:1])
-    return SweepRun(base, sweeps, cfg.batch, math.prod(sample) * cfg.x.element_size(), where(cfg.devs),
-                    pace_of(cfg.devs))
+    return SweepRun(base, sweeps, cfg.batch, where(cfg.devs), pace_of(cfg.devs))
 
 
 def curve_verdict(run: SweepRun, variant: str = "pipelined") -> Verdict:
