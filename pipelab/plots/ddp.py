@@ -11,6 +11,7 @@ from matplotlib.patches import FancyArrowPatch, Patch, Rectangle
 
 from pipelab.display import human_bytes
 from pipelab.plots import gantt, kind_color, sweep
+from pipelab.plots.collectives import plain_log_ticks
 
 if TYPE_CHECKING:
     from pipelab.experiments.bucket_sweep import SweepPoint
@@ -142,4 +143,5 @@ def plot_bucket_times(buckets, predicted: Sequence[float], measured: Sequence, a
     ax.set_title("Each bucket's all-reduce: predicted and " + ("modelled" if modelled else "measured"))
     ax.grid(axis="y", alpha=0.3, which="both")
     ax.legend(fontsize="small", loc="upper center")
+    plain_log_ticks(ax)
     return ax
