@@ -93,3 +93,16 @@ def ranks_fit(world_size: int, bytes_per_rank: float = 0) -> None:
         raise ValueError(f"world_size={world_size} ranks need about {need / 2**30:.1f} GiB "
                          f"({per:.2f} GiB each) but this machine has {available / 2**30:.1f} GiB available; "
                          f"use world_size <= {max(1, int(available // (RANK_BASE_BYTES + bytes_per_rank)))}")
+
+
+def modelled_size(cfg, *names: str) -> None:
+    """Each of `names` on `cfg`: None, or a whole number sizing the modelled work of the node
+    `cfg.emulate` names (so it needs one)."""
+    for name in names:
+        value = getattr(cfg, name)
+        if value is None:
+            continue
+        whole_number(name, value, example=f"{name}=4096")
+        if cfg.emulate is None:
+            raise ValueError(f"{name}={value} sizes the modelled work of an emulated node; name one "
+                             f"(emulate='2xH100-nvlink') or leave {name}=None")

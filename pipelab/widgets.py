@@ -16,7 +16,8 @@ import matplotlib.pyplot as plt
 from IPython.display import Image
 
 from pipelab import plots
-from pipelab.experiments.model_parallel import Config, Forward, SweepRun, speedup, time_forwards
+from pipelab.experiments.model_parallel import Config, Forward, speedup, time_forwards
+from pipelab.experiments.split_pipelining import SweepRun
 from pipelab.plots.model_parallel import speedup_curve
 
 
@@ -37,7 +38,7 @@ def split_size_explorer(cfg: Config, run: SweepRun, variant: str = "pipelined") 
     """A split-size slider: each move re-runs `variant` (`cfg.repeats` rounds, alternating with
     the one-device forward), redraws the timeline of its median run and marks its speedup
     (median, min-max of the round-by-round ratios) on that variant's curve in `run`
-    (`experiments.model_parallel.split_sweep`)."""
+    (`experiments.split_pipelining.split_sweep`)."""
     sweep = run[variant]
     slider = widgets.SelectionSlider(options=run.split_sizes, value=sweep.best_split, description="split_size")
     out = widgets.Output()

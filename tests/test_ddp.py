@@ -397,7 +397,7 @@ def test_overlap_verdict_follows_the_steps_and_the_plan():
     buckets = [Bucket(0, ("a",), (300,)), Bucket(1, ("b",), (100,))]  # estimate: 75 % hidden
     runs = {"naive": fake_run("naive", [0.0, 0.0]), "bucketed": fake_run("bucketed", [0.4, 0.5, 0.6], buckets)}
     key, verdict, text, figures = ddp.overlap_verdict(runs)
-    assert (key, verdict) == ("01.overlap_of_reversed_buckets", "higher") and "were below it" in text
+    assert (key, verdict) == ("01.overlap_of_reversed_buckets", "higher") and "were below the plan's estimate of 75%" in text
     assert figures["estimate"] == pytest.approx(0.75) and runs["bucketed"].overlap.median == pytest.approx(0.5)
     runs["bucketed"] = fake_run("bucketed", [0.0, 0.9], buckets)
     assert ddp.overlap_verdict(runs)[1] == "within noise"
@@ -416,7 +416,7 @@ def test_sweep_and_torch_verdicts_claim_only_what_beats_the_noise():
     points = [point(0.001, 16, [200, 210, 220]), point(2, 4, [100, 101, 102], [1.2, 1.3]), point(8, 1, [110, 120, 130])]
     key, verdict, text, _ = sweep.sweep_verdict(points)
     assert key == "01.bucket_sweep" and verdict == "one bucket per parameter: slower; one bucket for the model: within noise"
-    assert "bucket_cap_mb=2 (4 buckets" in text and "and in every step" in text
+    assert "bucket_cap_mb=2 (4 buckets" in text and "only one bucket per parameter was slower" in text
     assert sweep.torch_verdict(points, 2)[1] == "ours slower"
     assert sweep.torch_verdict(points, 5)[2].startswith("at bucket_cap_mb=2,")  # not swept: the fastest size
     points[1] = point(2, 4, [100, 101, 102], [0.95, 1.3])
@@ -442,7 +442,10 @@ def test_emulated_layer_costs_are_the_wider_layers_counted_by_hand():
     from pipelab.emulate.cost import Counts
 
     cfg = emulated_config()
-    costs, scale = ddp.emulated_costs(cfg.model, cfg.x[:4], cfg.width_scale, 256)
+    from pipelab.emulate.work import layer_costs
+
+    costs = layer_costs(cfg.model, cfg.x[:4], cfg.width_scale, 256)
+    scale = costs.bytes_scale
     assert cfg.width_scale == 16 and scale == pytest.approx((256 * 256 + 256) / (16 * 16 + 16))
     assert cfg.bytes_scale == pytest.approx(scale)
     product = 2 * 256 * 256 * 256  # one 256 x 256 matrix product on 256 rows
@@ -451,7 +454,7 @@ def test_emulated_layer_costs_are_the_wider_layers_counted_by_hand():
     assert costs.backward["0"].flops == product  # fed the batch: only its weights' gradient
     assert costs.backward["2"].flops == costs.backward["4"].flops == 2 * product  # and its input's gradient
     assert isinstance(costs.copy(1000), Counts) and costs.copy(1000).bytes == 2000 * scale
-    assert cfg.layer_costs.backward == ddp.emulated_costs(cfg.model, cfg.x[:4], 16, 256)[0].backward  # counted once
+    assert cfg.layer_costs.backward == layer_costs(cfg.model, cfg.x[:4], 16, 256).backward  # counted once
     assert ddp.torch_on_own_cores(cfg).layer_costs is None
 
 
@@ -499,7 +502,8 @@ def test_registration_verdict_splits_the_overlap_into_backward_and_copies():
     parts = ddp.overlap_parts(Timeline(spans))
     assert parts == {"backward": 0.0, "other": pytest.approx(0.25)}
     key, verdict, text, figures = ddp.registration_verdict(Timeline(spans), Measured.of([0.8]))
-    assert verdict == "none behind backward" and "0% behind backward, 25% behind the copying" in text
+    assert verdict == "none behind backward" and figures["other"] == pytest.approx(0.25)
+    assert "none of it behind backward" in text
     early = spans + [Span(0, "comm", "allreduce", 1.5, 1.9)]
     assert ddp.registration_verdict(Timeline(early), Measured.of([0.8]))[1] == "some behind backward"
 
@@ -507,10 +511,10 @@ def test_registration_verdict_splits_the_overlap_into_backward_and_copies():
 def test_emulated_sweep_calls_an_end_slower_by_one_per_cent_of_modelled_time():
     points = [point(0.001, 16, [100.0]), point(2, 4, [100.5]), point(8, 1, [103.0])]
     for p in points:
-        p.emulate = "2xH100-ib-ndr"
+        p.node = "2xH100-ib-ndr"
     verdict, text = sweep.sweep_verdict(points)[1:3]
     assert verdict == "one bucket per parameter: within noise; one bucket for the model: slower"
-    assert "within 1 % of the fastest" in text and "modelled" in text
+    assert "only one bucket for the model was slower" in text and "modelled" in text
 
 
 class FakeEvent:

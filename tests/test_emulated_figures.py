@@ -106,7 +106,7 @@ def test_lesson_01_ddp_buckets_and_sweep():
 
 
 def test_lessons_02_to_04_resnet_halves_on_paced_devices():
-    from pipelab.experiments import model_parallel as ex
+    from pipelab.experiments import model_parallel as ex, split_pipelining
     from pipelab.experiments.model_parallel import Config
     from pipelab.streams import devices
 
@@ -120,7 +120,7 @@ def test_lessons_02_to_04_resnet_halves_on_paced_devices():
             cfg = Config.resnet(ds, channels=4, blocks=blocks, batch=batch, size=8, repeats=1, **extra)
             naive = ex.naive_run(cfg)
             variants = ("pipelined", "dual_stream") if lesson == "04" else ("split_by_split", "pipelined")
-            sweep = ex.split_sweep(cfg, [1, 3, 6, 12], variants)
+            sweep = split_pipelining.split_sweep(cfg, [1, 3, 6, 12], variants)
             out[lesson] = {"one device": fig(naive.one_device.seconds), "naive": fig(naive.naive.seconds),
                            **{f"{v} {s}": fig(t.seconds) for v in variants for s, t in sweep[v].timed.items()},
                            **{f"{v} timeline": timeline(sweep[v].timed[sweep[v].best_split].typical) for v in variants}}

@@ -7,10 +7,10 @@ import pytest
 import torch
 
 from pipelab import model_parallel as mp
-from pipelab.experiments.model_parallel import (Config, Forward, Timed, check_against_one_device, hazard_report,
-                                                simulated_forwards, speed_verdict, split_costs, split_sweep,
-                                                time_forwards, train_step)
-from pipelab.measure import Measured, best_of
+from pipelab.experiments import split_pipelining as lesson
+from pipelab.experiments.model_parallel import Config, Forward, Timed, check_against_one_device, speed_verdict, time_forwards, train_step
+from pipelab.experiments.split_pipelining import hazard_report, simulated_forwards, split_costs, split_sweep
+from pipelab.measure import Measured, Steps, best_of
 from pipelab.models import SplitResNet, ToyModel
 from pipelab.reference import reference_run
 from pipelab.streams import VirtualDevice, timeline
@@ -145,7 +145,7 @@ def test_split_sweep_variants(devs):
     cfg = _cfg("toy", devs, repeats=1)
     run = split_sweep(cfg, [3, 6], variants=("dual_stream",))
     assert set(run["dual_stream"].seconds) == {3, 6} and run["dual_stream"].best_split in (3, 6)
-    assert run.split_sizes == [3, 6] and run.repeats == 1 and run.sample_bytes == 10 * 4  # ToyModel: 10 floats cross
+    assert run.split_sizes == [3, 6] and run.repeats == 1
     for bad in (("naive",), ()):
         with pytest.raises(ValueError, match="variants=.*split_by_split, pipelined, dual_stream"):
             split_sweep(cfg, [3], variants=bad)
@@ -175,10 +175,12 @@ def test_time_forwards_alternates_and_keeps_every_round(devs, monkeypatch):
         Forward("sideways", 3)
 
 
-def test_typical_is_the_median_round():
-    timed = Timed(Measured.of([0.3, 0.1, 0.5, 0.2]), ["t0", "t1", "t2", "t3"], ("cpu:0", "cpu:1"))
-    assert timed.typical_index == 3 and timed.typical == "t3"  # 0.2: the lower middle of four
-    assert Timed(Measured.of([0.3, 0.1, 0.5]), ["a", "b", "c"], ("cpu:0", "cpu:1")).typical == "a"
+def test_typical_is_the_round_of_median_makespan():
+    from pipelab.timeline import Span, Timeline
+
+    rounds = [Timeline([Span("cpu:0", "compute", "F", 0.0, t)]) for t in (0.3, 0.1, 0.5, 0.2)]
+    timed = Timed(Steps([0.3, 0.1, 0.5, 0.2], rounds), ("cpu:0", "cpu:1"))
+    assert timed.typical is rounds[3] and timed.seconds.values == (0.3, 0.1, 0.5, 0.2)  # 0.2: the lower middle
 
 
 def test_split_sweep_speedups_are_round_by_round_ratios(devs):
@@ -187,7 +189,7 @@ def test_split_sweep_speedups_are_round_by_round_ratios(devs):
     base = run.one_device.seconds.values  # one baseline for both variants
     for s in (3, 12):
         assert piped.speedup[s].values == pytest.approx([b / t for b, t in zip(base, piped.timed[s].seconds.values)])
-        assert piped.seconds[s] is piped.timed[s].seconds
+        assert piped.seconds[s] == piped.timed[s].seconds
         gain = [b / p for b, p in zip(by_split.timed[s].seconds.values, piped.timed[s].seconds.values)]
         assert run.overlap_gain(s).values == pytest.approx(gain)
     assert piped.best_split == max((3, 12), key=lambda s: piped.speedup[s].median)
@@ -344,21 +346,22 @@ def _timed_of(seconds) -> Timed:
 
     tl = Timeline([Span("cpu:0", "compute", "F", 0.0, 1e-3, 0), Span("cpu:1", "compute", "copy", 1e-3, 1.5e-3, 0),
                    Span("cpu:1", "compute", "F", 1.5e-3, 2.5e-3, 0)])
-    return Timed(Measured.of(seconds), [tl] * len(seconds), ("cpu:0", "cpu:1"))
+    return Timed(Steps(list(seconds), [tl] * len(seconds)), ("cpu:0", "cpu:1"))
 
 
 def test_naive_verdict_claims_faster_only_when_every_round_was():
     from pipelab.experiments.model_parallel import NaiveRun, naive_verdict
 
     key, verdict, text, figures = naive_verdict(NaiveRun(_timed_of([1.0, 1.0, 1.0]), _timed_of([1.1, 0.9, 1.0])))
-    assert (key, verdict) == ("02.naive_speedup", "no faster") and "as predicted" in text
+    assert (key, verdict) == ("02.naive_speedup", "no faster") and "as predicted" in text and len(text.split()) <= 30
     assert figures["repeats"] == 3 and figures["speedup"].median == pytest.approx(1.0)
     assert naive_verdict(NaiveRun(_timed_of([1.0, 1.0]), _timed_of([0.8, 0.9])))[1] == "faster"
 
 
-def _sweep_run(one_device, variants: dict, batch=16, sample_bytes=1024):
+def _sweep_run(one_device, variants: dict, batch=16):
     """A SweepRun from made-up times: variant -> {split size: seconds per round}."""
-    from pipelab.experiments.model_parallel import SplitSweep, SweepRun, speedup
+    from pipelab.experiments.model_parallel import speedup
+    from pipelab.experiments.split_pipelining import SplitSweep, SweepRun
 
     base = _timed_of(one_device)
     sweeps = {}
@@ -366,47 +369,45 @@ def _sweep_run(one_device, variants: dict, batch=16, sample_bytes=1024):
         timed = {s: _timed_of(t) for s, t in sizes.items()}
         speedups = {s: speedup(base, t) for s, t in timed.items()}
         sweeps[v] = SplitSweep(v, timed, speedups, max(speedups, key=lambda s: speedups[s].median))
-    return SweepRun(base, sweeps, batch, sample_bytes)
+    return SweepRun(base, sweeps, batch)
 
 
 def test_curve_and_bound_verdicts_read_the_rounds():
-    from pipelab.experiments.model_parallel import bound_verdict, curve_verdict
+    from pipelab.experiments.split_pipelining import bound_verdict, curve_verdict
 
     run = _sweep_run([2.0, 2.0], {"pipelined": {1: [2.5, 2.6], 4: [1.2, 1.3], 16: [2.1, 2.2]},
                                   "split_by_split": {1: [3.0, 3.0], 4: [2.0, 2.0], 16: [2.0, 2.0]}})
     key, shape, text, figures = curve_verdict(run)
     assert (key, shape, figures["best_split"]) == ("03.curve_shape", "rises then falls", 4)
-    assert "split_size=16 (one split: the naive forward)" in text
+    assert "rises then falls; the best, split_size=4" in text
     flat = _sweep_run([2.0, 2.0], {"pipelined": {1: [1.9, 2.1], 4: [1.8, 2.2]}})
     assert curve_verdict(flat)[1] == "flat within noise"
     key, verdict, text, figures = bound_verdict(run)
     # split 4: k = 4 splits, bound 1.6; speedup 2/1.2..2/1.3 = 1.54-1.67; overlap 2/1.2..2/1.3 too
     assert key == "03.bound" and figures["split_size"] == 4 and figures["bound"] == pytest.approx(1.6)
-    assert verdict == "overlap within the bound" and "no split beat its bound" in text
-    assert "Splitting alone did not make one device faster" in text
+    assert verdict == "overlap within the bound" and "stayed within the bound" in text
     fast = _sweep_run([2.0, 2.0], {"pipelined": {4: [0.5, 0.6], 16: [2.0, 2.0]},
-                                   "split_by_split": {4: [1.0, 1.0], 16: [2.0, 2.0]}}, sample_bytes=2**16)
+                                   "split_by_split": {4: [1.0, 1.0], 16: [2.0, 2.0]}})
     key, verdict, text, figures = bound_verdict(fast)
     assert verdict == "overlap above the bound" and figures["above_in_every_round"] == [4]
-    assert "was 2.00x faster than on the whole batch" in text  # equal in every round: one number, no range
-    assert "1.0 MiB for the batch of 16, 0.25 MiB for a split" in text
+    assert "beat the bound 2k/(k+1): 1.83x against 1.60" in text  # the median of 2.00 and 1.67: one number
 
 
 def test_copy_stream_verdict_needs_every_round_and_more_than_run_to_run_noise():
-    from pipelab.experiments.model_parallel import copy_stream_speedup, copy_stream_verdict
+    from pipelab.experiments.split_pipelining import copy_stream_rows, copy_stream_speedup, copy_stream_verdict
 
     def run(dual):
         return _sweep_run([2.0, 2.0, 2.0], {"pipelined": {4: [1.0, 1.0, 1.0]}, "dual_stream": {4: dual}})
     assert copy_stream_verdict(run([0.5, 0.6, 0.7]))[1] == "faster"
     assert copy_stream_verdict(run([1.5, 1.6, 1.7]))[1] == "slower"
     key, verdict, text, figures = copy_stream_verdict(run([0.9, 0.95, 0.97]))  # faster each round, but by < 30 %
-    assert (key, verdict) == ("04.copy_stream", "within noise") and "every round was faster" in text
+    assert (key, verdict) == ("04.copy_stream", "within noise") and figures["every_round"] == "faster"
     assert copy_stream_speedup(run([0.5, 1.0, 2.0])).values == pytest.approx((2.0, 1.0, 0.5))
     timed = _timed_of([1.0, 1.0])  # the copy sits in device 1's compute stream: 0.5 of its 1.5 ms, hidden by nothing
     assert timed.copy_share.values == pytest.approx((1 / 3, 1 / 3)) and timed.overlap.values == (0.0, 0.0)
     assert figures["split_03"] == figures["split_04"] == 4
     # split 4 of a batch of 16: k = 4; (1 + 0.5 + 1) + 3 x 1.5 = 7 ms before, 2.5 + 3 x 1 = 5.5 ms after
-    assert "device 0 1.00 ms, copy 0.50 ms, device 1 1.00 ms" in text and "7.0 ms before and 5.5 ms after" in text
+    assert [r["value"] for r in copy_stream_rows(run([0.9, 0.95, 0.97]))] == ["1.00", "0.50", "1.00", "7.0", "5.5"]
 
 
 def test_split_size_explorer_reruns_the_split_the_slider_picks(devs, monkeypatch):
@@ -470,13 +471,15 @@ def test_half_counts_are_affine_in_the_images():
     from pipelab.experiments import model_parallel as ex
 
     pace = ex.ResNet50Pace("2xH100-nvlink", 120)
-    first, _ = ex.resnet50_halves("layer2")
+    from pipelab.emulate.resnet50 import resnet50_halves
+
+    first, _ = resnet50_halves("layer2")
     three = cost.count(first, torch.empty(3, 3, 128, 128))
     assert pace.half("seq1", 3).flops == pytest.approx(three.flops)
     assert pace.half("seq1", 3).bytes == pytest.approx(three.bytes)
     assert pace.counts["cut"] == (512, 16, 16)  # the tutorial's cut after layer2
     with pytest.raises(ValueError, match="layer2"):
-        ex.resnet50_halves("layer9")
+        resnet50_halves("layer9")
 
 
 def test_emulated_sweep_is_the_pipeline_formula_and_the_same_every_round(emulated):
@@ -484,13 +487,15 @@ def test_emulated_sweep_is_the_pipeline_formula_and_the_same_every_round(emulate
     sizes = [1, 2, 3, 4, 6, 12]
     run = split_sweep(cfg, sizes, ("split_by_split", "pipelined"))
     piped = run["pipelined"]
-    formula = ex.modelled_speedups(pace.node, "layer2", sizes, batch=12)
+    from pipelab.emulate.resnet50 import modelled_speedups
+
+    formula = modelled_speedups(pace.node, "layer2", sizes, batch=12)
     for s in sizes:
         assert piped.speedup[s].low == piped.speedup[s].high  # modelled time: no noise
         assert piped.speedup[s].median == pytest.approx(formula[s])
     assert run["split_by_split"].speedup[12].values == (1.0, 1.0)  # one split IS the baseline
     assert run.where.startswith("the emulated")
-    key, verdict, text, figures = ex.curve_verdict(run)
+    key, verdict, text, figures = lesson.curve_verdict(run)
     assert "emulated" in text and figures["best_split"] == piped.best_split
 
 
@@ -502,12 +507,13 @@ def test_emulated_naive_is_slower_by_the_copy_and_prints_the_figures_it_is_compu
     rows = run.rounds()
     assert len(rows) == 2 and float(rows[0]["one device / naive"]) == pytest.approx(run.speedup.median, abs=1e-3)
     key, verdict, text, figures = ex.naive_verdict(run)
-    assert verdict == "no faster" and "7%" in text and "PCIe 4" in text
+    rows = ex.naive_anchor_rows(run)
+    assert verdict == "no faster" and rows[0]["tutorial (training steps)"] == "7%" and "PCIe 4" in rows[2]["figure"]
 
 
 def test_emulated_pace_refuses_work_it_cannot_time(emulated):
     ex, pace, cfg = emulated
-    with pytest.raises(ValueError, match="emulate=None"):
+    with pytest.raises(ValueError, match="run on this machine's cores"):
         pace.seconds("F", torch.relu, (torch.ones(2),))
 
 
@@ -521,17 +527,17 @@ def test_emulated_checks_still_hold_against_the_one_device_model(emulated):
 def test_copy_stream_verdict_names_the_devices_and_never_blames_cpu_cores_when_emulated(emulated):
     ex, pace, cfg = emulated
     run = split_sweep(cfg, [3, 6], ("pipelined", "dual_stream"))
-    key, verdict, text, figures = ex.copy_stream_verdict(run)
+    key, verdict, text, figures = lesson.copy_stream_verdict(run)
     assert "emulated" in text and "CPU cores" not in text and verdict in ("faster", "slower", "within noise")
 
 
 def test_anchor_rows_and_verdict_put_the_tutorial_beside_the_run(emulated):
     ex, pace, cfg = emulated
     run = split_sweep(cfg, [1, 3, 12], ("split_by_split", "pipelined"))
-    rows = ex.anchor_rows(run)
-    assert rows[0]["published"] == "1.49x" and rows[1]["published"] == "1.54x"
-    key, verdict, text, figures = ex.anchor_verdict(run)
-    assert "+49%" in text and "+54%" in text and "T4" in text
+    rows = lesson.anchor_rows(run)
+    assert rows[0]["published"] == "1.49x" and rows[1]["published"] == "1.54x" and "T4" in rows[-1]["figure"]
+    key, verdict, text, figures = lesson.anchor_verdict(run)
+    assert "the tutorial's best of 12" in text
 
 
 def test_gpu_checks_turn_tf32_off_and_use_the_stated_tolerance(devs):

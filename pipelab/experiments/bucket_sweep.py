@@ -18,7 +18,8 @@ import torch
 
 from pipelab.checks import whole_number
 from pipelab.ddp import check_bucket_cap
-from pipelab.experiments.ddp import TORCH_NOT_EMULATED, Training, Verdict, emulate_work, overlaps, shard, train_step, wrap
+from pipelab.experiments.ddp import (OWN_CORES, TORCH_OWN_CORES, Training, Verdict, modelled, overlaps, shard, train_step,
+                                     wrap)
 from pipelab.measure import Measured, RankSteps, alternate, compare, compare_medians, gather_steps, ratios, time_steps
 from pipelab.timeline import Timeline
 from pipelab.worker import RankContext
@@ -43,15 +44,15 @@ class Config(Training):
         for cap in self.caps_mb:
             check_bucket_cap(cap)
         whole_number("rounds", self.rounds, example="rounds=2")
-        if self.emulate is not None and self.with_torch:
-            raise ValueError(TORCH_NOT_EMULATED + "; pass with_torch=False, and torch_on_own_cores(cfg, cap)")
+        if self.node is not None and self.with_torch:
+            raise ValueError(TORCH_OWN_CORES + "; pass with_torch=False, and torch_on_own_cores(cfg, cap)")
 
 
 def torch_on_own_cores(cfg: Config, cap_mb: float, rounds: int | None = None, steps: int | None = None) -> Config:
     """Ours and torch's DDP at one bucket size on this machine's own cores, in turn round after
     round (`rounds` rounds of `steps` steps, by default `cfg`'s)."""
-    return replace(cfg, caps_mb=[cap_mb], with_torch=True, emulate=None, emulated_width=None, emulated_batch=None,
-                   rounds=cfg.rounds if rounds is None else rounds, steps=cfg.steps if steps is None else steps)
+    return replace(cfg, caps_mb=[cap_mb], with_torch=True, **OWN_CORES, rounds=cfg.rounds if rounds is None else rounds,
+                   steps=cfg.steps if steps is None else steps)
 
 
 @dataclass
@@ -71,29 +72,29 @@ def worker(ctx: RankContext, cfg: Config) -> SweepResult:
     xs = shard(cfg.x, ctx.rank, ctx.world_size).to(ctx.device)
     ys = shard(cfg.y, ctx.rank, ctx.world_size).to(ctx.device)
     kinds = ["bucketed", "torch"] if cfg.with_torch else ["bucketed"]
-    emulate_work(ctx, cfg, cfg.model, xs.cpu())  # on an emulated node: each layer's modelled work
-    wrappers = {}
-    for cap in cfg.caps_mb:
-        for kind in kinds:
-            wrapped = wrap(kind, copy.deepcopy(cfg.model).to(ctx.device), cap, ctx.rec, device=ctx.device)
-            wrappers[cap, kind] = (wrapped, torch.optim.SGD(wrapped.parameters(), lr=cfg.lr))
-    measured = {key: RankSteps([], [], []) for key in wrappers}
+    with modelled(ctx, cfg):  # on a modelled node: each layer's work at the Config's size
+        wrappers = {}
+        for cap in cfg.caps_mb:
+            for kind in kinds:
+                wrapped = wrap(kind, copy.deepcopy(cfg.model).to(ctx.device), cap, ctx.rec, device=ctx.device)
+                wrappers[cap, kind] = (wrapped, torch.optim.SGD(wrapped.parameters(), lr=cfg.lr))
+        measured = {key: RankSteps([], [], []) for key in wrappers}
 
-    def run(key, count: int) -> RankSteps:
-        wrapped, optimizer = wrappers[key]
-        return time_steps(ctx, lambda i: train_step(ctx, wrapped, optimizer, xs, ys, cfg.loss_fn), count,
-                          prepare=lambda i: optimizer.zero_grad(set_to_none=True), warmup=0)
+        def run(key, count: int) -> RankSteps:
+            wrapped, optimizer = wrappers[key]
+            return time_steps(ctx, lambda i: train_step(ctx, wrapped, optimizer, xs, ys, cfg.loss_fn), count,
+                              prepare=lambda i: optimizer.zero_grad(set_to_none=True), warmup=0)
 
-    def one_round(key) -> float:
-        got = run(key, cfg.steps)
-        measured[key].results.extend(got.results)
-        measured[key].seconds.extend(got.seconds)
-        measured[key].timelines.extend(got.timelines)
-        return statistics.median(got.seconds)
+        def one_round(key) -> float:
+            got = run(key, cfg.steps)
+            measured[key].results.extend(got.results)
+            measured[key].seconds.extend(got.seconds)
+            measured[key].timelines.extend(got.timelines)
+            return statistics.median(got.seconds)
 
-    for key in wrappers:  # the warm-up step of each wrapper, not kept
-        run(key, 1)
-    per_round = alternate({key: partial(one_round, key) for key in wrappers}, cfg.rounds, warmup=0)
+        for key in wrappers:  # the warm-up step of each wrapper, not kept
+            run(key, 1)
+        per_round = alternate({key: partial(one_round, key) for key in wrappers}, cfg.rounds, warmup=0)
     return SweepResult(measured, per_round, {cap: len(wrappers[cap, "bucketed"][0].buckets) for cap in cfg.caps_mb})
 
 
@@ -108,7 +109,7 @@ class SweepPoint:
     timeline: Timeline = field(repr=False)  # ours, a typical step
     torch_step_time: Measured | None = None  # seconds, torch's DDP with the same bucket_cap_mb
     ratio: Measured | None = None  # ours / torch, round by round (each round runs both in turn)
-    emulate: str | None = None  # the emulated node it ran on (modelled time), or None: this machine
+    node: object = None  # the modelled node it ran on (a specs.Node), or None: this machine
 
 
 def gather(cfg: Config, results: Sequence[SweepResult]) -> list[SweepPoint]:
@@ -117,7 +118,7 @@ def gather(cfg: Config, results: Sequence[SweepResult]) -> list[SweepPoint]:
     for cap in cfg.caps_mb:
         ours = gather_steps([r.steps[cap, "bucketed"] for r in results])
         point = SweepPoint(cap, results[0].buckets[cap], Measured.of(ours.seconds), overlaps(ours.timelines),
-                           ours.typical, emulate=cfg.emulate)
+                           ours.typical, node=cfg.node)
         if cfg.with_torch:
             point.torch_step_time = Measured.of(gather_steps([r.steps[cap, "torch"] for r in results]).seconds)
             point.ratio = ratios(_slowest_per_round(results, (cap, "bucketed")),
@@ -135,38 +136,22 @@ def _slowest_per_round(results: Sequence[SweepResult], key) -> list[float]:
 # What the sweep says: each returns (key, verdict, text, figures) for `pipelab.conclude`
 # ---------------------------------------------------------------------------------------------
 
-SWEEP_ENDS = {"one bucket per parameter": "many small messages, each paying latency and a Python launch",
-              "one bucket for the model": "one message that can only leave after backward"}
+SWEEP_ENDS = ("one bucket per parameter", "one bucket for the model")
 
 
 def sweep_verdict(points: Sequence[SweepPoint]) -> Verdict:
-    """Whether both ends of the sweep lost to its fastest size: by more than a whole run's noise on
-    this machine, by more than 1 % in modelled time (which repeats exactly) on an emulated node."""
+    """Whether each end of the sweep lost to its fastest size: by more than a whole run's noise on
+    this machine, by more than 1 % in modelled time (which repeats exactly)."""
     best = min(points, key=lambda p: p.step_time.median)
-    ends = dict(zip(SWEEP_ENDS, (points[0], points[-1])))
-    emulated = points[0].emulate is not None
-    # "slower" only when the typical step is slower by more than a whole run's noise (30 %), or 1 % emulated
-    margin = {"margin": 0.01} if emulated else {}
-    slower = {name: compare_medians(p.step_time, best.step_time, **margin) == "higher" for name, p in ends.items()}
+    margin = {"margin": 0.01} if points[0].node is not None else {}  # modelled: no noise beyond rounding
+    slower = {name: compare_medians(p.step_time, best.step_time, **margin) == "higher"
+              for name, p in zip(SWEEP_ENDS, (points[0], points[-1]))}
     verdict = "; ".join(f"{name}: {'slower' if s else 'within noise'}" for name, s in slower.items())
-    sentences = []
-    for name, p in ends.items():
-        said = f"With {name} ({p.step_time.scaled(1e3):.1f} ms): "
-        if slower[name]:
-            every = "and in every step " if compare(p.step_time, best.step_time) == "higher" else ""
-            said += (f"slower, {p.step_time.median / best.step_time.median:.2f}x by the medians {every}"
-                     f"({SWEEP_ENDS[name]}).")
-        elif emulated:
-            said += (f"within 1 % of the fastest: "
-                     + ("at the emulated size every parameter is a large matrix, so even one bucket per parameter "
-                        "sends few messages, each far longer than the link's latency, and the smallest last bucket "
-                        "leaves the least communication after backward." if p is points[0] else
-                        "one bucket waits for the end of backward, but its all-reduce is short beside the step."))
-        else:
-            said += "within the noise of the fastest; on this machine the cost of that end does not show."
-        sentences.append(said)
-    text = (f"the fastest median step was bucket_cap_mb={best.bucket_cap_mb:g} ({best.num_buckets} buckets, "
-            f"{best.step_time.scaled(1e3):.1f} ms{', modelled' if emulated else ''}). " + " ".join(sentences))
+    losers = [name for name, s in slower.items() if s]
+    ends = ("both ends were slower" if len(losers) == 2 else f"only {losers[0]} was slower" if losers else
+            "neither end was slower" + (" by 1 %" if margin else " beyond the noise"))
+    text = (f"the fastest median step was bucket_cap_mb={best.bucket_cap_mb:g} ({best.num_buckets} buckets"
+            + (", modelled" if margin else "") + f"), and {ends}.")
     return "01.bucket_sweep", verdict, text, {
         "best_cap_mb": best.bucket_cap_mb, "best_ms": best.step_time.scaled(1e3),
         "smallest_ms": points[0].step_time.scaled(1e3), "largest_ms": points[-1].step_time.scaled(1e3)}
@@ -180,10 +165,9 @@ def torch_verdict(points: Sequence[SweepPoint], bucket_cap_mb: float) -> Verdict
     # a round can move that much by itself.
     verdict = {"higher": "ours slower", "lower": "ours faster", "within noise": "within noise"}[
         compare(ours.ratio, Measured.of([0.9, 1.1]))]
-    text = (f"at bucket_cap_mb={ours.bucket_cap_mb:g}, ours took {ours.step_time.scaled(1e3):.1f} ms a step, torch "
-            f"{ours.torch_step_time.scaled(1e3):.1f} ms; ours / torch = {ours.ratio:.2f} round by round: "
-            + {"ours slower": "ours was more than 10 % slower in every round.",
-               "ours faster": "ours was more than 10 % faster in every round.",
-               "within noise": "within 10 % in some round, so this run does not say which is faster."}[verdict])
+    text = (f"at bucket_cap_mb={ours.bucket_cap_mb:g}, ours took {ours.ratio.median:.2f}x torch's step time: "
+            + {"ours slower": "slower in every round, by more than a round moves by itself.",
+               "ours faster": "faster in every round, by more than a round moves by itself.",
+               "within noise": "the rounds disagree, so this run does not say which is faster."}[verdict])
     return "01.ours_vs_torch", verdict, text, {
         "ratio": ours.ratio, "ours_ms": ours.step_time.scaled(1e3), "torch_ms": ours.torch_step_time.scaled(1e3)}

@@ -1,21 +1,16 @@
 """Lesson 01 from a notebook: train a replica with each data-parallel variant on real processes,
-check it against one process, time it, and say what the measurements show.
+check it against one process, time it, and say what the figures show.
 
     cfg = ddp.Config(model=model, x=x, y=y, bucket_cap_mb=2.0)   # refuses bad input here
     runs = experiments.run(ddp.worker, cfg, ddp.gather)          # {"naive": DDPRun, ...}
     pipelab.conclude(*ddp.overlap_verdict(runs))
 
 The wrappers themselves (`NaiveDDP`, `BucketedDDP`) live in `pipelab.ddp`; here is the worker that
-trains with them (and with torch's `DistributedDataParallel`), its gather, and the verdicts on what
-it measured; the bucket-size sweep is `pipelab.experiments.bucket_sweep`. Check a run with
-`pipelab.reference.assert_same(run, reference)`.
-
-On an emulated node (`emulate=`, with `emulated_width` and `emulated_batch`) the ranks train the
-small model for real, but each layer's forward and backward last what the device model gives for
-the same layer `emulated_width / width` times wider on `emulated_batch` rows (counted on the meta
-device, `emulated_costs`), and each all-reduce what the link model gives for the emulated
-gradients' bytes. torch's DDP, whose all-reduces run in C++ beyond the emulator's reach, runs on
-this machine's own cores (`torch_on_own_cores`).
+trains with them (and with torch's `DistributedDataParallel`), its gather, and the verdicts; the
+bucket-size sweep is `pipelab.experiments.bucket_sweep`. On a modelled node the ranks train the
+small model for real while each layer lasts what it would wider, on more rows (the Config's
+sizes, counted by `work.layer_costs`); torch's DDP, whose all-reduces run in C++ out of the
+model's reach, runs on this machine's own cores (`torch_on_own_cores`).
 """
 
 from __future__ import annotations
@@ -24,19 +19,18 @@ import copy
 import statistics
 from contextlib import nullcontext
 from dataclasses import dataclass, field, replace
-from typing import Callable, Sequence
+from typing import Callable, ContextManager, Sequence
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
 from pipelab import experiments
-from pipelab.checks import divides, mean_loss, positive_number, same_batch, trainable, whole_number
+from pipelab.checks import divides, mean_loss, modelled_size, positive_number, same_batch, trainable, whole_number
 from pipelab.collectives import ring_all_reduce_time
 from pipelab.ddp import Bucket, BucketedDDP, DDPBase, NaiveDDP, check_bucket_cap
-from pipelab.ddp.base import _layer_name
-from pipelab.emulate.table import LayerCosts
 from pipelab.display import human_bytes
+from pipelab.emulate import cost, work
 from pipelab.measure import Measured, RankSteps, Steps, TimedSteps, compare, gather_steps, time_steps
 from pipelab.reference import perturb
 from pipelab.timeline import Recorder, Timeline
@@ -52,10 +46,9 @@ VARIANTS = ("naive", "bucketed", "torch")
 @dataclass(frozen=True, kw_only=True)
 class Training(experiments.Config):
     """What every data-parallel run here trains: `model` on the batch (`x`, `y`), split evenly
-    over `world_size` ranks, with a mean loss, `steps` SGD steps of `lr`. On an emulated node
-    (`emulate`), the compute and the messages are modelled for every Linear layer
-    `emulated_width / width` times wider (width: the batch's features) on `emulated_batch` rows in
-    all (split over the ranks like the batch)."""
+    over `world_size` ranks, with a mean loss, `steps` SGD steps of `lr`. On a modelled node every
+    Linear layer is timed as wide as the width field below says (a whole multiple of the batch's
+    features), on as many rows in all as the batch field says, split over the ranks like the batch."""
 
     model: nn.Module = field(repr=False)
     x: torch.Tensor = field(repr=False)
@@ -73,26 +66,17 @@ class Training(experiments.Config):
         divides("batch", same_batch(self.x, self.y), "world_size", self.world_size)  # else the average is not the batch's
         whole_number("steps", self.steps, example="steps=3")
         positive_number("lr", self.lr, example="lr=0.1")
-        for name in ("emulated_width", "emulated_batch"):
-            value = getattr(self, name)
-            if value is None:
-                continue
-            whole_number(name, value, example=f"{name}=4096")
-            if self.emulate is None:
-                raise ValueError(f"{name}={value} sizes the modelled work of an emulated node; name one "
-                                 f"(emulate='2xH100-nvlink') or leave {name}=None")
-        if self.emulated_width is not None and self.emulated_width % self.x.shape[-1]:
+        modelled_size(self, "emulated_width", "emulated_batch")
+        if self.width_scale * self.x.shape[-1] != (self.emulated_width or self.x.shape[-1]):
             raise ValueError(f"emulated_width={self.emulated_width} must be a whole multiple of the model's width "
-                             f"{self.x.shape[-1]} (every Linear layer is counted that many times wider); e.g. "
-                             f"emulated_width={8 * self.x.shape[-1]}")
-        if self.emulated_batch is not None:
-            divides("emulated_batch", self.emulated_batch, "world_size", self.world_size)
+                             f"{self.x.shape[-1]}: every Linear layer is counted that many times wider")
+        divides("emulated_batch", self.emulated_batch or self.world_size, "world_size", self.world_size)
 
     def __post_init__(self) -> None:
         super().__post_init__()
         # Counted once here, before any rank starts (each rank would pay counting's first-use cost).
-        costs = emulated_costs(self.model, self.x.chunk(self.world_size)[0], self.width_scale, self.rows)[0] \
-            if self.emulate is not None else None
+        costs = None if self.node is None else work.layer_costs(self.model, self.x.chunk(self.world_size)[0],
+                                                                 self.width_scale, self.rows)
         object.__setattr__(self, "layer_costs", costs)
 
     @property
@@ -102,18 +86,13 @@ class Training(experiments.Config):
 
     @property
     def width_scale(self) -> int:
-        """How many times wider every Linear layer is counted on an emulated node."""
+        """How many times wider every Linear layer is counted on a modelled node."""
         return (self.emulated_width or self.x.shape[-1]) // self.x.shape[-1]
 
     @property
     def bytes_scale(self) -> float:
-        """Gradient bytes at the emulated size per real byte (1.0 at the model's own size)."""
-        if self.width_scale == 1:
-            return 1.0
-        real = sum(p.numel() for p in self.model.parameters())
-        emulated = sum(p.numel() for m in self.model.modules() if list(m.parameters(recurse=False))
-                       for p in scaled_layer(m, self.width_scale).parameters())
-        return emulated / real
+        """Gradient bytes at the modelled size per real byte (1.0 at the model's own size)."""
+        return 1.0 if self.layer_costs is None else self.layer_costs.bytes_scale
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -130,52 +109,57 @@ class Config(Training):
         check_bucket_cap(self.bucket_cap_mb)
         if not self.variants or isinstance(self.variants, str) or any(v not in VARIANTS for v in self.variants):
             raise ValueError(f"variants must be some of {VARIANTS}, got {self.variants!r}; e.g. variants=['bucketed']")
-        if self.emulate is not None and "torch" in self.variants:
-            raise ValueError(TORCH_NOT_EMULATED + "; e.g. variants=['naive', 'bucketed'], and torch_on_own_cores(cfg)")
+        if self.node is not None and "torch" in self.variants:
+            raise ValueError(TORCH_OWN_CORES + "; e.g. variants=['naive', 'bucketed'], and torch_on_own_cores(cfg)")
 
 
-TORCH_NOT_EMULATED = ("torch's DistributedDataParallel runs its all-reduces in C++, out of the emulator's reach, "
-                      "so its time cannot be modelled: run it on this machine's own cores (emulate=None)")
+TORCH_OWN_CORES = ("torch's DistributedDataParallel runs its all-reduces in C++, out of the emulator's reach, "
+                   "so its time cannot be modelled: run it on this machine's own cores")
 
 
 def torch_on_own_cores(cfg: Config, steps: int | None = None) -> Config:
     """torch's DDP on this machine's own cores, with `cfg`'s model, batch and bucket size, for
     `steps` steps (default `cfg.steps`)."""
-    return replace(cfg, variants=("torch",), emulate=None, emulated_width=None, emulated_batch=None,
-                   steps=cfg.steps if steps is None else steps)
+    return replace(cfg, variants=("torch",), **OWN_CORES, steps=cfg.steps if steps is None else steps)
+
+
+OWN_CORES = dict(emulate=None, emulated_width=None, emulated_batch=None)  # nothing modelled
 
 
 def emulated_size(cfg: Training) -> str:
-    """The emulated size in words, for the lesson's first line."""
+    """The modelled size in words, for the lesson's first line."""
     grads = 4 * cfg.bytes_scale * sum(p.numel() for p in cfg.model.parameters())
-    return (f"every Linear layer {cfg.width_scale}x wider ({cfg.emulated_width} features), {cfg.emulated_batch} rows "
-            f"per step in float32, {human_bytes(grads)} of gradients per step")
+    return (f"every Linear layer {cfg.width_scale}x wider ({cfg.x.shape[-1] * cfg.width_scale} features), "
+            f"{cfg.rows * cfg.world_size} rows per step in float32, {human_bytes(grads)} of gradients per step")
 
 
-def run_flops(width: int, layers: int, batch: int, steps: int) -> float:
-    """FLOPs of `steps` training steps of the lesson's MLP (`layers` Linear layers of `width`) on
-    the whole batch of `batch` rows, all ranks together, forward and backward counted on the meta
-    device: what the `gpu` profile's budget is estimated from."""
-    from pipelab.emulate.cost import forward_backward_counts
+DEFAULTS = dict(width=512, layers=8, batch=128, steps=6, sweep_mb=[0.001, 1, 2, 4, 8], sweep_steps=3, sweep_rounds=3)
+
+
+def run_flops(params: dict) -> float:
+    """FLOPs of the lesson's run at the notebook parameters `params` (missing names take the
+    notebook's defaults), counted on the meta device: every forward and backward of the MLP on
+    the whole batch, all ranks together (three variants' steps, the sweep's, the exercise's three)."""
     from pipelab.models import mlp
 
+    p = {**DEFAULTS, **params}
     with torch.device("meta"):
-        model = mlp([width] * (layers + 1))
-    forward, grad_input, grad_weight = forward_backward_counts(model, torch.empty(batch, width, device="meta"))
-    return steps * (forward.flops + grad_input.flops + grad_weight.flops)
+        model = mlp([p["width"]] * (p["layers"] + 1))
+    forward, grad_input, grad_weight = cost.forward_backward_counts(model, torch.empty(p["batch"], p["width"], device="meta"))
+    passes = 3 * p["steps"] + 2 * len(p["sweep_mb"]) * (1 + p["sweep_rounds"] * p["sweep_steps"]) + 3
+    return passes * (forward.flops + grad_input.flops + grad_weight.flops)
 
 
-def link_figures(node: str | None, pingpong_cfg) -> tuple[float, float, str]:
-    """(latency s, bandwidth B/s, where from) of the link the buckets travel: the emulated link's
-    data-sheet figures, or, on this machine, lesson 00's ping-pong run now."""
-    if node is not None:
-        from pipelab.emulate.specs import parse_node
+def link_figures(cfg: Training, sizes: Sequence[int], rounds: int) -> tuple[float, float, str]:
+    """(latency s, bandwidth B/s, where from) of the link the buckets travel: the modelled link's
+    figures, or, on this machine, lesson 00's ping-pong over `sizes` run now."""
+    if cfg.node is not None:
+        link = cfg.node.link
+        return link.latency_s, link.bandwidth_Bps, f"the modelled {link.name}"
+    from pipelab.experiments import collectives
 
-        link = parse_node(node).link
-        return link.latency_s, link.bandwidth_Bps, f"the emulated {link.name}'s figures"
-    from pipelab.experiments import collectives as lesson00
-
-    pp = experiments.run(lesson00.ping_pong_worker, pingpong_cfg, lesson00.gather_ping_pong)
+    pp = experiments.run(collectives.ping_pong_worker, collectives.Config(
+        world_size=cfg.world_size, sizes_bytes=sizes, rounds=rounds), collectives.gather_ping_pong)
     return pp.latency.median, pp.bandwidth, "lesson 00's ping-pong on this machine, this run"
 
 
@@ -189,58 +173,11 @@ def shard(batch: torch.Tensor, rank: int, world_size: int) -> torch.Tensor:
     return batch.chunk(world_size)[rank]
 
 
-def scaled_layer(module: nn.Module, scale: int) -> nn.Module:
-    """`module` `scale` times wider, on the meta device (no memory): a Linear layer with `scale`
-    times its in and out features."""
-    if isinstance(module, nn.Linear):
-        return nn.Linear(module.in_features * scale, module.out_features * scale, bias=module.bias is not None,
-                         device="meta", dtype=module.weight.dtype)
-    raise ValueError(f"an emulated width scales Linear layers; {type(module).__name__} has parameters too: "
-                     "leave emulated_width=None to count the model at its own width")
-
-
-def emulated_costs(model: nn.Module, x: torch.Tensor, scale: int, rows: int) -> tuple[LayerCosts, float]:
-    """Each layer's (module owning parameters) forward and backward at the emulated size, counted
-    on the meta device: the layer `scale` times wider (`scaled_layer`) on `rows` rows of its input.
-    Returns the costs and how many bytes of gradient the emulated model has per real byte.
-
-    A layer fed the batch itself computes no input gradient in backward (the batch needs none), so
-    its backward is its weights' gradients only. The element-wise activations between the layers
-    are left out: at these widths their forward and backward move a few per cent of a layer's bytes."""
-    from pipelab.emulate.cost import Counts, forward_backward_counts
-
-    inputs, owners = {}, sorted({_layer_name(n) for n, p in model.named_parameters() if p.requires_grad})
-    hooks = [model.get_submodule(name).register_forward_pre_hook(lambda m, args, name=name: inputs.setdefault(name, args[0]))
-             for name in owners if name != "(root)"]
-    with torch.no_grad():
-        model(x)
-    for h in hooks:
-        h.remove()
-    forward, backward, real, emulated = {}, {}, 0, 0
-    for name, seen in inputs.items():
-        layer = scaled_layer(model.get_submodule(name), scale)
-        example = torch.empty(rows, *seen.shape[1:-1], seen.shape[-1] * scale, device="meta", dtype=seen.dtype)
-        f, i, w = forward_backward_counts(layer, example)
-        forward[name], backward[name] = f, w if seen is x else i + w
-        real += sum(p.numel() for p in model.get_submodule(name).parameters())
-        emulated += sum(p.numel() for p in layer.parameters())
-    scale_bytes = emulated / real
-    params = sum(p.numel() for p in model.parameters()) * x.element_size() * scale_bytes
-    costs = LayerCosts(forward, backward, Counts(2.0 * params / x.element_size(), 3.0 * params,
-                                                 len(list(model.parameters()))), scale_bytes)
-    return costs, scale_bytes
-
-
-def emulate_work(ctx: RankContext, cfg: Training, model: nn.Module, xs: torch.Tensor) -> LayerCosts | None:
-    """On an emulated node, time the rank's work by the costs of `model`'s layers at the emulated
-    size, and every message at the emulated gradients' size; returns those costs. Elsewhere None
-    (the work itself takes the time)."""
-    if ctx.emulator is None:
-        return None
-    costs = cfg.layer_costs if model is cfg.model else emulated_costs(model, xs, cfg.width_scale, cfg.rows)[0]
-    ctx.emulator.use(costs.table())
-    ctx.emulator.scale_messages(costs.bytes_scale, 1.0)
-    return costs
+def modelled(ctx: RankContext, cfg: Training) -> ContextManager:
+    """On a modelled node, the work inside timed by `cfg.model`'s layers at the Config's size (and
+    every message at its gradients' size); elsewhere nothing changes."""
+    costs = cfg.layer_costs
+    return work.timed_as(ctx, costs and costs.table(), costs.bytes_scale if costs else 1.0)
 
 
 def wrap(variant: str, module: nn.Module, bucket_cap_mb: float = 25.0, recorder: Recorder | None = None,
@@ -307,31 +244,31 @@ def worker(ctx: RankContext, cfg: Config) -> list[Result]:
     the reference (gradients, weights after the SGD step) and warms up; the others are timed."""
     xs = shard(cfg.x, ctx.rank, ctx.world_size).to(ctx.device)
     ys = shard(cfg.y, ctx.rank, ctx.world_size).to(ctx.device)
-    emulate_work(ctx, cfg, cfg.model, xs.cpu())  # on an emulated node: each layer's modelled work
     results = []
-    for variant in cfg.variants:
-        replica = copy.deepcopy(cfg.model).to(ctx.device)
-        if ctx.rank != 0:
-            perturb(replica, seed=ctx.rank)
-        wrapped = wrap(variant, replica, cfg.bucket_cap_mb, ctx.rec, cfg.find_unused_parameters, ctx.device)
-        optimizer = torch.optim.SGD(wrapped.parameters(), lr=cfg.lr)
-        result = Result(variant, RankSteps([], [], []))
+    with modelled(ctx, cfg):  # on a modelled node: each layer's work at the Config's size
+        for variant in cfg.variants:
+            replica = copy.deepcopy(cfg.model).to(ctx.device)
+            if ctx.rank != 0:
+                perturb(replica, seed=ctx.rank)
+            wrapped = wrap(variant, replica, cfg.bucket_cap_mb, ctx.rec, cfg.find_unused_parameters, ctx.device)
+            optimizer = torch.optim.SGD(wrapped.parameters(), lr=cfg.lr)
+            result = Result(variant, RankSteps([], [], []))
 
-        def step(i: int) -> float:
-            loss = train_step(ctx, wrapped, optimizer, xs, ys, cfg.loss_fn)
-            if i == 0:  # the checked step
-                result.spread = replica_spread(replica.parameters())
-                if ctx.rank == 0:
-                    result.grads = {n: None if p.grad is None else p.grad.detach().cpu().clone()
-                                    for n, p in replica.named_parameters()}
-                    result.weights = {n: p.detach().cpu().clone() for n, p in replica.named_parameters()}
-            return loss
+            def step(i: int) -> float:
+                loss = train_step(ctx, wrapped, optimizer, xs, ys, cfg.loss_fn)
+                if i == 0:  # the checked step
+                    result.spread = replica_spread(replica.parameters())
+                    if ctx.rank == 0:
+                        result.grads = {n: None if p.grad is None else p.grad.detach().cpu().clone()
+                                        for n, p in replica.named_parameters()}
+                        result.weights = {n: p.detach().cpu().clone() for n, p in replica.named_parameters()}
+                return loss
 
-        result.steps = time_steps(ctx, step, cfg.steps, prepare=lambda i: optimizer.zero_grad(set_to_none=True))
-        result.buckets = wrapped.buckets if isinstance(wrapped, BucketedDDP) else None
-        if isinstance(wrapped, DDPBase):
-            wrapped.remove_hooks()
-        results.append(result)
+            result.steps = time_steps(ctx, step, cfg.steps, prepare=lambda i: optimizer.zero_grad(set_to_none=True))
+            result.buckets = wrapped.buckets if isinstance(wrapped, BucketedDDP) else None
+            if isinstance(wrapped, DDPBase):
+                wrapped.remove_hooks()
+            results.append(result)
     return results
 
 
@@ -356,7 +293,7 @@ class DDPRun(TimedSteps):
     replica_spread: float  # largest weight difference between ranks after that step
     steps: Steps | None = field(default=None, repr=False)  # the timed steps, all ranks
     buckets: list[Bucket] | None = None  # BucketedDDP's plan
-    emulate: str | None = None  # the emulated node it ran on (modelled time), or None: this machine
+    node: object = None  # the modelled node it ran on (a specs.Node), or None: this machine
 
     @property
     def name(self) -> str:
@@ -385,7 +322,7 @@ def gather(cfg: Config, results: Sequence[list[Result]]) -> dict[str, DDPRun]:
         ranks = [next(r for r in per_rank if r.variant == variant) for per_rank in results]
         loss = statistics.mean(r.steps.results[0] for r in ranks)
         runs[variant] = DDPRun(variant, [loss], ranks[0].grads, ranks[0].weights, max(r.spread for r in ranks),
-                               gather_steps([r.steps for r in ranks]), ranks[0].buckets, cfg.emulate)
+                               gather_steps([r.steps for r in ranks]), ranks[0].buckets, cfg.node)
     return runs
 
 
@@ -403,19 +340,16 @@ def overlap_estimate(buckets: Sequence[Bucket]) -> float:
 
 
 def overlap_verdict(runs: dict[str, DDPRun]) -> Verdict:
-    """How much of BucketedDDP's all-reduce time was hidden, against naive's and the plan's estimate."""
+    """How much of BucketedDDP's all-reduce time was hidden, against the plan's estimate."""
     bucketed, buckets = runs["bucketed"].overlap, runs["bucketed"].buckets
     estimate, naive = overlap_estimate(buckets), runs["naive"].overlap
     verdict = compare(bucketed, Measured.of([0.0]))
     against = {"lower": "below", "higher": "above", "within noise": "on both sides of"}[
         compare(bucketed, Measured.of([estimate]))]
-    text = (f"BucketedDDP hid {format(bucketed.scaled(100), '.0f')} % of its all-reduce time behind compute, naive "
-            f"{naive.median:.0%}: "
-            + {"higher": "in every step, the reversed buckets travelled while backward went on. ",
-               "within noise": "in some steps nothing was hidden at all. ",
-               "lower": "impossible: an overlap cannot be negative. "}[verdict]
-            + f"The plan's estimate is {estimate:.0%} (all but the last bucket, {human_bytes(buckets[-1].nbytes)} of "
-            f"{human_bytes(sum(b.nbytes for b in buckets))}); the steps were {against} it.")
+    text = (f"BucketedDDP hid {bucketed.median:.0%} of its all-reduce time behind compute"
+            + {"higher": " in every step", "within noise": ", nothing in some steps",
+               "lower": ", impossibly"}[verdict]
+            + f"; the steps were {against} the plan's estimate of {estimate:.0%}.")
     return ("01.overlap_of_reversed_buckets", verdict, text,
             {"bucketed_overlap": bucketed, "naive_overlap": naive, "estimate": estimate})
 
@@ -423,35 +357,24 @@ def overlap_verdict(runs: dict[str, DDPRun]) -> Verdict:
 def bucket_predictions(run: DDPRun, world_size: int, latency: float, bandwidth: float,
                        bytes_scale: float = 1.0) -> list[float]:
     """Each bucket's all-reduce time, in seconds, as lesson 00's ring model predicts it, for the
-    bucket's bytes times `bytes_scale` (an emulated node's size over the real one)."""
+    bucket's bytes times `bytes_scale` (the modelled size over the real one)."""
     return [ring_all_reduce_time(b.nbytes * bytes_scale, world_size, bandwidth, latency) for b in run.buckets]
 
 
 def bucket_model_verdict(run: DDPRun, predicted: Sequence[float], latency: float, bandwidth: float,
                          tolerance: float = 0.05) -> Verdict:
-    """The buckets' measured all-reduces against the ring model's predictions: "fits" when every
-    bucket's median lies within `tolerance` of its prediction."""
+    """The buckets' all-reduces against the ring model's predictions: "fits" when every bucket's
+    median lies within `tolerance` of its prediction, "mixed" when some lie above."""
     ratio = Measured.of(m.median / p for m, p in zip(run.bucket_all_reduce_times(), predicted))  # one per bucket
     verdict = {"higher": "slower than the model", "lower": "faster than the model", "within noise": "mixed"}[
         compare(ratio, Measured.of([1.0 - tolerance, 1.0 + tolerance]))]
     if verdict == "mixed" and ratio.low >= 1 - tolerance and ratio.high <= 1 + tolerance:
         verdict = "fits"
-    late = sum(r > 1 + tolerance for r in ratio.values)
-    text = (f"the buckets' all-reduces took {ratio:.2f} times the model's prediction (median over buckets, min-max). "
-            + {"slower than the model": "Every bucket's median was slower than predicted: the boxes include waiting "
-                                        "for the other rank and for earlier buckets"
-                                        + (". " if run.emulate else ", and on this machine an all-reduce shares the "
-                                           "cores with backward (lesson 00 explains why the model is a lower bound on "
-                                           "a CPU machine)."),
-               "faster than the model": "Every bucket's median was faster than predicted: the ping-pong "
-                                        "underestimated the bandwidth.",
-               "fits": f"Every bucket's all-reduce lasted what the ring formula gives, within {tolerance:.0%}: none "
-                       "waited behind an earlier bucket, each left after the one before had arrived.",
-               "mixed": f"{late} of {len(ratio.values)} buckets came out more than {tolerance:.0%} above the "
-                        "prediction: they were launched while an earlier bucket was still travelling and waited "
-                        "behind it (buckets of one group run one after another); the others lasted what the "
-                        "formula gives." if run.emulate else
-                        "Some buckets' medians came out above the prediction, some below."}[verdict])
+    text = (f"the buckets' all-reduces took {ratio.median:.2f}x the ring model's prediction (median over buckets): "
+            + {"slower than the model": "every bucket waited for the other rank or an earlier bucket.",
+               "faster than the model": "every bucket beat it, so the ping-pong underestimated the bandwidth.",
+               "fits": "each lasted what the formula gives, none waiting behind an earlier bucket.",
+               "mixed": "some were launched while an earlier bucket still travelled, and waited behind it."}[verdict])
     return "01.bucket_model", verdict, text, {"ratio": ratio, "latency_s": latency, "bandwidth_Bps": bandwidth}
 
 
@@ -470,11 +393,7 @@ def registration_verdict(timeline: Timeline, right_order: Measured) -> Verdict:
     parts, total = overlap_parts(timeline), timeline.overlap("compute", "comm")
     verdict = "none behind backward" if parts["backward"] == 0.0 else "some behind backward"
     text = (f"with the layers registered last-first, {total:.0%} of the all-reduce time overlapped compute "
-            f"(in the right order {right_order.median:.0%}): {parts['backward']:.0%} behind backward, "
-            f"{parts['other']:.0%} behind the copying of arrived buckets' averages into .grad while later buckets "
-            "still travelled. "
-            + ("No bucket left before backward ended: bucket 0 held the first layer, whose gradient comes last, and "
-               "buckets leave in plan order." if parts["backward"] == 0.0 else
-               "Some bucket left while backward still ran: a layer's gradient arrived before the first layer's "
-               "on this run, so the plan's first bucket filled early."))
+            f"(in the right order {right_order.median:.0%}), "
+            + ("none of it behind backward: no bucket left before backward ended." if parts["backward"] == 0.0 else
+               "some of it behind backward: a bucket filled early on this run."))
     return "01.registration_order", verdict, text, {"overlap": total, **parts}

@@ -6,6 +6,7 @@ from __future__ import annotations
 import matplotlib.pyplot as plt
 import numpy as np
 from matplotlib.patches import Rectangle
+from matplotlib.ticker import FuncFormatter, NullFormatter
 
 from pipelab.collectives import AllReduceTime, MessageTime, ring_all_reduce_time, ring_schedule
 from pipelab.plots import sweep
@@ -25,16 +26,25 @@ def plot_ping_pong(rows: list[MessageTime], latency: float, bandwidth: float, ax
           "message size (bytes, log scale)", "one-way time (µs, log scale)", "Time of one message",
           ax=left, logx=True, logy=True)
     left.plot(smooth, model * 1e6, "--", color="black",
-              label=f"model: {latency * 1e6:.0f} µs + bytes / {bandwidth / 1e6:.0f} MB/s")
+              label=f"model: {latency * 1e6:.2f} µs + bytes / {bandwidth / 1e9:.3g} GB/s")
     sweep(sizes, {f"{'modelled' if modelled else 'measured'}: bytes / one-way time": [r.bandwidth.scaled(1e-6) for r in rows]},
           "message size (bytes, log scale)", "bandwidth (MB/s, log scale)", "Bandwidth of one message",
           ax=right, logx=True, logy=True)
     right.plot(smooth, smooth / model / 1e6, "--", color="black", label="model")
-    right.axhline(bandwidth / 1e6, color="grey", linewidth=0.8, label=f"fitted bandwidth {bandwidth / 1e6:.0f} MB/s")
+    right.axhline(bandwidth / 1e6, color="grey", linewidth=0.8, label=f"fitted bandwidth {bandwidth / 1e9:.3g} GB/s")
     for ax in axes:
         ax.grid(alpha=0.3, which="both")
         ax.legend(fontsize="small")
+        plain_log_ticks(ax)
     return axes
+
+
+def plain_log_ticks(ax) -> None:
+    """A log y axis labelled in plain numbers ("4", "20", not "4×10⁰"): within a decade or so the
+    minor ticks carry the labels, over wider ranges only the decades do."""
+    ax.yaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:g}"))
+    low, high = ax.get_ylim()
+    ax.yaxis.set_minor_formatter(FuncFormatter(lambda v, _: f"{v:g}") if high / low < 20 else NullFormatter())
 
 
 def ring_states(world_size: int) -> list[tuple[str, list[list[set]], list[int] | None]]:
@@ -107,4 +117,5 @@ def plot_all_reduce(rows: list[AllReduceTime], world_size: int, latency: float, 
             label="predicted: ring cost model with the ping-pong's latency and bandwidth")
     ax.grid(alpha=0.3, which="both")
     ax.legend(fontsize="small")
+    plain_log_ticks(ax)
     return ax

@@ -11,6 +11,7 @@ from matplotlib.patches import FancyArrowPatch, Patch, Rectangle
 
 from pipelab.display import human_bytes
 from pipelab.plots import gantt, kind_color, sweep
+from pipelab.plots.collectives import plain_log_ticks
 
 if TYPE_CHECKING:
     from pipelab.experiments.bucket_sweep import SweepPoint
@@ -83,7 +84,8 @@ def plot_timelines(runs: dict[str, DDPRun], variants: Sequence[str] = ("naive", 
     longest = max(runs[v].timeline.makespan for v in variants) * 1e3
     for ax, v in zip(axes, variants):
         run = runs[v]
-        title = (f"{v}: a typical step, {run.timeline.makespan * 1e3:.1f} ms\n"
+        clock = ", modelled" if getattr(run, "node", None) else ""
+        title = (f"{v}: a typical step, {run.timeline.makespan * 1e3:.1f} ms{clock}\n"
                  f"median over steps: {run.overlap.median:.0%} of all-reduce time hidden behind compute")
         gantt(run.timeline, ax=ax, title=title, legend=ax is axes[-1])
         ax.set_xlim(0, longest * 1.02)
@@ -99,9 +101,13 @@ def plot_sweep(points: list[SweepPoint], axes=None):
     times = {"BucketedDDP (ours)": [p.step_time.scaled(1e3) for p in points]}
     if all(p.torch_step_time is not None for p in points):
         times["torch DistributedDataParallel"] = [p.torch_step_time.scaled(1e3) for p in points]
-    sweep(caps, times, "bucket_cap_mb (MiB, log scale)", "step time (ms; median, min-max)",
-          "Step time against bucket size", ax=axes[0], logx=True, mark_best="BucketedDDP (ours)")
-    sweep(caps, {"BucketedDDP (ours)": [p.overlap.scaled(100) for p in points]}, "bucket_cap_mb (MiB, log scale)",
+    modelled = getattr(points[0], "node", None) is not None
+    sweep(caps, times, "bucket_cap_mb (MiB of the small model's gradients, log scale)",
+          "step time (ms, modelled)" if modelled else "step time (ms; median, min-max)",
+          "Step time against bucket size" + (" on the emulated node" if modelled else ""), ax=axes[0], logx=True,
+          mark_best="BucketedDDP (ours)")
+    sweep(caps, {"BucketedDDP (ours)": [p.overlap.scaled(100) for p in points]},
+          "bucket_cap_mb (MiB of the small model's gradients, log scale)",
           "all-reduce time hidden behind compute (%)", "Overlap against bucket size", ax=axes[1], logx=True)
     axes[1].set_ylim(0, 100)
     for ax in axes:
@@ -116,7 +122,7 @@ def plot_bucket_times(buckets, predicted: Sequence[float], measured: Sequence, a
                       modelled: bool = False):
     """Each bucket's all-reduce: the ring cost model's time beside the launch-to-arrival spans
     (median, min-max over steps and ranks), log scale. On an emulated node (`modelled`) the spans
-    are modelled and each bucket is labelled with its size there (`bytes_scale` times the real)."""
+    are modelled and each bucket is labelled with both sizes: modelled (`bytes_scale` times) and real."""
     if ax is None:
         _, ax = plt.subplots(figsize=(max(6.0, 1.6 * len(buckets) + 2), 4.2))
     x = np.arange(len(buckets))
@@ -128,11 +134,14 @@ def plot_bucket_times(buckets, predicted: Sequence[float], measured: Sequence, a
            yerr=[mid - low, high - mid], capsize=3, label="modelled on the emulated node: launch to arrival" if modelled
            else "measured: launch to arrival (median, min-max)")
     ax.set_xticks(x)
-    ax.set_xticklabels([f"bucket {b.index}\n{human_bytes(b.nbytes * bytes_scale)}" for b in buckets])
+    sizes = [human_bytes(b.nbytes * bytes_scale) + (f" modelled\n({human_bytes(b.nbytes)} real)" if bytes_scale != 1
+                                                     else "") for b in buckets]
+    ax.set_xticklabels([f"bucket {b.index}\n{size}" for b, size in zip(buckets, sizes)], fontsize="small")
     ax.set_yscale("log")
     ax.set_ylim(bottom=min(predicted) * 1e3 / 2, top=max(high.max(), max(predicted) * 1e3) * 4)
     ax.set_ylabel("all-reduce time (ms, log scale)")
     ax.set_title("Each bucket's all-reduce: predicted and " + ("modelled" if modelled else "measured"))
     ax.grid(axis="y", alpha=0.3, which="both")
     ax.legend(fontsize="small", loc="upper center")
+    plain_log_ticks(ax)
     return ax

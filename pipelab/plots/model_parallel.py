@@ -47,7 +47,7 @@ def speedup_curve(curves: dict, ax=None, this_run: tuple | None = None, batch: i
     {split size: Measured}), or the curve of one variant of a split sweep (a `SplitSweep`).
     `this_run` (split size, speedup) marks one more measurement. With `batch`, the bound 2k/(k+1)
     of k = batch / split size splits on 2 devices is drawn dashed, and one device's 1x as a grey line."""
-    if hasattr(curves, "speedup"):  # one variant of experiments.model_parallel.split_sweep
+    if hasattr(curves, "speedup"):  # one variant of experiments.split_pipelining.split_sweep
         curves = {curves.variant: curves.speedup}
     ax = measured_curves(curves, ax, ylabel="speedup over one device (x)", title="speedup against split size")
     if batch is not None:
