@@ -349,11 +349,11 @@ def test_bad_grid_input_is_refused(no_spawn):
 def test_the_groups_verdict_reads_the_topology(capsys):
     from pipelab.pipeline.topology import ProcessTopology
 
-    assert grid_experiment.groups_verdict(check_grid(2, 2)) == "as predicted"
-    assert grid_experiment.groups_verdict(check_grid(4, 1)) == "as predicted"
+    assert grid_experiment.groups_verdict(check_grid(2, 2))[1] == "as predicted"
+    assert grid_experiment.groups_verdict(check_grid(4, 1))[1] == "as predicted"
     # pipe fastest: the numbering no longer gives the groups the lesson predicts
-    assert grid_experiment.groups_verdict(ProcessTopology(["data", "pipe"], [2, 2])) == "not as predicted"
-    assert "are not the ones the numbering predicts" in capsys.readouterr().out
+    key, verdict, text, _ = grid_experiment.groups_verdict(ProcessTopology(["data", "pipe"], [2, 2]))
+    assert verdict == "not as predicted" and "not as predicted" in text
 
 
 def test_predicted_step_of_a_layout():
@@ -462,16 +462,17 @@ def test_an_emulated_grid_computes_what_one_process_does_and_lasts_what_the_mode
 def test_the_emulated_grid_s_verdicts_are_computed_from_the_models(emulated_runs, capsys):
     runs, cfg = emulated_runs
     prediction = grid_experiment.predict(cfg)
-    verdicts = grid_experiment.layout_verdicts(runs, prediction)
     grid = runs[1]
     for other, key in ((runs[0], "05.grid_vs_one_pipeline"), (runs[2], "05.grid_vs_data_parallel")):
         ratio = grid.step_time.median / other.step_time.median
-        assert verdicts[key] == ("lower" if ratio < 1 else "higher" if ratio > 1 else "within noise")
-    assert grid_experiment.overlap_verdict(grid) in ("as simulated", "lower", "higher")
-    out = capsys.readouterr().out
-    assert "logical" in out and "on the emulated node (4xH100-nvlink)" in out
+        got = grid_experiment.grid_vs(runs, other)
+        assert got[:2] == (key, "lower" if ratio < 1 else "higher" if ratio > 1 else "within noise")
+        assert "modelled on the emulated node" in got[2]
+    key, verdict, text, _ = grid_experiment.overlap_verdict(grid)
+    assert verdict in ("as simulated", "lower", "higher") and "modelled on the emulated node" in text
+    assert grid_experiment.layouts_vs_prediction(runs, prediction)[1] in ("slower than predicted", "not all slower")
     outlook = grid_experiment.gpu_outlook(runs, prediction)
-    assert f"Measured, with every message and all-reduce: {grid_experiment.order(runs)[0]} first" in outlook
+    assert f"{grid_experiment.order(runs)[0]} came first, modelled" in outlook
     rows = grid_experiment.layouts_table(cfg, runs, prediction)
     assert rows[0]["all-reduce per process"] == "0 B" and rows[2]["all-reduce per process"] != "0 B"
 
@@ -480,11 +481,11 @@ def test_the_contrast_with_this_machine_s_cores_names_both_orders(emulated_runs,
     runs, _ = emulated_runs
     slower = [replace(r, emulate=None, steps=Steps([s * f for s in r.steps.seconds], r.steps.timelines))
               for r, f in zip(runs, (1.0, 5.0, 2.0))]  # the grid slowest, as time-slicing can make it
-    verdict = grid_experiment.cores_contrast(slower, runs, cores=2)
-    assert verdict == "cores shared"  # 4 processes on 2 cores
-    out = capsys.readouterr().out
-    assert " < ".join(grid_experiment.order(slower)) in out and " < ".join(grid_experiment.order(runs)) in out
-    assert grid_experiment.cores_contrast(slower, runs, cores=4) in ("same order", "different order")
+    assert grid_experiment.cores_contrast(slower, runs, cores=2)[1] == "cores shared"  # 4 processes on 2 cores
+    assert grid_experiment.order(slower) != grid_experiment.order(runs)
+    assert grid_experiment.cores_contrast(slower, runs, cores=4)[1] == "different order"
+    rows = grid_experiment.cores_rows(slower, runs)
+    assert [r["layout"] for r in rows] == [r.name for r in runs]
 
 
 def test_lesson_05_s_gpu_profile_counts_its_flops():
@@ -498,12 +499,16 @@ def test_lesson_05_s_gpu_profile_counts_its_flops():
     linear = 6 * rows * w * w
     layers = sum(isinstance(m, nn.Linear) for m in SplitMLP(w, 2, w).modules())
     want = layers * linear * (3 * 2 * 2 + 3) + 4 * linear * (2 * 3 * (2 * 1 + 1) + 3)
-    assert grid_experiment.run_flops(w, 2, rows, 3, w, 4, rows, 1, 2) == pytest.approx(want)
+    assert grid_experiment.run_flops(dict(width=w, layers_per_half=2, batch=rows, steps=3, grid_width=w, grid_layers=4,
+                                          grid_batch=rows, grid_steps=1, rounds=2)) == pytest.approx(want)
     path = os.path.join(os.path.dirname(__file__), "..", "notebooks", "05_ddp_model_parallel_hybrid.ipynb")
     meta = json.load(open(path))["metadata"]["pipelab"]
     gpu = meta["profiles"]["gpu"]
-    counted = grid_experiment.run_flops(gpu["width"], gpu["layers_per_half"], gpu["batch"], gpu["steps"],
-                                        gpu["grid_width"], 8, gpu["grid_batch"], gpu["grid_steps"], gpu["rounds"])
+    cell = [c for c in json.load(open(path))["cells"] if "parameters" in c["metadata"].get("tags", [])][0]
+    defaults: dict = {}
+    exec("".join(cell["source"]), {}, defaults)
+    assert {k: defaults[k] for k in grid_experiment.DEFAULTS} == grid_experiment.DEFAULTS
+    counted = grid_experiment.run_flops(gpu)
     assert meta["needs"]["gpu"]["flops"] == pytest.approx(counted, rel=1e-3)
     assert gpu["emulate"] is None  # GPU sizes never run emulated on CPU
 

@@ -27,7 +27,7 @@ from pipelab import experiments
 from pipelab.build import materialize
 from pipelab.checks import divides, mean_loss, same_batch, whole_number
 from pipelab.measure import Measured, RankSteps, Steps, TimedSteps, gather_steps, time_steps, timed_slice
-from pipelab.emulate.stages import EmulatedStage, emulated_stages
+from pipelab.emulate.pipe import EmulatedPipe
 from pipelab.models import mlp
 from pipelab.pipeline.p2p import TensorSpec, message_specs, trace
 from pipelab.pipeline.partition import split_model
@@ -35,7 +35,7 @@ from pipelab.pipeline.runtime import run_step
 from pipelab.pipeline.schedules import Schedule, make_schedule
 from pipelab.pipeline.simulate import Costs, simulate
 from pipelab.pipeline.torch_pipelining import check_torch, torch_step
-from pipelab.timeline import Timeline
+from pipelab.timeline import Timeline, complement, intersection, merged
 from pipelab.worker import RankContext
 
 ENGINES = ("pipelab", "torch")  # whose runtime runs the schedules
@@ -122,38 +122,24 @@ class Config(experiments.Config):
         self.emulated  # counts every stage now: a stage that cannot run on meta fails here
 
     @cached_property
-    def emulated(self) -> dict[int, EmulatedStage] | None:
-        """Each stage at the emulated size (None off an emulated node): its modelled seconds and
-        memory on the emulated node's device, counted on the meta device."""
+    def emulated(self) -> EmulatedPipe | None:
+        """The stages at the emulated size, counted once on the meta device (None off an emulated node)."""
         if self.emulate is None:
             return None
-        return emulated_stages(self.emulated_stages, self.emulated_x, self.loss_fn, self.node,
-                               self.emulated_dtype, self.optimizer)
+        return EmulatedPipe.of(self.emulated_stages, self.emulated_x, self.loss_fn, self.node, self.emulated_dtype,
+                               self.optimizer)
 
     def memory_estimate(self, stage: int, microbatches_in_flight: int, checkpoint: bool = False):
-        """What `stage` would hold at its peak on the emulated node's device (`emulate.memory`),
-        with `microbatches_in_flight` micro-batches' activations stashed (GPipe: m)."""
-        from pipelab.emulate.memory import stage_memory
-        from pipelab.emulate.specs import torch_dtype
-
+        """What `stage` would hold at its peak on the emulated device with that many stashes."""
         if self.emulated is None:
             raise ValueError("memory_estimate needs an emulated node: pass emulate='2xH100-nvlink' and emulated_stages")
-        e = self.emulated[stage]
-        return stage_memory(e.module, e.example, self.node.device, stage=stage,
-                            optimizer=self.optimizer, microbatches_in_flight=microbatches_in_flight,
-                            checkpoint=checkpoint, dtype=torch_dtype(self.emulated_dtype))
+        return self.emulated.memory(stage, microbatches_in_flight, checkpoint)
 
     def simulated_costs(self, messages: bool = False) -> Costs:
-        """The emulated node's cost model as the simulator's `Costs` (ms): each stage's modelled F,
-        I and W, and with `messages` one activation's link time as the transfer (else free)."""
+        """The simulator's `Costs` (ms) at the emulated size; with `messages`, each message's link time."""
         if self.emulated is None:
             raise ValueError("simulated_costs needs an emulated node: pass emulate='2xH100-nvlink' and emulated_stages")
-        from pipelab.emulate.cost import message_seconds
-
-        per_stage = {s: (1e3 * e.seconds["F"], 1e3 * e.seconds["I"], 1e3 * e.seconds["W"])
-                     for s, e in self.emulated.items()}
-        transfer = 1e3 * message_seconds(self.emulated[0].output_bytes, self.node.link)
-        return Costs(transfer=transfer if messages else 0.0, per_stage=per_stage)
+        return Costs(transfer=self.emulated.message_ms() if messages else 0.0, per_stage=self.emulated.stage_ms())
 
     @cached_property
     def jobs(self) -> list[Job]:
@@ -278,21 +264,11 @@ def pipelab_job(ctx: RankContext, cfg: Config, job: Job) -> Result:
 
 
 def emulate_job(ctx: RankContext, cfg: Config, job: Job, modules: dict[int, nn.Module]) -> bool:
-    """On an emulated node, time this rank's stages by their cost table at the emulated size, its
-    memory meter starting with its stages' parameters, gradients and optimizer state, and each
-    message at the emulated size. False elsewhere."""
+    """On an emulated node, put this rank's stages and messages on its clock; False elsewhere."""
     if ctx.emulator is None or cfg.emulated is None:
         return False
-    from pipelab.emulate.memory import MemoryMeter
-    from pipelab.emulate.table import stage_table
-
-    mine = {s: cfg.emulated[s] for s in modules}
-    table = stage_table({s: e.seconds for s, e in mine.items()},
-                        {s: (e.stash_bytes, e.input_bytes) for s, e in mine.items()}, job.checkpoint)
-    ctx.emulator.use(table, MemoryMeter(ctx.emulator.node.device, sum(e.held_bytes for e in mine.values())))
     real = job.specs[0][0]  # stage 0's output on one micro-batch, as sent
-    real_bytes = torch.empty((), dtype=real.dtype).element_size() * torch.Size(real.shape).numel()
-    ctx.emulator.scale_messages(cfg.emulated[0].output_bytes, real_bytes)
+    cfg.emulated.install(ctx.emulator, modules, job.checkpoint, real.dtype.itemsize * torch.Size(real.shape).numel())
     return True
 
 
@@ -413,54 +389,17 @@ def send_waits(timeline: Timeline) -> dict[str, float]:
     `P2P.finish` waits for the step's last messages to leave."""
     out = dict.fromkeys(("in flight", "computing", "in recv", "blocked", "blocked at the end"), 0.0)
     for rank in {s.rank for s in timeline.filter(kind="send", lane="comm")}:
-        sends = union([(s.start, s.end) for s in timeline.filter(rank=rank, kind="send", lane="comm")])
-        busy = union([(s.start, s.end) for s in timeline.filter(rank=rank, lane="compute")])
-        waiting = union([(s.start, s.end) for s in timeline.filter(rank=rank, kind="recv", lane="comm")])
+        def spans(**where) -> list[tuple[float, float]]:
+            return merged((s.start, s.end) for s in timeline.filter(rank=rank, **where))
+
+        sends, busy, waiting = spans(kind="send", lane="comm"), spans(lane="compute"), spans(kind="recv", lane="comm")
         idle = complement(busy, sends)  # message time while the rank computed nothing (hatched)
         blocked = complement(waiting, idle)
-        out["in flight"] += length(sends)
-        out["computing"] += length(overlap(sends, busy))
-        out["in recv"] += length(overlap(idle, waiting))
-        out["blocked"] += length(blocked)
         last = max((b for _, b in busy), default=float("-inf"))
-        out["blocked at the end"] += length(overlap(blocked, [(last, float("inf"))]))
+        for key, part in (("in flight", sends), ("computing", intersection(sends, busy)), ("in recv", intersection(idle, waiting)),
+                          ("blocked", blocked), ("blocked at the end", intersection(blocked, [(last, float("inf"))]))):
+            out[key] += sum(b - a for a, b in part)
     return out
-
-
-def union(intervals: list[tuple[float, float]]) -> list[tuple[float, float]]:
-    """Sorted, non-overlapping intervals covering the same time."""
-    out: list[list[float]] = []
-    for a, b in sorted(intervals):
-        if out and a <= out[-1][1]:
-            out[-1][1] = max(out[-1][1], b)
-        else:
-            out.append([a, b])
-    return [(a, b) for a, b in out]
-
-
-def overlap(xs: list[tuple[float, float]], ys: list[tuple[float, float]]) -> list[tuple[float, float]]:
-    """The time both unions `xs` and `ys` cover."""
-    return union([(max(a, c), min(b, d)) for a, b in xs for c, d in ys if min(b, d) > max(a, c)])
-
-
-def complement(xs: list[tuple[float, float]], within: list[tuple[float, float]]) -> list[tuple[float, float]]:
-    """The time of `within` that the union `xs` does not cover."""
-    out = []
-    for a, b in within:
-        t = a
-        for c, d in xs:
-            if d <= t or c >= b:
-                continue
-            if c > t:
-                out.append((t, c))
-            t = max(t, d)
-        if t < b:
-            out.append((t, b))
-    return out
-
-
-def length(intervals: list[tuple[float, float]]) -> float:
-    return sum(b - a for a, b in intervals)
 
 
 def recv_waits(timeline: Timeline) -> tuple[float, float]:
