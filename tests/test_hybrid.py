@@ -252,7 +252,8 @@ def test_the_stage_all_reduce_starts_after_its_last_backward_and_only_in_data_gr
         assert 0.0 <= overlap.low <= overlap.median <= overlap.high <= 1.0
         assert grid_experiment.launched_after_last_backward(run)
     for row in grid.launches():
-        assert row["launched (ms)"] <= row["arrived (ms)"]
+        launched, _, arrived = (v for k, v in row.items() if "(ms" in k)
+        assert launched <= arrived
     assert one_pipe.flights() == {} and set(grid.flights()) == {0, 1}  # one pipeline has nothing to average
     assert 0.0 <= grid.simulated_overlap() <= 1.0
     assert all(len(r.round_times) == 1 for r in runs)  # one round of timed steps

@@ -28,10 +28,18 @@ class EmulatedPipe:
     optimizer: str
 
     @classmethod
-    def of(cls, stages: Sequence[nn.Module], x: torch.Tensor, loss_fn: Callable, node: Any, dtype: str,
-           optimizer: str) -> "EmulatedPipe":
-        """Count `stages` (on meta) fed micro-batches like `x` (on meta) on `node`'s device."""
-        return cls(emulated_stages(stages, x, loss_fn, node, dtype, optimizer), node, dtype, optimizer)
+    def of(cls, stages: Sequence[nn.Module] | None, x: torch.Tensor | None, loss_fn: Callable, node: Any, dtype: str,
+           optimizer: str, expected: int, emulate: Any = None) -> "EmulatedPipe":
+        """Count `stages` (on meta; `expected` of them) fed micro-batches like `x` (on meta) on `node`'s device."""
+        given = list(stages or [])
+        if len(given) != expected or not all(isinstance(s, nn.Module) for s in given):
+            raise ValueError(f"on an emulated node (emulate={emulate!r}) give emulated_stages: the {expected} stages "
+                             "at the emulated size, built on the meta device, e.g. with torch.device('meta'): "
+                             "split_model(models.mlp([8192] * 9), 2)")
+        if not isinstance(x, torch.Tensor):
+            raise ValueError(f"on an emulated node give emulated_x, one micro-batch at the emulated size on the "
+                             f"meta device, e.g. torch.empty(4096, 8192, device='meta'); got {x!r}")
+        return cls(emulated_stages(given, x, loss_fn, node, dtype, optimizer), node, dtype, optimizer)
 
     def install(self, emulator: Any, mine: Iterable[int], checkpoint: bool, real_message_bytes: int) -> None:
         """On a rank: time its stages `mine` by their modelled seconds, start its memory meter with

@@ -138,7 +138,8 @@ class Config(experiments.Config):
         """The emulated size, in words (the first printed line says it)."""
         widths = sorted({m.out_features * self.emulated_scale for m in self.model if isinstance(m, nn.Linear)})
         layers = sum(isinstance(m, nn.Linear) for m in self.model)
-        return (f"{layers} Linear layers of width {', '.join(map(str, widths))} on batches of {self.x.shape[0] * self.emulated_scale} "
+        rows = self.x.shape[0] * self.emulated_scale
+        return (f"{layers} Linear layers of width {', '.join(map(str, widths))} on batches of {rows} "
                 f"rows in {self.emulated_dtype} ({self.emulated_scale} x this run's width and batch)")
 
 
@@ -185,9 +186,10 @@ class LayoutTrainer:
         self.optimizer = torch.optim.SGD([p for m in self.modules.values() for p in m.parameters()], lr=cfg.lr)
         self.ctx, self.table = ctx, None
         if ctx.emulator is not None:  # this process's stages at the wide size, on its clock
-            scale, wide = cfg.emulated_scale, split_model(widen(cfg.model, cfg.emulated_scale), self.schedule.num_stages)
-            self.table = cfg.widened.install(ctx.emulator, wide, sorted(self.modules), x.shape[0] * scale // layout.num_microbatches,
-                                             x.shape[1] * scale, cfg.x.element_size())
+            k, wide = cfg.emulated_scale, split_model(widen(cfg.model, cfg.emulated_scale), self.schedule.num_stages)
+            rows = x.shape[0] * k // layout.num_microbatches  # one micro-batch at the wide size
+            self.table = cfg.widened.install(ctx.emulator, wide, sorted(self.modules), rows, x.shape[1] * k,
+                                             cfg.x.element_size())
         self.first_grads: dict | None = None
 
     def zero_grad(self, _=None) -> None:
@@ -298,14 +300,13 @@ class GridRun(TimedSteps):
     def launches(self) -> list[dict]:
         """Table rows, one per process in the typical step: when its stage's all-reduce was launched
         and arrived, and when its pipeline's last compute ended (ms from the step's start)."""
-        tl = self.timeline
-        rows = []
+        tl, ms, rows = self.timeline, "ms, modelled" if self.emulate else "ms", []
         for s in tl.filter(kind="allreduce"):
             pipeline = next(p for p in self.pipelines if s.rank in p)
             done = max(c.end for c in tl.filter(rank=pipeline) if is_compute(c))
-            rows.append({"process": s.rank, "stage": s.meta.get("stage"), "launched (ms)": round((s.start - tl.start) * 1e3, 1),
-                         "its pipeline's compute ended (ms)": round((done - tl.start) * 1e3, 1),
-                         "arrived (ms)": round((s.end - tl.start) * 1e3, 1)})
+            rows.append({"process": s.rank, "stage": s.meta.get("stage"), f"launched ({ms})": round((s.start - tl.start) * 1e3, 1),
+                         f"its pipeline's compute ended ({ms})": round((done - tl.start) * 1e3, 1),
+                         f"arrived ({ms})": round((s.end - tl.start) * 1e3, 1)})
         return sorted(rows, key=lambda r: r["process"])
 
 
@@ -465,7 +466,7 @@ def layouts_table(cfg: Config, runs: Sequence[GridRun], prediction: Prediction) 
     return [{"layout": r.name, "bubble (p-1)/(m+p-1)": round((r.layout.pipe - 1) / (r.layout.num_microbatches + r.layout.pipe - 1), 3),
              "all-reduce per process": human_bytes(allreduce_bytes(r.layout, model, size)),
              **{label: round(per[r.name], 1) for label, per in predicted.items()},
-             "step (ms)": f"{r.step_time.scaled(1e3):.1f}"} for r in runs]
+             "step (ms), modelled" if r.emulate else "step (ms)": f"{r.step_time.scaled(1e3):.1f}"} for r in runs]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -527,8 +528,8 @@ def grid_vs(runs: Sequence[GridRun], other: GridRun) -> Verdict:
     per_round = ratios(grid_run.round_times, other.round_times)
     verdict = round_verdict(per_round)
     key = "05.grid_vs_one_pipeline" if other.layout.data == 1 else "05.grid_vs_data_parallel"
-    return (key, verdict, f"the grid's step took {per_round.median:.2f} times {other.name}'s{clock(grid_run)} "
-            f"({verdict}, over {len(per_round.values)} rounds).",
+    return (key, verdict, f"the grid's step took {per_round.median:.2f} times as long as {other.name}'s"
+            f"{clock(grid_run)} ({verdict}, over {len(per_round.values)} rounds).",
             dict(ratio=per_round, grid=grid_run.step_time, other=other.step_time))
 
 
@@ -602,9 +603,10 @@ def run_flops(params: dict) -> float:
     with torch.device("meta"):
         replica = SplitMLP(p["width"], p["layers_per_half"], p["width"])
         layers = mlp([p["grid_width"]] * (p["grid_layers"] + 1))
-    replica_steps = p["steps"] * len(REPLICA_VARIANTS) * 2 + p["steps"]  # 2 wrappers x (naive, splits) + reference
+    replica_steps = p["steps"] * len(REPLICA_VARIANTS) * 2 + p["steps"]  # 2 wrappers x (naive, splits), reference
     layout_steps = 2 * len(layouts_of(2, 2, 1)) * (p["rounds"] * p["grid_steps"] + 1) + 3  # runs, references, prediction
-    return step(replica, p["batch"], p["width"]) * replica_steps + step(layers, p["grid_batch"], p["grid_width"]) * layout_steps
+    return (step(replica, p["batch"], p["width"]) * replica_steps
+            + step(layers, p["grid_batch"], p["grid_width"]) * layout_steps)
 
 
 # The parameters cell's defaults that `run_flops` reads.

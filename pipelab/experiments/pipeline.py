@@ -3,14 +3,11 @@
     cfg = Config(world_size=2, stages=stages, schedules=["gpipe", "1f1b"], num_microbatches=4, x=x, y=y)
     runs = run(cfg)  # experiments.run(worker, cfg, gather): one PipelineRun per schedule
 
-`Config` checks every input before a process starts and lists the `jobs` it will run (a schedule
-on a batch each, all in one set of processes); `worker` times a few steps of each job on every rank,
-with pipelab's runtime or, with `engine="torch"`, with `torch.distributed.pipelining`; `gather`
-makes one `PipelineRun` per job. A run carries the batch's `loss`, each micro-batch's loss
-(`mb_losses`, as torch's `schedule.step(..., losses=[])` gives them) and `grads` named as in
-`nn.Sequential(*stages)`, so `reference.assert_same(run, reference_run(nn.Sequential(*stages), x, y,
-loss_fn, lr=None))` checks it against one process. Lesson 06's verdicts are in `experiments.gpipe`,
-lesson 07's in `experiments.schedules`.
+`Config` checks every input before a process starts and lists its `jobs` (a schedule on a batch
+each, all in one set of processes); `worker` times a few steps of each on every rank with pipelab's
+runtime or, with `engine="torch"`, `torch.distributed.pipelining`; `gather` makes one `PipelineRun`
+per job, checked by `reference.assert_same(run, reference_run(nn.Sequential(*stages), x, y, loss_fn,
+lr=None))`. Lesson 06's verdicts are in `experiments.gpipe`, lesson 07's in `experiments.schedules`.
 """
 
 from __future__ import annotations
@@ -56,10 +53,8 @@ class Job:
 class Config(experiments.Config):
     """Pipeline schedules on `world_size` ranks, all in one set of processes.
 
-    `schedules`: names ("gpipe", "1f1b", "interleaved", "zb-h1"), built for `num_microbatches` (one
-    count for all, or one per schedule; "interleaved" holds len(stages) // world_size stages per
-    rank), or `Schedule`s built by hand. `x`, `y`: one batch for every schedule, or one per
-    schedule. `checkpoint`: activation checkpointing, one flag for all or one per schedule. `steps`
+    `schedules`: names ("gpipe", "1f1b", "interleaved", "zb-h1") or `Schedule`s built by hand;
+    `num_microbatches`, `x`, `y` and `checkpoint`: one for all schedules or one per schedule. `steps`
     per schedule, the first a warm-up. `engine`: "pipelab" (our runtime) or "torch"."""
 
     stages: Sequence[nn.Module] = field(repr=False)
@@ -71,10 +66,8 @@ class Config(experiments.Config):
     steps: int = 2
     checkpoint: bool | Sequence[bool] = False
     engine: str = "pipelab"
-    # On an emulated node (`emulate`, e.g. "2xH100-nvlink") each span lasts what the device model
-    # gives for the same stages at the emulated size: `emulated_stages`, built on the meta device
-    # (no memory), one per stage, fed micro-batches like `emulated_x` (one micro-batch, on meta), in
-    # `emulated_dtype`; their memory is estimated for training with `optimizer` (`emulate.memory`).
+    # The same stages at the size an `emulate` node times (on meta), one micro-batch like `emulated_x`
+    # (on meta): `emulated_mlp` gives all four (`emulate.pipe`).
     emulated_stages: Sequence[nn.Module] | None = field(repr=False, default=None)
     emulated_x: torch.Tensor | None = field(repr=False, default=None)
     emulated_dtype: str = "bfloat16"
@@ -107,19 +100,11 @@ class Config(experiments.Config):
                              "use a loss that averages over the samples, e.g. torch.nn.MSELoss()")
 
     def check_emulated(self) -> None:
-        """On an emulated node: the stages at the emulated size, one per stage, and their micro-batch."""
+        """On an emulated node: our runtime (torch's runs on this machine's clock), and the stages counted."""
         if self.engine == "torch":
             raise ValueError(f"engine='torch' runs on this machine's own clock, not on an emulated node; "
                              f"pass emulate=None (got emulate={self.emulate!r})")
-        stages = list(self.emulated_stages or [])
-        if len(stages) != len(self.stages) or not all(isinstance(s, nn.Module) for s in stages):
-            raise ValueError(f"on an emulated node (emulate={self.emulate!r}) give emulated_stages: the "
-                             f"{len(self.stages)} stages at the emulated size, built on the meta device, e.g. "
-                             "with torch.device('meta'): split_model(models.mlp([8192] * 9), 2)")
-        if not isinstance(self.emulated_x, torch.Tensor):
-            raise ValueError(f"on an emulated node give emulated_x, one micro-batch at the emulated size on the "
-                             f"meta device, e.g. torch.empty(4096, 8192, device='meta'); got {self.emulated_x!r}")
-        self.emulated  # counts every stage now: a stage that cannot run on meta fails here
+        self.emulated  # counts every stage now: a bad or missing stage fails here
 
     @cached_property
     def emulated(self) -> EmulatedPipe | None:
@@ -127,7 +112,7 @@ class Config(experiments.Config):
         if self.emulate is None:
             return None
         return EmulatedPipe.of(self.emulated_stages, self.emulated_x, self.loss_fn, self.node, self.emulated_dtype,
-                               self.optimizer)
+                               self.optimizer, expected=len(self.stages), emulate=self.emulate)
 
     def memory_estimate(self, stage: int, microbatches_in_flight: int, checkpoint: bool = False):
         """What `stage` would hold at its peak on the emulated device with that many stashes."""
@@ -200,10 +185,6 @@ def per_schedule(name: str, value, kind: type, count: int) -> list:
     return values
 
 
-# ---------------------------------------------------------------------------------------------
-# On every rank: the worker; then the gathered run
-# ---------------------------------------------------------------------------------------------
-
 @dataclass
 class Result:
     """What one rank brings back for one job."""
@@ -251,14 +232,14 @@ def pipelab_job(ctx: RankContext, cfg: Config, job: Job) -> Result:
     """`cfg.steps` steps of `job` with pipelab's runtime (`run_step`); the last one's losses and gradients."""
     x, y = job.x.to(ctx.device), job.y.to(ctx.device)
     modules = rank_modules(ctx, cfg, job.schedule)
-    emulated = emulate_job(ctx, cfg, job, modules)
+    modelled = emulate_job(ctx, cfg, job, modules)
     measured = time_steps(ctx, lambda _: run_step(ctx, job.schedule, modules, cfg.loss_fn, x, y, job.specs,
                                                   job.checkpoint),
                           cfg.steps, prepare=zero_grads(modules))
     last = measured.results[-1]
     traces = [step.stash.trace for step in measured.results[timed_slice(cfg.steps)]]
     timed = RankSteps([], measured.seconds, measured.timelines)  # the steps' tensors stay here
-    peak = ctx.emulator.memory.peak if emulated else 0.0
+    peak = ctx.emulator.memory.peak if modelled else 0.0
     return Result(ctx.rank, sorted(modules), [float(loss) for loss in last.losses], gradients_of(modules), timed,
                   traces, last.stash.peak, last.stash.peak_bytes, last.messages_sent, last.bytes_sent, peak)
 
@@ -332,14 +313,13 @@ class PipelineRun(TimedSteps):
         return {rank: b / 2**20 for rank, b in self.peak_stash_bytes.items()}
 
     def row(self) -> dict:
-        """The figures as one table row (step time and bubble: median, min-max of the timed steps),
-        at one size: on an emulated node the modelled step and the peak memory at the emulated size,
-        elsewhere the measured step and the real stash's bytes."""
-        emulated = bool(self.emulated_peak_bytes)
-        memory = ({"peak GB, emulated size": round(max(self.emulated_peak_bytes.values()) / 1e9, 2)} if emulated else
+        """The figures as one table row, at one size: on an emulated node the modelled step and the
+        peak memory there, elsewhere the measured step and the real stash's bytes."""
+        modelled = bool(self.emulated_peak_bytes)
+        memory = ({"peak GB, emulated size": round(max(self.emulated_peak_bytes.values()) / 1e9, 2)} if modelled else
                   {"peak_stash_KiB": round(max(self.peak_stash_bytes.values()) / 1024, 1)})
         return {"schedule": self.schedule.name, "p": self.schedule.num_ranks, "m": self.schedule.num_microbatches,
-                "step_ms, modelled" if emulated else "step_ms": f"{self.step_time.scaled(1e3):.1f}",
+                "step_ms, modelled" if modelled else "step_ms": f"{self.step_time.scaled(1e3):.1f}",
                 "bubble": f"{self.bubble_fraction:.3f}", "simulated bubble": f"{self.simulated_bubble:.3f}",
                 "peak_stash": max(self.peak_stash.values()), **memory, "messages": self.messages_sent}
 

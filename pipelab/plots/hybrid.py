@@ -89,12 +89,13 @@ def plot_layouts(runs: Sequence[GridRun], predicted_ms: dict[str, dict[str, floa
     times = [r.step_time.scaled(1e3) for r in runs]
     med = [t.median for t in times]
     err = [[t.median - t.low for t in times], [t.high - t.median for t in times]]
-    ax.bar(range(len(runs)), med, yerr=err, capsize=4, color=kind_color("compute"), alpha=0.8, label="measured")
+    clock = "modelled on the emulated node" if runs[0].emulate else "measured"
+    ax.bar(range(len(runs)), med, yerr=err, capsize=4, color=kind_color("compute"), alpha=0.8, label=clock)
     for (label, per_layout), marker in zip((predicted_ms or {}).items(), "D^sv"):
         ax.scatter(range(len(runs)), [per_layout[n] for n in names], marker=marker, zorder=3, s=45, label=label)
     ax.set_xticks(range(len(runs)), names, fontsize=8)
     ax.set_xlabel("layout of the processes (pipe x data)")
-    ax.set_ylabel("step time (ms)")
+    ax.set_ylabel(f"step time (ms), {clock.split()[0]}")
     ax.set_title("Same processes, same batch: three layouts")
     ax.grid(axis="y", alpha=0.3)
     ax.legend(fontsize="small")
