@@ -11,6 +11,7 @@ from torch import nn
 
 from pipelab import experiments, hardware, models
 from pipelab.ddp import MIB, Bucket, module_bucket_plan, plan_buckets
+from pipelab.emulate.widened import stage_inputs, widen
 from pipelab.experiments import grid as grid_experiment
 from pipelab.experiments import hybrid as hybrid_experiment
 from pipelab.experiments.grid import Layout, hidden_behind_pipeline, layouts_of
@@ -376,14 +377,15 @@ def test_predicted_step_of_a_layout():
 
 
 def test_an_emulated_model_is_the_same_layers_wider_on_meta():
+    """`emulate.widened`: the grid's model as its emulated node times it."""
     model = models.mlp([4, 6, 2])
-    big = grid_experiment.emulated_model(model, 8)
+    big = widen(model, 8)
     assert [type(m) for m in big] == [nn.Linear, nn.ReLU, nn.Linear]
     assert (big[0].in_features, big[0].out_features, big[2].out_features) == (32, 48, 16)
     assert all(p.device.type == "meta" for p in big.parameters())
     with pytest.raises(ValueError, match="widens Linear layers, and the model has a LayerNorm"):
-        grid_experiment.emulated_model(nn.Sequential(nn.Linear(4, 4), nn.LayerNorm(4)), 2)
-    shapes = [tuple(x.shape) for x in grid_experiment.stage_inputs(split_model_of(big, 2), 5, 32)]
+        widen(nn.Sequential(nn.Linear(4, 4), nn.LayerNorm(4)), 2)
+    shapes = [tuple(x.shape) for x in stage_inputs(split_model_of(big, 2), 5, 32)]
     assert shapes == [(5, 32), (5, 48)]
 
 
@@ -409,7 +411,7 @@ def test_the_emulated_prediction_is_the_device_model_s_forward_and_backward():
     model, x, y = mlp_problem(batch=8, width=4)
     cfg = grid_config(model, x, y, num_microbatches=2, emulate="4xH100-nvlink", emulated_scale=16)
     prediction = grid_experiment.predict(cfg)
-    big = grid_experiment.emulated_model(model, 16)
+    big = widen(model, 16)
     seconds = stage_seconds(big, torch.empty(128, 64, device="meta"), parse_node("4xH100-nvlink").device, "bfloat16")
     assert prediction.one_device == pytest.approx(seconds["F"] + seconds["B"])
     assert prediction.emulated and not prediction.few_cores and prediction.here == prediction.world == 4
@@ -445,9 +447,9 @@ def test_an_emulated_grid_computes_what_one_process_does_and_lasts_what_the_mode
         assert run.steps.seconds == pytest.approx([run.steps.seconds[0]] * len(run.steps.seconds), rel=1e-9)  # logical
         assert run.round_times[0] == pytest.approx(run.round_times[1], rel=1e-9)  # every round alike
         schedule = run.layout.schedule(cfg.schedule)
-        big = split_model_of(grid_experiment.emulated_model(cfg.model, cfg.emulated_scale), schedule.num_stages)
-        rows = cfg.emulated_batch // (run.layout.data * run.layout.num_microbatches)
-        inputs = grid_experiment.stage_inputs(big, rows, 8 * cfg.emulated_scale)
+        big = split_model_of(widen(cfg.model, cfg.emulated_scale), schedule.num_stages)
+        rows = cfg.x.shape[0] * cfg.emulated_scale // (run.layout.data * run.layout.num_microbatches)
+        inputs = stage_inputs(big, rows, 8 * cfg.emulated_scale)
         for span in run.timeline.filter(kind=("F", "B")):
             want = stage_seconds(big[span.meta["stage"]], inputs[span.meta["stage"]], device, "bfloat16")[span.kind]
             assert span.duration == pytest.approx(want, rel=1e-6)
@@ -473,7 +475,7 @@ def test_the_emulated_grid_s_verdicts_are_computed_from_the_models(emulated_runs
     assert verdict in ("as simulated", "lower", "higher") and "modelled on the emulated node" in text
     assert grid_experiment.layouts_vs_prediction(runs, prediction)[1] in ("slower than predicted", "not all slower")
     outlook = grid_experiment.gpu_outlook(runs, prediction)
-    assert f"{grid_experiment.order(runs)[0]} came first, modelled" in outlook
+    assert f"{grid_experiment.order(runs)[0]} came first (modelled" in outlook
     rows = grid_experiment.layouts_table(cfg, runs, prediction)
     assert rows[0]["all-reduce per process"] == "0 B" and rows[2]["all-reduce per process"] != "0 B"
 

@@ -30,7 +30,8 @@ class EmulatedPipe:
     @classmethod
     def of(cls, stages: Sequence[nn.Module] | None, x: torch.Tensor | None, loss_fn: Callable, node: Any, dtype: str,
            optimizer: str, expected: int, emulate: Any = None) -> "EmulatedPipe":
-        """Count `stages` (on meta; `expected` of them) fed micro-batches like `x` (on meta) on `node`'s device."""
+        """Count `stages` (on meta; `expected` of them) fed micro-batches like `x` (on meta) on the
+        device of `node` (a node's name, e.g. "2xH100-nvlink", or a `specs.Node`)."""
         given = list(stages or [])
         if len(given) != expected or not all(isinstance(s, nn.Module) for s in given):
             raise ValueError(f"on an emulated node (emulate={emulate!r}) give emulated_stages: the {expected} stages "
@@ -39,6 +40,9 @@ class EmulatedPipe:
         if not isinstance(x, torch.Tensor):
             raise ValueError(f"on an emulated node give emulated_x, one micro-batch at the emulated size on the "
                              f"meta device, e.g. torch.empty(4096, 8192, device='meta'); got {x!r}")
+        from pipelab.emulate import node_of
+
+        node = node_of(node)  # a name such as "2xH100-nvlink", or a Node
         return cls(emulated_stages(given, x, loss_fn, node, dtype, optimizer), node, dtype, optimizer)
 
     def install(self, emulator: Any, mine: Iterable[int], checkpoint: bool, real_message_bytes: int) -> None:

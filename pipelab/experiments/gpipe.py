@@ -35,8 +35,8 @@ def how(run: PipelineRun) -> str:
 
 
 def clock(run: PipelineRun) -> str:
-    """The same as a phrase: ', modelled on the emulated node' or ', measured'."""
-    return ", modelled on the emulated node" if how(run) == "modelled" else ", measured"
+    """The same as a phrase: ' (modelled on the emulated node)' or ' (measured)'."""
+    return " (modelled on the emulated node)" if how(run) == "modelled" else " (measured)"
 
 
 def bubble_vs_formula(run: PipelineRun, fitted: SimResult) -> Verdict:
@@ -100,7 +100,7 @@ def send_time(run: PipelineRun) -> Verdict:
 
 def send_rows(run: PipelineRun) -> list[dict]:
     """06: the typical step's message time (ms, summed over ranks) by what the sender did meanwhile."""
-    return [{f"{k} (ms{clock(run)})": round(v * 1e3, 3) for k, v in send_waits(run.timeline).items()}]
+    return [{f"{k} (ms, {how(run)})": round(v * 1e3, 3) for k, v in send_waits(run.timeline).items()}]
 
 
 def memory_estimates(cfg: Config, microbatches: int, checkpoint: bool = False) -> list[str]:
@@ -229,8 +229,8 @@ def checkpoint_time(stored: Sequence[PipelineRun], recomputed: Sequence[Pipeline
     expected = sim_recomputed.makespan_ms / sim_stored.makespan_ms
     verdict = "slower" if slowdown.low > 1 else "faster" if slowdown.high < 1 else "within noise"
     return ("06.checkpoint_time", verdict,
-            f"with recomputed activations a step took {slowdown.median:.2f} times as long{clock(stored[0])} "
-            f"({verdict}); the simulation with these costs predicts {expected:.2f} times.",
+            f"with recomputed activations a step took {slowdown.median:.2f} times as long{clock(stored[0])}: "
+            f"{verdict}; the simulation with these costs predicts {expected:.2f} times.",
             dict(slowdown=slowdown, simulated=expected))
 
 

@@ -143,9 +143,10 @@ class Config(experiments.Config):
                 f"rows in {self.emulated_dtype} ({self.emulated_scale} x this run's width and batch)")
 
 
-def reference(cfg: Config, steps: int) -> Reference:
-    """What one process computes with the same model, batch, loss and `steps` SGD steps."""
-    return reference_run(cfg.model, cfg.x, cfg.y, cfg.loss_fn, steps=steps, lr=cfg.lr)
+def reference(cfg: Config, steps: int | None = None) -> Reference:
+    """What one process computes with the same model, batch, loss and SGD steps as each layout
+    (its checked first step and `rounds` x `steps` timed ones, unless `steps` says otherwise)."""
+    return reference_run(cfg.model, cfg.x, cfg.y, cfg.loss_fn, steps=steps or 1 + cfg.rounds * cfg.steps, lr=cfg.lr)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -494,8 +495,8 @@ def devices_per_process(run: GridRun) -> bool:
 
 
 def clock(run: GridRun) -> str:
-    """How the run's times came about: ', modelled on the emulated node' or ', measured'."""
-    return ", modelled on the emulated node" if run.emulate else ", measured"
+    """How the run's times came about: ' (modelled on the emulated node)' or ' (measured)'."""
+    return " (modelled on the emulated node)" if run.emulate else " (measured)"
 
 
 def overlap_verdict(run: GridRun) -> Verdict:
@@ -512,7 +513,7 @@ def overlap_verdict(run: GridRun) -> Verdict:
         verdict = compare(overlap, Measured.of([simulated]))
     return ("05.grid_hidden", verdict,
             f"{overlap.median:.0%} of the all-reduce time hid behind compute{clock(run)}; the simulation with one "
-            f"device per process hides {simulated:.0%} ({verdict}).",
+            f"device per process hides {simulated:.0%}: {verdict}.",
             dict(hidden=overlap, simulated=simulated, flights_s=str(run.flights())))
 
 
@@ -529,7 +530,7 @@ def grid_vs(runs: Sequence[GridRun], other: GridRun) -> Verdict:
     verdict = round_verdict(per_round)
     key = "05.grid_vs_one_pipeline" if other.layout.data == 1 else "05.grid_vs_data_parallel"
     return (key, verdict, f"the grid's step took {per_round.median:.2f} times as long as {other.name}'s"
-            f"{clock(grid_run)} ({verdict}, over {len(per_round.values)} rounds).",
+            f"{clock(grid_run)}: {verdict}, over {len(per_round.values)} rounds.",
             dict(ratio=per_round, grid=grid_run.step_time, other=other.step_time))
 
 

@@ -111,7 +111,7 @@ class Config(experiments.Config):
         """The stages at the emulated size, counted once on the meta device (None off an emulated node)."""
         if self.emulate is None:
             return None
-        return EmulatedPipe.of(self.emulated_stages, self.emulated_x, self.loss_fn, self.node, self.emulated_dtype,
+        return EmulatedPipe.of(self.emulated_stages, self.emulated_x, self.loss_fn, self.emulate, self.emulated_dtype,
                                self.optimizer, expected=len(self.stages), emulate=self.emulate)
 
     def memory_estimate(self, stage: int, microbatches_in_flight: int, checkpoint: bool = False):
