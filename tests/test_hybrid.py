@@ -11,6 +11,7 @@ from torch import nn
 
 from pipelab import experiments, hardware, models
 from pipelab.ddp import MIB, Bucket, module_bucket_plan, plan_buckets
+from pipelab.emulate.widened import stage_inputs, widen
 from pipelab.experiments import grid as grid_experiment
 from pipelab.experiments import hybrid as hybrid_experiment
 from pipelab.experiments.grid import Layout, hidden_behind_pipeline, layouts_of
@@ -252,7 +253,8 @@ def test_the_stage_all_reduce_starts_after_its_last_backward_and_only_in_data_gr
         assert 0.0 <= overlap.low <= overlap.median <= overlap.high <= 1.0
         assert grid_experiment.launched_after_last_backward(run)
     for row in grid.launches():
-        assert row["launched (ms)"] <= row["arrived (ms)"]
+        launched, _, arrived = (v for k, v in row.items() if "(ms" in k)
+        assert launched <= arrived
     assert one_pipe.flights() == {} and set(grid.flights()) == {0, 1}  # one pipeline has nothing to average
     assert 0.0 <= grid.simulated_overlap() <= 1.0
     assert all(len(r.round_times) == 1 for r in runs)  # one round of timed steps
@@ -349,11 +351,11 @@ def test_bad_grid_input_is_refused(no_spawn):
 def test_the_groups_verdict_reads_the_topology(capsys):
     from pipelab.pipeline.topology import ProcessTopology
 
-    assert grid_experiment.groups_verdict(check_grid(2, 2)) == "as predicted"
-    assert grid_experiment.groups_verdict(check_grid(4, 1)) == "as predicted"
+    assert grid_experiment.groups_verdict(check_grid(2, 2))[1] == "as predicted"
+    assert grid_experiment.groups_verdict(check_grid(4, 1))[1] == "as predicted"
     # pipe fastest: the numbering no longer gives the groups the lesson predicts
-    assert grid_experiment.groups_verdict(ProcessTopology(["data", "pipe"], [2, 2])) == "not as predicted"
-    assert "are not the ones the numbering predicts" in capsys.readouterr().out
+    key, verdict, text, _ = grid_experiment.groups_verdict(ProcessTopology(["data", "pipe"], [2, 2]))
+    assert verdict == "not as predicted" and "not as predicted" in text
 
 
 def test_predicted_step_of_a_layout():
@@ -375,14 +377,15 @@ def test_predicted_step_of_a_layout():
 
 
 def test_an_emulated_model_is_the_same_layers_wider_on_meta():
+    """`emulate.widened`: the grid's model as its emulated node times it."""
     model = models.mlp([4, 6, 2])
-    big = grid_experiment.emulated_model(model, 8)
+    big = widen(model, 8)
     assert [type(m) for m in big] == [nn.Linear, nn.ReLU, nn.Linear]
     assert (big[0].in_features, big[0].out_features, big[2].out_features) == (32, 48, 16)
     assert all(p.device.type == "meta" for p in big.parameters())
     with pytest.raises(ValueError, match="widens Linear layers, and the model has a LayerNorm"):
-        grid_experiment.emulated_model(nn.Sequential(nn.Linear(4, 4), nn.LayerNorm(4)), 2)
-    shapes = [tuple(x.shape) for x in grid_experiment.stage_inputs(split_model_of(big, 2), 5, 32)]
+        widen(nn.Sequential(nn.Linear(4, 4), nn.LayerNorm(4)), 2)
+    shapes = [tuple(x.shape) for x in stage_inputs(split_model_of(big, 2), 5, 32)]
     assert shapes == [(5, 32), (5, 48)]
 
 
@@ -408,7 +411,7 @@ def test_the_emulated_prediction_is_the_device_model_s_forward_and_backward():
     model, x, y = mlp_problem(batch=8, width=4)
     cfg = grid_config(model, x, y, num_microbatches=2, emulate="4xH100-nvlink", emulated_scale=16)
     prediction = grid_experiment.predict(cfg)
-    big = grid_experiment.emulated_model(model, 16)
+    big = widen(model, 16)
     seconds = stage_seconds(big, torch.empty(128, 64, device="meta"), parse_node("4xH100-nvlink").device, "bfloat16")
     assert prediction.one_device == pytest.approx(seconds["F"] + seconds["B"])
     assert prediction.emulated and not prediction.few_cores and prediction.here == prediction.world == 4
@@ -444,9 +447,9 @@ def test_an_emulated_grid_computes_what_one_process_does_and_lasts_what_the_mode
         assert run.steps.seconds == pytest.approx([run.steps.seconds[0]] * len(run.steps.seconds), rel=1e-9)  # logical
         assert run.round_times[0] == pytest.approx(run.round_times[1], rel=1e-9)  # every round alike
         schedule = run.layout.schedule(cfg.schedule)
-        big = split_model_of(grid_experiment.emulated_model(cfg.model, cfg.emulated_scale), schedule.num_stages)
-        rows = cfg.emulated_batch // (run.layout.data * run.layout.num_microbatches)
-        inputs = grid_experiment.stage_inputs(big, rows, 8 * cfg.emulated_scale)
+        big = split_model_of(widen(cfg.model, cfg.emulated_scale), schedule.num_stages)
+        rows = cfg.x.shape[0] * cfg.emulated_scale // (run.layout.data * run.layout.num_microbatches)
+        inputs = stage_inputs(big, rows, 8 * cfg.emulated_scale)
         for span in run.timeline.filter(kind=("F", "B")):
             want = stage_seconds(big[span.meta["stage"]], inputs[span.meta["stage"]], device, "bfloat16")[span.kind]
             assert span.duration == pytest.approx(want, rel=1e-6)
@@ -462,16 +465,17 @@ def test_an_emulated_grid_computes_what_one_process_does_and_lasts_what_the_mode
 def test_the_emulated_grid_s_verdicts_are_computed_from_the_models(emulated_runs, capsys):
     runs, cfg = emulated_runs
     prediction = grid_experiment.predict(cfg)
-    verdicts = grid_experiment.layout_verdicts(runs, prediction)
     grid = runs[1]
     for other, key in ((runs[0], "05.grid_vs_one_pipeline"), (runs[2], "05.grid_vs_data_parallel")):
         ratio = grid.step_time.median / other.step_time.median
-        assert verdicts[key] == ("lower" if ratio < 1 else "higher" if ratio > 1 else "within noise")
-    assert grid_experiment.overlap_verdict(grid) in ("as simulated", "lower", "higher")
-    out = capsys.readouterr().out
-    assert "logical" in out and "on the emulated node (4xH100-nvlink)" in out
+        got = grid_experiment.grid_vs(runs, other)
+        assert got[:2] == (key, "lower" if ratio < 1 else "higher" if ratio > 1 else "within noise")
+        assert "modelled on the emulated node" in got[2]
+    key, verdict, text, _ = grid_experiment.overlap_verdict(grid)
+    assert verdict in ("as simulated", "lower", "higher") and "modelled on the emulated node" in text
+    assert grid_experiment.layouts_vs_prediction(runs, prediction)[1] in ("slower than predicted", "not all slower")
     outlook = grid_experiment.gpu_outlook(runs, prediction)
-    assert f"Measured, with every message and all-reduce: {grid_experiment.order(runs)[0]} first" in outlook
+    assert f"{grid_experiment.order(runs)[0]} came first (modelled" in outlook
     rows = grid_experiment.layouts_table(cfg, runs, prediction)
     assert rows[0]["all-reduce per process"] == "0 B" and rows[2]["all-reduce per process"] != "0 B"
 
@@ -480,11 +484,11 @@ def test_the_contrast_with_this_machine_s_cores_names_both_orders(emulated_runs,
     runs, _ = emulated_runs
     slower = [replace(r, emulate=None, steps=Steps([s * f for s in r.steps.seconds], r.steps.timelines))
               for r, f in zip(runs, (1.0, 5.0, 2.0))]  # the grid slowest, as time-slicing can make it
-    verdict = grid_experiment.cores_contrast(slower, runs, cores=2)
-    assert verdict == "cores shared"  # 4 processes on 2 cores
-    out = capsys.readouterr().out
-    assert " < ".join(grid_experiment.order(slower)) in out and " < ".join(grid_experiment.order(runs)) in out
-    assert grid_experiment.cores_contrast(slower, runs, cores=4) in ("same order", "different order")
+    assert grid_experiment.cores_contrast(slower, runs, cores=2)[1] == "cores shared"  # 4 processes on 2 cores
+    assert grid_experiment.order(slower) != grid_experiment.order(runs)
+    assert grid_experiment.cores_contrast(slower, runs, cores=4)[1] == "different order"
+    rows = grid_experiment.cores_rows(slower, runs)
+    assert [r["layout"] for r in rows] == [r.name for r in runs]
 
 
 def test_lesson_05_s_gpu_profile_counts_its_flops():
@@ -498,12 +502,16 @@ def test_lesson_05_s_gpu_profile_counts_its_flops():
     linear = 6 * rows * w * w
     layers = sum(isinstance(m, nn.Linear) for m in SplitMLP(w, 2, w).modules())
     want = layers * linear * (3 * 2 * 2 + 3) + 4 * linear * (2 * 3 * (2 * 1 + 1) + 3)
-    assert grid_experiment.run_flops(w, 2, rows, 3, w, 4, rows, 1, 2) == pytest.approx(want)
+    assert grid_experiment.run_flops(dict(width=w, layers_per_half=2, batch=rows, steps=3, grid_width=w, grid_layers=4,
+                                          grid_batch=rows, grid_steps=1, rounds=2)) == pytest.approx(want)
     path = os.path.join(os.path.dirname(__file__), "..", "notebooks", "05_ddp_model_parallel_hybrid.ipynb")
     meta = json.load(open(path))["metadata"]["pipelab"]
     gpu = meta["profiles"]["gpu"]
-    counted = grid_experiment.run_flops(gpu["width"], gpu["layers_per_half"], gpu["batch"], gpu["steps"],
-                                        gpu["grid_width"], 8, gpu["grid_batch"], gpu["grid_steps"], gpu["rounds"])
+    cell = [c for c in json.load(open(path))["cells"] if "parameters" in c["metadata"].get("tags", [])][0]
+    defaults: dict = {}
+    exec("".join(cell["source"]), {}, defaults)
+    assert {k: defaults[k] for k in grid_experiment.DEFAULTS} == grid_experiment.DEFAULTS
+    counted = grid_experiment.run_flops(gpu)
     assert meta["needs"]["gpu"]["flops"] == pytest.approx(counted, rel=1e-3)
     assert gpu["emulate"] is None  # GPU sizes never run emulated on CPU
 

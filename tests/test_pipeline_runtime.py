@@ -378,7 +378,8 @@ def test_the_stash_counted_from_the_layers_is_the_stash_measured():
     x, y = torch.randn(8, width), torch.randn(8, width)
     [run] = pipelines(stages, [make_schedule("gpipe", 2, m)], x, y, torch.nn.MSELoss())
     activation = 8 // m * width * 4
-    assert gpipe.stash_per_rank(run, stages, activation) == gpipe.stashed_tensors(stages) == {0: 2, 1: 3}
+    verdict, per_mb = gpipe.stash_per_rank(run, stages, activation)
+    assert per_mb == gpipe.stashed_tensors(stages) == {0: 2, 1: 3} and verdict[1] == "as counted"
 
 
 # ---------------------------------------------------------------------------------------------
@@ -466,7 +467,8 @@ def test_gpu_profiles_of_06_and_07_carry_their_flop_counts():
     w, layers, rows = 64, 4, 8
     # m = 2 first, a sweep of [1], one step each, no checkpointed rounds: 2 + 1 micro-batches, the
     # hand-written worker's 2, and the two references' 2 + 1.
-    assert gpipe.run_flops(w, layers, rows, 2, [1], 1, 0) == pytest.approx(6 * layers * rows * w * w * (3 + 2 + 3))
+    assert gpipe.run_flops(dict(width=w, layers=layers, microbatch_size=rows, microbatches=2, sweep=[1], steps=1,
+                                     repeats=0)) == pytest.approx(6 * layers * rows * w * w * (3 + 2 + 3))
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
     def profile(name):
@@ -478,8 +480,12 @@ def test_gpu_profiles_of_06_and_07_carry_their_flop_counts():
         return {**defaults, **meta["profiles"]["gpu"]}, meta["needs"]["gpu"]["flops"]
 
     p, flops = profile("06_gpipe.ipynb")
-    counted = gpipe.run_flops(p["width"], p["layers"], p["microbatch_size"], p["microbatches"], p["sweep"],
-                              p["steps"], p["repeats"])
+    counted = gpipe.run_flops(p)
+    cell = [c for c in json.load(open(os.path.join(root, "notebooks", "06_gpipe.ipynb")))["cells"]
+            if "parameters" in c["metadata"].get("tags", [])][0]
+    defaults: dict = {}
+    exec("".join(cell["source"]), {}, defaults)
+    assert {k: defaults[k] for k in gpipe.DEFAULTS} == gpipe.DEFAULTS  # run_flops' missing names: the notebook's
     assert flops == pytest.approx(counted, rel=1e-3)
     p, flops = profile("07_schedules_1f1b_interleaved_zero_bubble.ipynb")
     counted = schedules.run_flops(p["width"], p["layers"], p["microbatch_size"], p["microbatches"], p["steps"],

@@ -1,19 +1,13 @@
-"""Lesson 05 from a notebook, parts 3-4: the pipe x data grid, and the same processes laid out as
-one long pipeline or as pure data parallelism.
+"""Lesson 05, parts 3-4: the pipe x data grid beside one long pipeline and pure data parallelism.
 
     cfg = grid.Config(model=models.mlp([512] * 9), x=x, y=y, layouts=grid.layouts_of(2, 2, 4))  # checked here
     runs = experiments.run(grid.worker, cfg, grid.gather)  # one GridRun per layout
 
-The processes start once and run every layout (pipe x data) in alternating rounds, so that a busy
-machine slows them all alike. On an emulated node (`cfg.emulate`) every step is timed by the
-device and link models at `cfg.emulated_scale` times the width and the batch (`emulated_table`),
-so the rounds agree exactly. In each, a process finds its place with `hybrid.grid_place` (a
-`RankContext` of its own pipeline, its pipe and data groups in `ctx.groups`), cuts its stages with
-`split_model`, takes its replica's share of the batch and trains with `hybrid.run_grid_step`.
-A `GridRun` names gradients and weights as the model does, so
-`assert_same(run, grid.reference(cfg, steps=len(run.losses)))` checks it; its `mb_losses` are each
-micro-batch's loss as the last stage computed it. The predictions and verdict functions below turn
-the runs into the lesson's conclusions.
+The processes start once and run every layout in alternating rounds, so a busy machine slows them
+all alike. In each, a process finds its place with `hybrid.grid_place`, cuts its stages with
+`split_model`, takes its replica's share of the batch and trains with `hybrid.run_grid_step`; on an
+emulated node its clock times the same layers `emulated_scale` times wider (`emulate.widened`).
+`assert_same(run, grid.reference(cfg, steps=len(run.losses)))` checks a `GridRun`.
 """
 
 from __future__ import annotations
@@ -28,8 +22,9 @@ from torch import nn
 
 from pipelab import experiments, hardware
 from pipelab.build import materialize, name_modules
+from pipelab.emulate.widened import Widened, widen
 from pipelab.checks import divisors, mean_loss, positive_number, same_batch, whole_number
-from pipelab.display import conclude, human_bytes
+from pipelab.display import human_bytes
 from pipelab.experiments.hybrid import REPLICA_VARIANTS, hidden_share, is_compute
 from pipelab.hardware import synchronize
 from pipelab.hybrid import check_grid, grid_place, microbatch_losses, run_grid_step
@@ -95,10 +90,7 @@ class Config(experiments.Config):
     steps: int = 3
     rounds: int = 1
     timeout: float = 300.0
-    # On an emulated node each stage's F and B last what the device model gives for the same layers
-    # `emulated_scale` times wider on a batch `emulated_scale` times larger, in `emulated_dtype`;
-    # then every activation and every weight grows by emulated_scale^2, so one scale times every
-    # message and all-reduce at that size too.
+    # the size an emulated node times every span at (`emulate.widened`)
     emulated_scale: int = 64
     emulated_dtype: str = "bfloat16"
     world_size: int = field(init=False, default=0)  # the layouts' processes: pipe x data
@@ -135,70 +127,26 @@ class Config(experiments.Config):
         whole_number("rounds", self.rounds, example="rounds=2")
         whole_number("emulated_scale", self.emulated_scale, example="emulated_scale=64")
         if self.emulate is not None:
-            emulated_model(self.model, self.emulated_scale)  # refuses layers it cannot widen
+            widen(self.model, self.emulated_scale)  # refuses layers it cannot widen
 
     @property
-    def emulated_batch(self) -> int:
-        """Rows of the whole batch on the emulated node."""
-        return self.x.shape[0] * self.emulated_scale
+    def widened(self) -> Widened:
+        """The size every span is timed at on an emulated node (`emulate.widened`)."""
+        return Widened(self.emulated_scale, self.emulated_dtype, self.node)
 
     def size(self) -> str:
         """The emulated size, in words (the first printed line says it)."""
         widths = sorted({m.out_features * self.emulated_scale for m in self.model if isinstance(m, nn.Linear)})
         layers = sum(isinstance(m, nn.Linear) for m in self.model)
-        return (f"{layers} Linear layers of width {', '.join(map(str, widths))} on batches of {self.emulated_batch} "
+        rows = self.x.shape[0] * self.emulated_scale
+        return (f"{layers} Linear layers of width {', '.join(map(str, widths))} on batches of {rows} "
                 f"rows in {self.emulated_dtype} ({self.emulated_scale} x this run's width and batch)")
 
 
-def emulated_model(model: nn.Sequential, scale: int) -> nn.Sequential:
-    """`model`'s layers `scale` times wider, on the meta device (shapes only, no memory): what the
-    emulated node computes. Linear layers are widened; layers without parameters are kept."""
-    layers = []
-    for layer in model:
-        if isinstance(layer, nn.Linear):
-            layers.append(nn.Linear(layer.in_features * scale, layer.out_features * scale, bias=layer.bias is not None,
-                                    device="meta"))
-        elif not any(True for _ in layer.parameters()):
-            layers.append(copy.deepcopy(layer))
-        else:
-            raise ValueError(f"an emulated node widens Linear layers, and the model has a {type(layer).__name__} "
-                             "with parameters; use Linear layers and activations (pipelab.models.mlp), or emulate=None")
-    return nn.Sequential(*layers)
-
-
-def stage_inputs(stages: Sequence[nn.Module], rows: int, width: int) -> list[torch.Tensor]:
-    """Each stage's input for a micro-batch of `rows` x `width`, as META tensors (shapes only)."""
-    x, inputs = torch.empty(rows, width, device="meta"), []
-    with torch.no_grad():
-        for stage in stages:
-            inputs.append(x)
-            x = stage(x)
-    return inputs
-
-
-def emulated_table(ctx: RankContext, cfg: Config, layout: Layout, stages: Sequence[int]):
-    """On an emulated node, the cost table of this process's `stages` of
-    `layout`: the same layers `cfg.emulated_scale` times wider on micro-batches as many times
-    larger, counted on the meta device: their modelled F, B, I and W seconds. Its messages and
-    all-reduces are timed at that size too. None elsewhere (the spans last what the machine takes)."""
-    if ctx.emulator is None:
-        return None
-    from pipelab.emulate.cost import stage_seconds
-    from pipelab.emulate.specs import torch_dtype
-    from pipelab.emulate.table import stage_table
-
-    schedule = layout.schedule(cfg.schedule)
-    big = split_model(emulated_model(cfg.model, cfg.emulated_scale), schedule.num_stages)
-    rows = cfg.emulated_batch // (layout.data * layout.num_microbatches)
-    inputs = stage_inputs(big, rows, cfg.x.shape[1] * cfg.emulated_scale)
-    emulated_bytes = torch.empty((), dtype=torch_dtype(cfg.emulated_dtype)).element_size()
-    ctx.emulator.scale_messages(cfg.emulated_scale ** 2 * emulated_bytes, cfg.x.element_size())
-    return stage_table({s: stage_seconds(big[s], inputs[s], ctx.emulator.node.device, cfg.emulated_dtype) for s in stages})
-
-
-def reference(cfg: Config, steps: int) -> Reference:
-    """What one process computes with the same model, batch, loss and `steps` SGD steps."""
-    return reference_run(cfg.model, cfg.x, cfg.y, cfg.loss_fn, steps=steps, lr=cfg.lr)
+def reference(cfg: Config, steps: int | None = None) -> Reference:
+    """What one process computes with the same model, batch, loss and SGD steps as each layout
+    (its checked first step and `rounds` x `steps` timed ones, unless `steps` says otherwise)."""
+    return reference_run(cfg.model, cfg.x, cfg.y, cfg.loss_fn, steps=steps or 1 + cfg.rounds * cfg.steps, lr=cfg.lr)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -237,7 +185,12 @@ class LayoutTrainer:
         self.names = {id(p): n for n, p in local.named_parameters()}  # names as in the whole model
         self.x, self.y = x.to(ctx.device), y.to(ctx.device)
         self.optimizer = torch.optim.SGD([p for m in self.modules.values() for p in m.parameters()], lr=cfg.lr)
-        self.ctx, self.table = ctx, emulated_table(ctx, cfg, layout, sorted(self.modules))  # None unless emulated
+        self.ctx, self.table = ctx, None
+        if ctx.emulator is not None:  # this process's stages at the wide size, on its clock
+            k, wide = cfg.emulated_scale, split_model(widen(cfg.model, cfg.emulated_scale), self.schedule.num_stages)
+            rows = x.shape[0] * k // layout.num_microbatches  # one micro-batch at the wide size
+            self.table = cfg.widened.install(ctx.emulator, wide, sorted(self.modules), rows, x.shape[1] * k,
+                                             cfg.x.element_size())
         self.first_grads: dict | None = None
 
     def zero_grad(self, _=None) -> None:
@@ -348,14 +301,13 @@ class GridRun(TimedSteps):
     def launches(self) -> list[dict]:
         """Table rows, one per process in the typical step: when its stage's all-reduce was launched
         and arrived, and when its pipeline's last compute ended (ms from the step's start)."""
-        tl = self.timeline
-        rows = []
+        tl, ms, rows = self.timeline, "ms, modelled" if self.emulate else "ms", []
         for s in tl.filter(kind="allreduce"):
             pipeline = next(p for p in self.pipelines if s.rank in p)
             done = max(c.end for c in tl.filter(rank=pipeline) if is_compute(c))
-            rows.append({"process": s.rank, "stage": s.meta.get("stage"), "launched (ms)": round((s.start - tl.start) * 1e3, 1),
-                         "its pipeline's compute ended (ms)": round((done - tl.start) * 1e3, 1),
-                         "arrived (ms)": round((s.end - tl.start) * 1e3, 1)})
+            rows.append({"process": s.rank, "stage": s.meta.get("stage"), f"launched ({ms})": round((s.start - tl.start) * 1e3, 1),
+                         f"its pipeline's compute ended ({ms})": round((done - tl.start) * 1e3, 1),
+                         f"arrived ({ms})": round((s.end - tl.start) * 1e3, 1)})
         return sorted(rows, key=lambda r: r["process"])
 
 
@@ -499,13 +451,8 @@ def predict(cfg: Config) -> Prediction:
     emulated size (counted on the meta device); else timed here, on one GPU if every process has
     one, else on one CPU thread."""
     if cfg.emulate is not None:
-        from pipelab.emulate.cost import stage_seconds
-
-        node = cfg.node
-        big = emulated_model(cfg.model, cfg.emulated_scale)
-        [x] = stage_inputs([big], cfg.emulated_batch, cfg.x.shape[1] * cfg.emulated_scale)
-        seconds = stage_seconds(big, x, node.device, cfg.emulated_dtype)
-        return Prediction(seconds["F"] + seconds["B"], node.device.name, cfg.world_size, cfg.world_size, emulated=True)
+        one = cfg.widened.step_seconds(cfg.model, cfg.x.shape[0] * cfg.emulated_scale, cfg.x.shape[1] * cfg.emulated_scale)
+        return Prediction(one, cfg.node.device.name, cfg.world_size, cfg.world_size, emulated=True)
     device = "cuda" if hardware.gpu_count() >= cfg.world_size else "cpu"
     one = one_device_seconds(cfg.model, cfg.x, cfg.y, cfg.loss_fn, device=device)
     return Prediction(one, device, cfg.world_size if device == "cuda" else hardware.cpu_cores(), cfg.world_size)
@@ -516,14 +463,11 @@ def layouts_table(cfg: Config, runs: Sequence[GridRun], prediction: Prediction) 
     predicted = prediction.ms(runs)
     model, size = cfg.model, None
     if cfg.emulate is not None:  # the bytes the emulated node's all-reduces carry
-        from pipelab.emulate.specs import torch_dtype
-
-        model = emulated_model(cfg.model, cfg.emulated_scale)
-        size = torch.empty((), dtype=torch_dtype(cfg.emulated_dtype)).element_size()
+        model, size = widen(cfg.model, cfg.emulated_scale), cfg.widened.element_size
     return [{"layout": r.name, "bubble (p-1)/(m+p-1)": round((r.layout.pipe - 1) / (r.layout.num_microbatches + r.layout.pipe - 1), 3),
              "all-reduce per process": human_bytes(allreduce_bytes(r.layout, model, size)),
              **{label: round(per[r.name], 1) for label, per in predicted.items()},
-             "step (ms)": f"{r.step_time.scaled(1e3):.1f}"} for r in runs]
+             "step (ms), modelled" if r.emulate else "step (ms)": f"{r.step_time.scaled(1e3):.1f}"} for r in runs]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -531,57 +475,46 @@ def layouts_table(cfg: Config, runs: Sequence[GridRun], prediction: Prediction) 
 # ---------------------------------------------------------------------------------------------
 
 
-def groups_verdict(topology: ProcessTopology) -> str:
-    """Conclude whether the topology's groups are the ones its numbering (data fastest) predicts."""
+Verdict = tuple[str, str, str, dict]  # (key, verdict, text, figures): a cell calls pipelab.conclude(*it)
+
+
+def groups_verdict(topology: ProcessTopology) -> Verdict:
+    """Whether the topology's groups are the ones its numbering (data fastest) predicts."""
     pipe, data = topology.get_dim("pipe"), topology.get_dim("data")
-    predicted_data = [[p * data + d for d in range(data)] for p in range(pipe)]
-    predicted_pipe = [[p * data + d for p in range(pipe)] for d in range(data)]
-    got_data, got_pipe = topology.get_axis_comm_lists("data"), topology.get_axis_comm_lists("pipe")
-    as_predicted = got_data == predicted_data and got_pipe == predicted_pipe
-    verdict = "as predicted" if as_predicted else "not as predicted"
-    conclude("05.grid_groups", verdict,
-             f"the topology's data groups {got_data} and pipelines {got_pipe} " + ("are" if as_predicted else "are not")
-             + f" the ones the numbering predicts ({predicted_data} and {predicted_pipe}).")
-    return verdict
+    predicted = ([[p * data + d for d in range(data)] for p in range(pipe)],
+                 [[p * data + d for p in range(pipe)] for d in range(data)])
+    same = (topology.get_axis_comm_lists("data"), topology.get_axis_comm_lists("pipe")) == predicted
+    verdict = "as predicted" if same else "not as predicted"
+    return ("05.grid_groups", verdict, f"the data groups and pipelines are {verdict} by the data-fastest numbering.",
+            dict(data_groups=str(predicted[0]), pipelines=str(predicted[1])))
 
 
 def devices_per_process(run: GridRun) -> bool:
     """Whether each process of `run` had a device of its own: an emulated node, or a GPU each."""
-    world = run.layout.pipe * run.layout.data
-    return run.emulate is not None or hardware.gpu_count() >= world
+    return run.emulate is not None or hardware.gpu_count() >= run.layout.pipe * run.layout.data
 
 
-def overlap_verdict(run: GridRun) -> str:
-    """Conclude how much of the grid's data-parallel all-reduce time hid behind the pipeline's
-    compute, beside what the schedule would hide on one device per process."""
+def clock(run: GridRun) -> str:
+    """How the run's times came about: ' (modelled on the emulated node)' or ' (measured)'."""
+    return " (modelled on the emulated node)" if run.emulate else " (measured)"
+
+
+def overlap_verdict(run: GridRun) -> Verdict:
+    """How much of the grid's all-reduce time hid behind the pipeline's compute, against the
+    schedule simulated with this run's costs on one device per process."""
     overlap, simulated = run.overlap, run.simulated_overlap()
     world = run.layout.pipe * run.layout.data
-    where = f"on the emulated node ({run.emulate})" if run.emulate else "on this machine"
-    text = (f"{where}, {overlap.scaled(100):.0f} % of the data-parallel all-reduce time (from the last copy's launch "
-            f"to arrival) had some process still computing (median (lowest-highest) of {len(overlap.values)} timed "
-            f"steps); {run.schedule} simulated with this run's costs and all-reduce times, one device per process, "
-            f"hides {simulated:.0%}. ")
     if not devices_per_process(run) and hardware.cpu_cores() < world:
-        verdict = "too few cores"
-        text += (f"Here {world} processes share {hardware.cpu_cores()} cores: a process 'still computing' may have been "
-                 "waiting for a core, so the measured share counts time-slicing as much as hiding. Too few cores for the "
-                 "effect: the simulated share is what one device per process would hide.")
-    elif run.emulate is not None:  # a logical clock: every step alike, so compare the figures themselves
+        verdict = "too few cores"  # a process 'still computing' may have been waiting for a core
+    elif run.emulate is not None:  # a logical clock: every step alike
         gap = overlap.median - simulated
         verdict = "as simulated" if abs(gap) <= 0.05 else "lower" if gap < 0 else "higher"
-        text += {"as simulated": "The run hid what the simulation hides, within 5 points: the runtime's messages and "
-                                 "waits for the other copy of a stage cost the overlap little.",
-                 "lower": "The run hid less than the simulation: its messages and the waits for the other copy of a "
-                          "stage (an all-reduce starts only when both have launched it) cut into the overlap.",
-                 "higher": "The run hid more than the simulation: the runtime's messages stretched the pipeline's "
-                           "remaining work, and the all-reduces travelled under it."}[verdict]
     else:
         verdict = compare(overlap, Measured.of([simulated]))
-        text += {"lower": "Every timed step hid less than the simulation.",
-                 "higher": "Every timed step hid more than the simulation.",
-                 "within noise": "The simulated share lies within the measured range."}[verdict]
-    conclude("05.grid_hidden", verdict, text, hidden=overlap, simulated=simulated, flights_s=str(run.flights()))
-    return verdict
+    return ("05.grid_hidden", verdict,
+            f"{overlap.median:.0%} of the all-reduce time hid behind compute{clock(run)}; the simulation with one "
+            f"device per process hides {simulated:.0%}: {verdict}.",
+            dict(hidden=overlap, simulated=simulated, flights_s=str(run.flights())))
 
 
 def round_verdict(per_round: Measured) -> str:
@@ -590,61 +523,34 @@ def round_verdict(per_round: Measured) -> str:
     return "lower" if per_round.high < 1 else "higher" if per_round.low > 1 else "within noise"
 
 
-def layout_verdicts(runs: Sequence[GridRun], prediction: Prediction) -> dict[str, str]:
-    """Conclude how the grid's step compares with one pipeline's and with pure data parallelism's
-    (`runs` in `layouts_of`' order), round by round, and how every layout compares with its prediction."""
-    one_pipe, grid_run, dp = runs
-    gpu = prediction.ms(runs)[prediction.gpu_label]
-    verdicts = {}
-    for other, key in ((one_pipe, "05.grid_vs_one_pipeline"), (dp, "05.grid_vs_data_parallel")):
-        per_round = ratios(grid_run.round_times, other.round_times)  # the layouts alternated round by round
-        verdict = round_verdict(per_round)
-        text = (f"the grid's step / {other.name}'s: {per_round:.2f} (median (lowest-highest) of "
-                f"{len(per_round.values)} rounds); grid {grid_run.step_time.scaled(1e3):.1f} ms against "
-                f"{other.step_time.scaled(1e3):.1f} ms over the timed steps. ")
-        text += {"lower": "The grid was faster in every round",
-                 "higher": "The grid was slower in every round",
-                 "within noise": "The rounds disagree, or the two tie: this run cannot tell them apart"}[verdict]
-        text += (f"; compute alone predicts {gpu[grid_run.name]:.1f} ms for the grid against {gpu[other.name]:.1f} ms "
-                 f"on {prediction.world} devices. ")
-        if prediction.emulated:
-            text += ("The clock is the emulated node's (logical), so every round gives the same step: the difference "
-                     "is the layouts', not the machine's load.")
-        elif prediction.few_cores:
-            text += (f"Here {prediction.world} processes share {prediction.here} cores: a process waiting in a bubble "
-                     f"leaves its core to another, so all three compute-only predictions meet at "
-                     f"{prediction.one_device / prediction.here * 1e3:.1f} ms, and the layouts differ here only by their "
-                     "messages, all-reduces and overheads.")
-        conclude(key, verdict, text, ratio=per_round, grid=grid_run.step_time, other=other.step_time)
-        verdicts[key] = verdict
+def grid_vs(runs: Sequence[GridRun], other: GridRun) -> Verdict:
+    """How the grid's step compares with `other` layout's, round by round (the layouts alternated)."""
+    grid_run = runs[1]
+    per_round = ratios(grid_run.round_times, other.round_times)
+    verdict = round_verdict(per_round)
+    key = "05.grid_vs_one_pipeline" if other.layout.data == 1 else "05.grid_vs_data_parallel"
+    return (key, verdict, f"the grid's step took {per_round.median:.2f} times as long as {other.name}'s"
+            f"{clock(grid_run)}: {verdict}, over {len(per_round.values)} rounds.",
+            dict(ratio=per_round, grid=grid_run.step_time, other=other.step_time))
 
-    over = {r.name: r.step_time.scaled(1 / prediction.seconds(r.layout)) for r in runs}
+
+def layouts_vs_prediction(runs: Sequence[GridRun], prediction: Prediction) -> Verdict:
+    """Whether every layout's every timed step took longer than its compute-only prediction."""
+    over = {r.name: r.step_time.median / prediction.seconds(r.layout) for r in runs}
     slower = all(compare(r.step_time, Measured.of([prediction.seconds(r.layout)])) == "higher" for r in runs)
-    verdicts["05.layouts_vs_prediction"] = verdict = "slower than predicted" if slower else "not all slower"
-    conclude("05.layouts_vs_prediction", verdict,
-             "measured / predicted (compute only): " + ", ".join(f"{n} {v:.2f}" for n, v in over.items()) + ". "
-             + ("Every timed step of every layout took longer than its compute-only prediction: the prediction "
-                "leaves out the messages, the all-reduces and the overhead of each action and micro-batch."
-                if slower else "Some timed step came within its compute-only prediction, so the messages, "
-                "all-reduces and overheads it leaves out cost little here."),
-             **{n.split(" (")[0].replace(" ", "_"): v for n, v in over.items()})
-    return verdicts
+    verdict = "slower than predicted" if slower else "not all slower"
+    return ("05.layouts_vs_prediction", verdict,
+            f"every layout ran at least {min(over.values()):.2f} times its compute-only prediction: "
+            + ("messages, all-reduces and overheads cost the rest." if slower else "some came within it."),
+            {n.split(" (")[0].replace(" ", "_"): v for n, v in over.items()})
 
 
 def gpu_outlook(runs: Sequence[GridRun], prediction: Prediction) -> str:
-    """The compute-only predictions on one device per process, which layout they put first, and
-    which layout the run put first."""
+    """Which layout the compute-only predictions put first, and which the run put first."""
     gpu = prediction.ms(runs)[prediction.gpu_label]
-    measured = min(runs, key=lambda r: r.step_time.median)
-    source = ("the device model at the emulated size" if prediction.emulated
-              else "scaled from this machine's one-thread step" if prediction.device == "cpu" else "one GPU's step")
-    first = min(gpu, key=gpu.get)
-    return (f"On {prediction.world} devices, one per process, the compute-only predictions are "
-            + ", ".join(f"{n} {v:.1f} ms" for n, v in gpu.items()) + f" ({source}): {first} first. "
-            + f"Measured, with every message and all-reduce: {measured.name} first"
-            + (" as well." if measured.name == first else
-               f", because {first}'s all-reduces (the bytes per process above) cost more than the bubble it saves."
-               if gpu[measured.name] > gpu[first] else "."))
+    first, ran = min(gpu, key=gpu.get), min(runs, key=lambda r: r.step_time.median).name
+    return (f"Compute alone puts {first} first on {prediction.world} devices; with every message and all-reduce "
+            f"{ran} came first{clock(runs[0])}.")
 
 
 def order(runs: Sequence[GridRun]) -> list[str]:
@@ -652,38 +558,27 @@ def order(runs: Sequence[GridRun]) -> list[str]:
     return [r.name for r in sorted(runs, key=lambda r: r.step_time.median)]
 
 
-def cores_contrast(on_cores: Sequence[GridRun], emulated: Sequence[GridRun], cores: int | None = None) -> str:
-    """Conclude what changes when the same layouts run on this machine's own cores instead of the
-    emulated node: the layouts' order, the steps' spread, and why (`on_cores` ran with emulate=None)."""
+def cores_rows(on_cores: Sequence[GridRun], emulated: Sequence[GridRun]) -> list[dict]:
+    """Each layout's median step on the emulated node and on this machine's cores, side by side."""
+    return [{"layout": e.name, f"step ms, modelled ({e.emulate}, emulated size)": round(e.step_time.median * 1e3, 1),
+             "step ms, measured (this machine's cores, small size)": f"{c.step_time.scaled(1e3):.1f}"}
+            for e, c in zip(emulated, on_cores)]
+
+
+def cores_contrast(on_cores: Sequence[GridRun], emulated: Sequence[GridRun], cores: int | None = None) -> Verdict:
+    """Whether this machine's own cores order the layouts as the emulated node does, and why not."""
     cores = cores or hardware.cpu_cores()
     world = on_cores[0].layout.pipe * on_cores[0].layout.data
-    shared = world > cores
     same = order(on_cores) == order(emulated)
-    spread = {label: max(r.step_time.relative_spread for r in runs) for label, runs in
-              (("cores", on_cores), ("emulated", emulated))}
-
-    def listed(runs: Sequence[GridRun]) -> str:
-        return ", ".join(f"{r.name} {r.step_time.scaled(1e3):.1f} ms" for r in runs)
-
-    text = (f"on the emulated node ({emulated[0].emulate}): {listed(emulated)}, fastest first "
-            f"{' < '.join(order(emulated))}; every step alike (spread {spread['emulated']:.0%}). On this machine's "
-            f"{cores} cores, the same processes, math and messages at the small size: {listed(on_cores)}, fastest first "
-            f"{' < '.join(order(on_cores))} ({'the same order' if same else 'another order'}), the steps spread by up "
-            f"to {spread['cores']:.0%} around their medians. ")
-    if shared:
+    if world > cores:
         verdict = "cores shared"
-        text += (f"Here {world} processes share {cores} cores: while one waits in its pipeline's bubble or for an "
-                 "all-reduce, another computes on its core, so the bubbles and the hidden all-reduces that separate the "
-                 f"layouts on {world} devices are not what orders them here: the messages, the overheads and the "
-                 "machine's load are, and the load moves every step. On the node each process has a device of its own, "
-                 "idle in its bubble, and a clock no load can move.")
+        text = (f"here {world} processes share {cores} cores, so a process's bubble is another's compute: "
+                "messages, overheads and load order the layouts, not the bubbles.")
     else:
         verdict = "same order" if same else "different order"
-        text += (f"Each of the {world} processes had a core of its own, as on the node, but a CPU core computes far "
-                 "slower against its memory and loopback messages than a GPU against NVLink, so compute weighs more "
-                 "here and the all-reduces less.")
-    conclude("05.cores_contrast", verdict, text, cores_spread=spread["cores"], emulated_spread=spread["emulated"])
-    return verdict
+        text = ("each process had a core of its own, and the layouts came in "
+                + ("the same order as" if same else "another order than") + " on the emulated node.")
+    return ("05.cores_contrast", verdict, text, dict(same_order=same, cores=cores))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -691,22 +586,30 @@ def cores_contrast(on_cores: Sequence[GridRun], emulated: Sequence[GridRun], cor
 # ---------------------------------------------------------------------------------------------
 
 
-def run_flops(width: int, layers_per_half: int, batch: int, steps: int, grid_width: int, grid_layers: int,
-              grid_batch: int, grid_steps: int, rounds: int) -> float:
-    """FLOPs of lesson 05 at a profile's size on a node with a GPU per process (nothing emulated),
-    counted on the meta device: parts 1-2 train the two-half MLP `steps` steps per wrapper, with
-    and without splits, plus the one-process reference; parts 3-4 train each of the three layouts
-    `rounds` x `grid_steps` steps and a warm-up, each checked by a one-process reference of as
-    many steps, plus the one-device prediction's three steps. (The tutorial's toy model is
-    negligible.) Each step is the whole model's forward and backward on the whole batch."""
+def run_flops(params: dict) -> float:
+    """FLOPs of lesson 05 at the notebook parameters `params` (missing names: the notebook's
+    defaults) on a node with a GPU per process, counted on the meta device: parts 1-2 train the
+    two-half MLP `steps` steps per wrapper, with and without splits, plus the one-process reference;
+    parts 3-4 train each of the three layouts `rounds` x `grid_steps` steps and a warm-up, each
+    checked by a one-process reference of as many steps, plus the one-device prediction's three
+    steps. (The tutorial's toy model is negligible.)"""
     from pipelab.emulate.cost import step_flops
     from pipelab.models import SplitMLP, mlp
+
+    p = {**DEFAULTS, **params}
 
     def step(model: nn.Module, rows: int, width: int) -> float:
         return step_flops(model, torch.empty(rows, width, device="meta"))
 
     with torch.device("meta"):
-        replica, layers = SplitMLP(width, layers_per_half, width), mlp([grid_width] * (grid_layers + 1))
-    replica_steps = steps * len(REPLICA_VARIANTS) * 2 + steps  # 2 wrappers x (naive, splits) + reference
-    layout_steps = 2 * len(layouts_of(2, 2, 1)) * (rounds * grid_steps + 1) + 3  # runs and references, prediction
-    return step(replica, batch, width) * replica_steps + step(layers, grid_batch, grid_width) * layout_steps
+        replica = SplitMLP(p["width"], p["layers_per_half"], p["width"])
+        layers = mlp([p["grid_width"]] * (p["grid_layers"] + 1))
+    replica_steps = p["steps"] * len(REPLICA_VARIANTS) * 2 + p["steps"]  # 2 wrappers x (naive, splits), reference
+    layout_steps = 2 * len(layouts_of(2, 2, 1)) * (p["rounds"] * p["grid_steps"] + 1) + 3  # runs, references, prediction
+    return (step(replica, p["batch"], p["width"]) * replica_steps
+            + step(layers, p["grid_batch"], p["grid_width"]) * layout_steps)
+
+
+# The parameters cell's defaults that `run_flops` reads.
+DEFAULTS = dict(width=512, layers_per_half=2, batch=128, steps=5, grid_width=128, grid_layers=8, grid_batch=64,
+                grid_steps=1, rounds=2)

@@ -29,7 +29,6 @@ from torch import nn
 from pipelab import experiments, hardware
 from pipelab.checks import divides, mean_loss, positive_number, same_batch, whole_number
 from pipelab.ddp import Bucket, BucketedDDP, check_bucket_cap
-from pipelab.display import conclude
 from pipelab.experiments.ddp import replica_spread, shard
 from pipelab.hybrid import HALVES, ModelParallelReplica, gpu_path, replica_devices
 from pipelab.measure import Measured, RankSteps, Steps, TimedSteps, compare, gather_steps, time_steps
@@ -344,78 +343,52 @@ def early_buckets(run: ReplicaRun) -> Measured:
                                     lambda s: s.kind == "B" and s.lane == "device 0") for tl in run.steps.timelines)
 
 
-def early_buckets_verdict(run: ReplicaRun) -> str:
-    """Conclude whether device 1's buckets travelled during device 0's backward (`BucketedDDP`)."""
+def early_buckets_verdict(run: ReplicaRun) -> tuple[str, str, str, dict]:
+    """Whether device 1's buckets travelled during device 0's backward in the typical step (`BucketedDDP`)."""
     early = early_buckets(run)
-    overlapped = early.median > 0  # the typical step: one whose threads all waited for a core overlaps nothing
-    verdict = "overlaps" if overlapped else "does not overlap"
-    conclude("05.early_buckets", verdict,
-             f"device 1's buckets were in flight during device 0's backward for {early.scaled(100):.0f} % of their "
-             f"all-reduce time (median (lowest-highest) of {len(early.values)} timed steps): "
-             + ("in the typical step they travelled while device 0 still differentiated its layers."
-                if overlapped else "in the typical step none of it overlapped device 0's backward."),
-             early=early)
-    return verdict
+    verdict = "overlaps" if early.median > 0 else "does not overlap"
+    return ("05.early_buckets", verdict,
+            f"in the median step, device 1's buckets were in flight during device 0's backward for "
+            f"{early.median:.0%} of their all-reduce time.", dict(early=early))
 
 
 WHY_SPLITS_OVERLAP = {"copy/compute": "a split's copy travels while device 0 computes the next split",
                       "device/device": "device 1 computes split i while device 0 computes split i + 1"}
 
 
-def splits_verdicts(without: ReplicaRun, with_splits: ReplicaRun, cfg: Config) -> dict[str, str]:
-    """Conclude what lesson 03's splits changed inside each replica: the copy/compute and
-    device/device shares, and the step time (`cfg` is the run with splits). Returns each verdict."""
-    verdicts = {}
-    for kind, because in WHY_SPLITS_OVERLAP.items():
-        now, before = shares(with_splits)[kind], shares(without)[kind]
-        # Without splits this overlap cannot happen; with them it can, but a step whose threads all
-        # waited for a core (shared cores under load) overlaps nothing. So ask whether any step with
-        # splits overlapped beyond every step without, and say how many did.
-        beyond = sum(v > before.high for v in now.values)
-        verdict = "higher" if beyond else "lower" if now.high < before.low else "within noise"
-        conclude(f"05.splits_{kind.replace('/', '_')}", verdict,
-                 f"{kind} overlap {now.scaled(100):.0f} % with splits against {before.scaled(100):.0f} % "
-                 f"without (median (lowest-highest) of the timed steps); {beyond} of {len(now.values)} steps with "
-                 "splits overlapped more than any step without: "
-                 + {"higher": f"splits let the two overlap, as lesson 03 predicts ({because}); a step in which it did "
-                              "not had its threads waiting for one of the shared cores.",
-                    "lower": f"every step with splits overlapped less than any step without, against lesson 03's prediction ({because}).",
-                    "within noise": "no step with splits overlapped beyond the steps without: on these shared cores the "
-                                    "threads never ran at the same time in this run."}[verdict],
-                 with_splits=now, without=before, steps_beyond=beyond)
-        verdicts[kind] = verdict
-    verdicts["step time"] = split_time_verdict(without, with_splits, cfg)
-    return verdicts
+def splits_verdict(without: ReplicaRun, with_splits: ReplicaRun, kind: str) -> tuple[str, str, str, dict]:
+    """Whether lesson 03's splits let `kind` ("copy/compute" or "device/device") overlap: any
+    step with splits beyond every step without (a step whose threads all waited for a shared
+    core overlaps nothing)."""
+    now, before = shares(with_splits)[kind], shares(without)[kind]
+    beyond = sum(v > before.high for v in now.values)
+    verdict = "higher" if beyond else "lower" if now.high < before.low else "within noise"
+    return (f"05.splits_{kind.replace('/', '_')}", verdict,
+            f"{beyond} of {len(now.values)} steps with splits overlapped {kind} more than any step without: "
+            + {"higher": WHY_SPLITS_OVERLAP[kind], "lower": "less, against lesson 03's prediction",
+               "within noise": "the shared cores never ran the threads at once"}[verdict] + ".",
+            dict(with_splits=now, without=before, steps_beyond=beyond))
 
 
-def split_time_verdict(without: ReplicaRun, with_splits: ReplicaRun, cfg: Config) -> str:
-    """Conclude whether the splits made a step faster, and say what lesson 03 bounds it by."""
+def split_time_verdict(without: ReplicaRun, with_splits: ReplicaRun, cfg: Config) -> tuple[str, str, str, dict]:
+    """Whether the splits made a step faster; with fewer cores than virtual devices they cannot."""
     cores, threads = hardware.cpu_cores(), cfg.world_size * 2
-    few_cores = not cfg.on_gpus and threads > cores  # the virtual devices share the cores
     splits = math.ceil(cfg.x.shape[0] // cfg.world_size / cfg.split_size)
     bound = 2 * splits / (splits + 1)  # lesson 03: 2 devices, k splits, equal halves
-    text = (f"a step took {with_splits.step_time.scaled(1e3):.1f} ms with splits and "
-            f"{without.step_time.scaled(1e3):.1f} ms without (median (lowest-highest) of the timed steps). ")
-    if few_cores:
-        verdict = "too few cores"  # not "within noise": the ranges may well differ, but shared cores decide them
-        text += (f"Here {cfg.world_size} processes drive {threads} virtual devices on {cores} cores: too few cores for "
-                 "splits to save time. Work that overlaps on the timeline was interleaved on shared cores, so an overlap "
-                 "here shows what ran at once, not time saved. With two GPUs per replica each device computes on its "
-                 f"own and the copies ride the copy engines: lesson 03's bound for {splits} splits on 2 devices is "
-                 f"{bound:.2f}x faster.")
+    if not cfg.on_gpus and threads > cores:  # the virtual devices share the cores
+        verdict = "too few cores"  # not "within noise": shared cores decide the ranges
+        text = (f"with {threads} virtual devices on {cores} cores splits cannot save time; two GPUs per replica "
+                f"could gain up to {bound:.2f}x (lesson 03).")
     else:
         verdict = compare(with_splits.step_time, without.step_time)
-        text += {"lower": "Splits made every timed step faster than any without them",
-                 "higher": "Splits made every timed step slower than any without them",
-                 "within noise": "The ranges overlap: this run cannot tell the two apart"}[verdict] + \
-            f"; lesson 03's bound for {splits} splits on 2 devices is {bound:.2f}x faster."
-    conclude("05.splits_step_time", verdict, text, with_splits=with_splits.step_time, without=without.step_time,
-             bound=bound, cores=cores, threads=threads)
-    return verdict
+        text = (f"the median step took {with_splits.step_time.median * 1e3:.1f} ms with splits against "
+                f"{without.step_time.median * 1e3:.1f} ms without: {verdict}.")
+    return ("05.splits_step_time", verdict, text,
+            dict(with_splits=with_splits.step_time, without=without.step_time, bound=bound, cores=cores))
 
 
 def shares_table(runs: dict[str, ReplicaRun]) -> list[dict]:
     """One row per share (what overlaps what), one column per run: median (lowest-highest) in %."""
     figures = {label: shares(run) for label, run in runs.items()}
-    return [{"overlap": kind, **{label: f"{f[kind].scaled(100):.0f} %" for label, f in figures.items()}}
+    return [{"overlap": kind, **{label: format(f[kind].scaled(100), ".0f") + " %" for label, f in figures.items()}}
             for kind in ("copy/compute", "device/device", "all-reduce/compute")]

@@ -3,14 +3,11 @@
     cfg = Config(world_size=2, stages=stages, schedules=["gpipe", "1f1b"], num_microbatches=4, x=x, y=y)
     runs = run(cfg)  # experiments.run(worker, cfg, gather): one PipelineRun per schedule
 
-`Config` checks every input before a process starts and lists the `jobs` it will run (a schedule
-on a batch each, all in one set of processes); `worker` times a few steps of each job on every rank,
-with pipelab's runtime or, with `engine="torch"`, with `torch.distributed.pipelining`; `gather`
-makes one `PipelineRun` per job. A run carries the batch's `loss`, each micro-batch's loss
-(`mb_losses`, as torch's `schedule.step(..., losses=[])` gives them) and `grads` named as in
-`nn.Sequential(*stages)`, so `reference.assert_same(run, reference_run(nn.Sequential(*stages), x, y,
-loss_fn, lr=None))` checks it against one process. Lesson 06's verdicts are in `experiments.gpipe`,
-lesson 07's in `experiments.schedules`.
+`Config` checks every input before a process starts and lists its `jobs` (a schedule on a batch
+each, all in one set of processes); `worker` times a few steps of each on every rank with pipelab's
+runtime or, with `engine="torch"`, `torch.distributed.pipelining`; `gather` makes one `PipelineRun`
+per job, checked by `reference.assert_same(run, reference_run(nn.Sequential(*stages), x, y, loss_fn,
+lr=None))`. Lesson 06's verdicts are in `experiments.gpipe`, lesson 07's in `experiments.schedules`.
 """
 
 from __future__ import annotations
@@ -27,7 +24,7 @@ from pipelab import experiments
 from pipelab.build import materialize
 from pipelab.checks import divides, mean_loss, same_batch, whole_number
 from pipelab.measure import Measured, RankSteps, Steps, TimedSteps, gather_steps, time_steps, timed_slice
-from pipelab.emulate.stages import EmulatedStage, emulated_stages
+from pipelab.emulate.pipe import EmulatedPipe
 from pipelab.models import mlp
 from pipelab.pipeline.p2p import TensorSpec, message_specs, trace
 from pipelab.pipeline.partition import split_model
@@ -35,7 +32,7 @@ from pipelab.pipeline.runtime import run_step
 from pipelab.pipeline.schedules import Schedule, make_schedule
 from pipelab.pipeline.simulate import Costs, simulate
 from pipelab.pipeline.torch_pipelining import check_torch, torch_step
-from pipelab.timeline import Timeline
+from pipelab.timeline import Timeline, complement, intersection, merged
 from pipelab.worker import RankContext
 
 ENGINES = ("pipelab", "torch")  # whose runtime runs the schedules
@@ -56,10 +53,8 @@ class Job:
 class Config(experiments.Config):
     """Pipeline schedules on `world_size` ranks, all in one set of processes.
 
-    `schedules`: names ("gpipe", "1f1b", "interleaved", "zb-h1"), built for `num_microbatches` (one
-    count for all, or one per schedule; "interleaved" holds len(stages) // world_size stages per
-    rank), or `Schedule`s built by hand. `x`, `y`: one batch for every schedule, or one per
-    schedule. `checkpoint`: activation checkpointing, one flag for all or one per schedule. `steps`
+    `schedules`: names ("gpipe", "1f1b", "interleaved", "zb-h1") or `Schedule`s built by hand;
+    `num_microbatches`, `x`, `y` and `checkpoint`: one for all schedules or one per schedule. `steps`
     per schedule, the first a warm-up. `engine`: "pipelab" (our runtime) or "torch"."""
 
     stages: Sequence[nn.Module] = field(repr=False)
@@ -71,10 +66,8 @@ class Config(experiments.Config):
     steps: int = 2
     checkpoint: bool | Sequence[bool] = False
     engine: str = "pipelab"
-    # On an emulated node (`emulate`, e.g. "2xH100-nvlink") each span lasts what the device model
-    # gives for the same stages at the emulated size: `emulated_stages`, built on the meta device
-    # (no memory), one per stage, fed micro-batches like `emulated_x` (one micro-batch, on meta), in
-    # `emulated_dtype`; their memory is estimated for training with `optimizer` (`emulate.memory`).
+    # The same stages at the size an `emulate` node times (on meta), one micro-batch like `emulated_x`
+    # (on meta): `emulated_mlp` gives all four (`emulate.pipe`).
     emulated_stages: Sequence[nn.Module] | None = field(repr=False, default=None)
     emulated_x: torch.Tensor | None = field(repr=False, default=None)
     emulated_dtype: str = "bfloat16"
@@ -107,53 +100,31 @@ class Config(experiments.Config):
                              "use a loss that averages over the samples, e.g. torch.nn.MSELoss()")
 
     def check_emulated(self) -> None:
-        """On an emulated node: the stages at the emulated size, one per stage, and their micro-batch."""
+        """On an emulated node: our runtime (torch's runs on this machine's clock), and the stages counted."""
         if self.engine == "torch":
             raise ValueError(f"engine='torch' runs on this machine's own clock, not on an emulated node; "
                              f"pass emulate=None (got emulate={self.emulate!r})")
-        stages = list(self.emulated_stages or [])
-        if len(stages) != len(self.stages) or not all(isinstance(s, nn.Module) for s in stages):
-            raise ValueError(f"on an emulated node (emulate={self.emulate!r}) give emulated_stages: the "
-                             f"{len(self.stages)} stages at the emulated size, built on the meta device, e.g. "
-                             "with torch.device('meta'): split_model(models.mlp([8192] * 9), 2)")
-        if not isinstance(self.emulated_x, torch.Tensor):
-            raise ValueError(f"on an emulated node give emulated_x, one micro-batch at the emulated size on the "
-                             f"meta device, e.g. torch.empty(4096, 8192, device='meta'); got {self.emulated_x!r}")
-        self.emulated  # counts every stage now: a stage that cannot run on meta fails here
+        self.emulated  # counts every stage now: a bad or missing stage fails here
 
     @cached_property
-    def emulated(self) -> dict[int, EmulatedStage] | None:
-        """Each stage at the emulated size (None off an emulated node): its modelled seconds and
-        memory on the emulated node's device, counted on the meta device."""
+    def emulated(self) -> EmulatedPipe | None:
+        """The stages at the emulated size, counted once on the meta device (None off an emulated node)."""
         if self.emulate is None:
             return None
-        return emulated_stages(self.emulated_stages, self.emulated_x, self.loss_fn, self.node,
-                               self.emulated_dtype, self.optimizer)
+        return EmulatedPipe.of(self.emulated_stages, self.emulated_x, self.loss_fn, self.emulate, self.emulated_dtype,
+                               self.optimizer, expected=len(self.stages), emulate=self.emulate)
 
     def memory_estimate(self, stage: int, microbatches_in_flight: int, checkpoint: bool = False):
-        """What `stage` would hold at its peak on the emulated node's device (`emulate.memory`),
-        with `microbatches_in_flight` micro-batches' activations stashed (GPipe: m)."""
-        from pipelab.emulate.memory import stage_memory
-        from pipelab.emulate.specs import torch_dtype
-
+        """What `stage` would hold at its peak on the emulated device with that many stashes."""
         if self.emulated is None:
             raise ValueError("memory_estimate needs an emulated node: pass emulate='2xH100-nvlink' and emulated_stages")
-        e = self.emulated[stage]
-        return stage_memory(e.module, e.example, self.node.device, stage=stage,
-                            optimizer=self.optimizer, microbatches_in_flight=microbatches_in_flight,
-                            checkpoint=checkpoint, dtype=torch_dtype(self.emulated_dtype))
+        return self.emulated.memory(stage, microbatches_in_flight, checkpoint)
 
     def simulated_costs(self, messages: bool = False) -> Costs:
-        """The emulated node's cost model as the simulator's `Costs` (ms): each stage's modelled F,
-        I and W, and with `messages` one activation's link time as the transfer (else free)."""
+        """The simulator's `Costs` (ms) at the emulated size; with `messages`, each message's link time."""
         if self.emulated is None:
             raise ValueError("simulated_costs needs an emulated node: pass emulate='2xH100-nvlink' and emulated_stages")
-        from pipelab.emulate.cost import message_seconds
-
-        per_stage = {s: (1e3 * e.seconds["F"], 1e3 * e.seconds["I"], 1e3 * e.seconds["W"])
-                     for s, e in self.emulated.items()}
-        transfer = 1e3 * message_seconds(self.emulated[0].output_bytes, self.node.link)
-        return Costs(transfer=transfer if messages else 0.0, per_stage=per_stage)
+        return Costs(transfer=self.emulated.message_ms() if messages else 0.0, per_stage=self.emulated.stage_ms())
 
     @cached_property
     def jobs(self) -> list[Job]:
@@ -214,10 +185,6 @@ def per_schedule(name: str, value, kind: type, count: int) -> list:
     return values
 
 
-# ---------------------------------------------------------------------------------------------
-# On every rank: the worker; then the gathered run
-# ---------------------------------------------------------------------------------------------
-
 @dataclass
 class Result:
     """What one rank brings back for one job."""
@@ -265,34 +232,24 @@ def pipelab_job(ctx: RankContext, cfg: Config, job: Job) -> Result:
     """`cfg.steps` steps of `job` with pipelab's runtime (`run_step`); the last one's losses and gradients."""
     x, y = job.x.to(ctx.device), job.y.to(ctx.device)
     modules = rank_modules(ctx, cfg, job.schedule)
-    emulated = emulate_job(ctx, cfg, job, modules)
+    modelled = emulate_job(ctx, cfg, job, modules)
     measured = time_steps(ctx, lambda _: run_step(ctx, job.schedule, modules, cfg.loss_fn, x, y, job.specs,
                                                   job.checkpoint),
                           cfg.steps, prepare=zero_grads(modules))
     last = measured.results[-1]
     traces = [step.stash.trace for step in measured.results[timed_slice(cfg.steps)]]
     timed = RankSteps([], measured.seconds, measured.timelines)  # the steps' tensors stay here
-    peak = ctx.emulator.memory.peak if emulated else 0.0
+    peak = ctx.emulator.memory.peak if modelled else 0.0
     return Result(ctx.rank, sorted(modules), [float(loss) for loss in last.losses], gradients_of(modules), timed,
                   traces, last.stash.peak, last.stash.peak_bytes, last.messages_sent, last.bytes_sent, peak)
 
 
 def emulate_job(ctx: RankContext, cfg: Config, job: Job, modules: dict[int, nn.Module]) -> bool:
-    """On an emulated node, time this rank's stages by their cost table at the emulated size, its
-    memory meter starting with its stages' parameters, gradients and optimizer state, and each
-    message at the emulated size. False elsewhere."""
+    """On an emulated node, put this rank's stages and messages on its clock; False elsewhere."""
     if ctx.emulator is None or cfg.emulated is None:
         return False
-    from pipelab.emulate.memory import MemoryMeter
-    from pipelab.emulate.table import stage_table
-
-    mine = {s: cfg.emulated[s] for s in modules}
-    table = stage_table({s: e.seconds for s, e in mine.items()},
-                        {s: (e.stash_bytes, e.input_bytes) for s, e in mine.items()}, job.checkpoint)
-    ctx.emulator.use(table, MemoryMeter(ctx.emulator.node.device, sum(e.held_bytes for e in mine.values())))
     real = job.specs[0][0]  # stage 0's output on one micro-batch, as sent
-    real_bytes = torch.empty((), dtype=real.dtype).element_size() * torch.Size(real.shape).numel()
-    ctx.emulator.scale_messages(cfg.emulated[0].output_bytes, real_bytes)
+    cfg.emulated.install(ctx.emulator, modules, job.checkpoint, real.dtype.itemsize * torch.Size(real.shape).numel())
     return True
 
 
@@ -356,14 +313,13 @@ class PipelineRun(TimedSteps):
         return {rank: b / 2**20 for rank, b in self.peak_stash_bytes.items()}
 
     def row(self) -> dict:
-        """The figures as one table row (step time and bubble: median, min-max of the timed steps),
-        at one size: on an emulated node the modelled step and the peak memory at the emulated size,
-        elsewhere the measured step and the real stash's bytes."""
-        emulated = bool(self.emulated_peak_bytes)
-        memory = ({"peak GB, emulated size": round(max(self.emulated_peak_bytes.values()) / 1e9, 2)} if emulated else
+        """The figures as one table row, at one size: on an emulated node the modelled step and the
+        peak memory there, elsewhere the measured step and the real stash's bytes."""
+        modelled = bool(self.emulated_peak_bytes)
+        memory = ({"peak GB, emulated size": round(max(self.emulated_peak_bytes.values()) / 1e9, 2)} if modelled else
                   {"peak_stash_KiB": round(max(self.peak_stash_bytes.values()) / 1024, 1)})
         return {"schedule": self.schedule.name, "p": self.schedule.num_ranks, "m": self.schedule.num_microbatches,
-                "step_ms, modelled" if emulated else "step_ms": f"{self.step_time.scaled(1e3):.1f}",
+                "step_ms, modelled" if modelled else "step_ms": f"{self.step_time.scaled(1e3):.1f}",
                 "bubble": f"{self.bubble_fraction:.3f}", "simulated bubble": f"{self.simulated_bubble:.3f}",
                 "peak_stash": max(self.peak_stash.values()), **memory, "messages": self.messages_sent}
 
@@ -413,54 +369,17 @@ def send_waits(timeline: Timeline) -> dict[str, float]:
     `P2P.finish` waits for the step's last messages to leave."""
     out = dict.fromkeys(("in flight", "computing", "in recv", "blocked", "blocked at the end"), 0.0)
     for rank in {s.rank for s in timeline.filter(kind="send", lane="comm")}:
-        sends = union([(s.start, s.end) for s in timeline.filter(rank=rank, kind="send", lane="comm")])
-        busy = union([(s.start, s.end) for s in timeline.filter(rank=rank, lane="compute")])
-        waiting = union([(s.start, s.end) for s in timeline.filter(rank=rank, kind="recv", lane="comm")])
+        def spans(**where) -> list[tuple[float, float]]:
+            return merged((s.start, s.end) for s in timeline.filter(rank=rank, **where))
+
+        sends, busy, waiting = spans(kind="send", lane="comm"), spans(lane="compute"), spans(kind="recv", lane="comm")
         idle = complement(busy, sends)  # message time while the rank computed nothing (hatched)
         blocked = complement(waiting, idle)
-        out["in flight"] += length(sends)
-        out["computing"] += length(overlap(sends, busy))
-        out["in recv"] += length(overlap(idle, waiting))
-        out["blocked"] += length(blocked)
         last = max((b for _, b in busy), default=float("-inf"))
-        out["blocked at the end"] += length(overlap(blocked, [(last, float("inf"))]))
+        for key, part in (("in flight", sends), ("computing", intersection(sends, busy)), ("in recv", intersection(idle, waiting)),
+                          ("blocked", blocked), ("blocked at the end", intersection(blocked, [(last, float("inf"))]))):
+            out[key] += sum(b - a for a, b in part)
     return out
-
-
-def union(intervals: list[tuple[float, float]]) -> list[tuple[float, float]]:
-    """Sorted, non-overlapping intervals covering the same time."""
-    out: list[list[float]] = []
-    for a, b in sorted(intervals):
-        if out and a <= out[-1][1]:
-            out[-1][1] = max(out[-1][1], b)
-        else:
-            out.append([a, b])
-    return [(a, b) for a, b in out]
-
-
-def overlap(xs: list[tuple[float, float]], ys: list[tuple[float, float]]) -> list[tuple[float, float]]:
-    """The time both unions `xs` and `ys` cover."""
-    return union([(max(a, c), min(b, d)) for a, b in xs for c, d in ys if min(b, d) > max(a, c)])
-
-
-def complement(xs: list[tuple[float, float]], within: list[tuple[float, float]]) -> list[tuple[float, float]]:
-    """The time of `within` that the union `xs` does not cover."""
-    out = []
-    for a, b in within:
-        t = a
-        for c, d in xs:
-            if d <= t or c >= b:
-                continue
-            if c > t:
-                out.append((t, c))
-            t = max(t, d)
-        if t < b:
-            out.append((t, b))
-    return out
-
-
-def length(intervals: list[tuple[float, float]]) -> float:
-    return sum(b - a for a, b in intervals)
 
 
 def recv_waits(timeline: Timeline) -> tuple[float, float]:

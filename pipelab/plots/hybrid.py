@@ -48,8 +48,9 @@ def draw_replicas(world_size: int = 2, ax=None):
 
 def plot_replica_step(run: ReplicaRun, ax=None, title: str | None = None, longest_ms: float | None = None):
     """A typical step of every process: both devices' compute lanes and the all-reduce lane."""
-    tl = run.timeline
-    ax = gantt(tl, ax=ax, title=title or f"{run.name}: typical step {tl.makespan * 1e3:.1f} ms")
+    tl, k = run.timeline, run.steps.typical_index
+    shown = f"timed step {k + 1} of {len(run.steps.seconds)}, {run.steps.seconds[k] * 1e3:.1f} ms"
+    ax = gantt(tl, ax=ax, title=title or f"{run.name}: {shown} (median step {run.step_time.median * 1e3:.1f} ms)")
     if longest_ms is not None:
         ax.set_xlim(0, longest_ms * 1.02)
     return ax
@@ -88,12 +89,13 @@ def plot_layouts(runs: Sequence[GridRun], predicted_ms: dict[str, dict[str, floa
     times = [r.step_time.scaled(1e3) for r in runs]
     med = [t.median for t in times]
     err = [[t.median - t.low for t in times], [t.high - t.median for t in times]]
-    ax.bar(range(len(runs)), med, yerr=err, capsize=4, color=kind_color("compute"), alpha=0.8, label="measured")
+    clock = "modelled on the emulated node" if runs[0].emulate else "measured"
+    ax.bar(range(len(runs)), med, yerr=err, capsize=4, color=kind_color("compute"), alpha=0.8, label=clock)
     for (label, per_layout), marker in zip((predicted_ms or {}).items(), "D^sv"):
         ax.scatter(range(len(runs)), [per_layout[n] for n in names], marker=marker, zorder=3, s=45, label=label)
     ax.set_xticks(range(len(runs)), names, fontsize=8)
     ax.set_xlabel("layout of the processes (pipe x data)")
-    ax.set_ylabel("step time (ms)")
+    ax.set_ylabel(f"step time (ms), {clock.split()[0]}")
     ax.set_title("Same processes, same batch: three layouts")
     ax.grid(axis="y", alpha=0.3)
     ax.legend(fontsize="small")
@@ -104,6 +106,7 @@ def plot_grid_step(run: GridRun, ax=None):
     """A typical step of the grid, every process: its stages' F and B, its messages, and each
     stage's all-reduce over its data-parallel group on the comm lane."""
     tl = run.timeline
-    title = (f"{run.name}, {run.schedule}: typical step {tl.makespan * 1e3:.1f} ms; all-reduces' flight under "
-             f"some stage's compute: {run.overlap.scaled(100):.0f} % (median (lowest-highest) of the timed steps)")
+    clock = ", modelled" if run.emulate else ""
+    title = (f"{run.name}, {run.schedule}: the median-length step, {tl.makespan * 1e3:.1f} ms{clock};\n"
+             f"all-reduces' flight under some stage's compute: {run.overlap.scaled(100):.0f} %")
     return gantt(tl, ax=ax, title=title)

@@ -173,8 +173,8 @@ def plot_memory_time_trade(points: dict[str, tuple[Measured, dict[int, float]]],
                         label=f"{name}, rank {rank}")
     for i, (name, ms) in enumerate((simulated_ms or {}).items()):
         ax.axvline(ms, color="grey", linestyle="--", linewidth=1)
-        ax.text(ms, 1.0 - 0.07 * (i + 1), f" simulated, {name}", transform=ax.get_xaxis_transform(),
-                fontsize=8, color="dimgrey")
+        ax.text(ms, 0.03, f"simulated, {name} ", transform=ax.get_xaxis_transform(), rotation=90,
+                ha="right", va="bottom", fontsize=8, color="dimgrey")  # inside the axes, clear of the legend
     ax.set_xlabel(xlabel or "step time (ms): median, bar from fastest to slowest repeat")
     ax.set_ylabel(ylabel or "peak stashed activations (MiB)")
     ax.set_ylim(bottom=0)
