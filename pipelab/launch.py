@@ -35,8 +35,9 @@ from typing import Callable
 from pipelab import hardware, worker_server
 from pipelab.checks import positive_number, whole_number
 from pipelab.emulate import environment, finished, install_from_environment
+from pipelab.rank_failures import WorkerError, failed, failure_error
 from pipelab.worker import RankContext, hello, init_worker  # noqa: F401 - importable from here
-from pipelab.worker import EXIT_DISK_FULL, ON_FINISH, ON_START, load_pickle, rank_path, run_spawned, run_under_torchrun
+from pipelab.worker import ON_FINISH, ON_START, load_pickle, rank_path, run_spawned, run_under_torchrun
 
 # Every rank started here installs what its environment asks for (an emulated node, NCCL's rule).
 if install_from_environment not in ON_START:  # once, whether imported or run as __main__
@@ -46,26 +47,6 @@ if install_from_environment not in ON_START:  # once, whether imported or run as
 _POLL_SECONDS = 0.01
 _GRACE_SECONDS = 2.0  # after a rank fails, the most we wait for its peers to exit with their errors
 _RENDEZVOUS_ATTEMPTS = 3  # tries to form the process group, each on a newly picked port
-
-
-class WorkerError(RuntimeError):
-    """A worker rank failed: it raised, died without a Python error, or did not finish in time.
-    Carries the rank, its traceback, and the errors its peers hit because of it."""
-
-    def __init__(self, rank: int, message: str, traceback_text: str = ""):
-        super().__init__(f"rank {rank} {message}")
-        self.rank = rank
-        self.traceback = traceback_text
-        self.consequences: list[WorkerError] = []  # the other ranks' errors, caused by this one
-        self.during_rendezvous = False  # failed while forming the process group, before fn ran
-
-    def __str__(self) -> str:
-        text = self.args[0]
-        if self.traceback:
-            text += f"\n\n--- traceback from rank {self.rank} ---\n{self.traceback.rstrip()}"
-        if self.consequences:
-            text += "\n\n--- then, because of it ---\n" + "\n".join(e.args[0] for e in self.consequences)
-        return text
 
 
 def spawn(fn: Callable, world_size: int, *args, backend: str = "auto", timeout: float = 120.0,
@@ -292,9 +273,9 @@ def _wait_for_workers(procs: list[subprocess.Popen], workdir: str, timeout: floa
     deadline = time.monotonic() + timeout
     while True:
         codes = [_exit_code(p) for p in procs]
-        if any(_failure(rank, code, workdir) for rank, code in enumerate(codes)):
+        if any(failed(rank, code, workdir) for rank, code in enumerate(codes)):
             _wait_for_all_exits(procs, _GRACE_SECONDS, ctrl_c)  # the peers' own errors, if any
-            raise _failure_error(procs, workdir)
+            raise failure_error([_exit_code(p) for p in procs], workdir)
         if all(code == 0 for code in codes):
             return
         if time.monotonic() > deadline:
@@ -331,68 +312,6 @@ def _exit_code(proc: subprocess.Popen) -> int | None:
     if info is None:
         return None
     return info.si_status if info.si_code == os.CLD_EXITED else -info.si_status
-
-
-def _failure(rank: int, code: int | None, workdir: str) -> bool:
-    """Whether the rank failed: it wrote an error, or exited without a result."""
-    if os.path.exists(rank_path(workdir, "error", rank)):
-        return True
-    return code is not None and not (code == 0 and os.path.exists(rank_path(workdir, "result", rank)))
-
-
-def _failure_error(procs: list[subprocess.Popen], workdir: str) -> WorkerError:
-    """One error naming the cause, the other ranks' errors listed as its consequences. A rank that
-    died without a Python error (a crash in native code, a SIGKILL from the out-of-memory killer,
-    os._exit) is the cause: its peers' errors ("Connection closed by peer") are only its echo.
-    Otherwise the cause is the rank whose error was written first."""
-    failures = [_rank_failure(rank, p, workdir) for rank, p in enumerate(procs)]
-    (_, cause), *others = sorted(f for f in failures if f is not None)
-    cause.consequences = [error for _, error in others]
-    return cause
-
-
-def _rank_failure(rank: int, proc: subprocess.Popen, workdir: str) -> tuple[tuple, WorkerError] | None:
-    """How the rank failed, with a key that sorts the cause first; None if it did not fail."""
-    path = rank_path(workdir, "error", rank)
-    if os.path.exists(path):
-        info = load_pickle(path)
-        error = WorkerError(rank, f"raised {info['type']}: {info['message']}", info["traceback"])
-        error.during_rendezvous = info.get("phase") == "rendezvous"
-        return (1, os.stat(path).st_mtime_ns, rank), error
-    code = _exit_code(proc)
-    if not _failure(rank, code, workdir):
-        return None
-    if code == EXIT_DISK_FULL:
-        return (0, 0, rank), WorkerError(rank, _disk_full(workdir))
-    return (0, 0, rank), WorkerError(rank, _how_it_died(code), _crash_report(workdir, rank))
-
-
-def _disk_full(workdir: str) -> str:
-    folder = os.path.dirname(workdir)
-    free = shutil.disk_usage(folder).free if os.path.isdir(folder) else 0
-    return (f"could not write its result: the disk holding {folder} is full ({free / 2**20:.0f} MiB free). "
-            "Results travel through files there: free space, or point TMPDIR at a larger disk "
-            "(e.g. TMPDIR=$HOME/tmp) before starting Python")
-
-
-def _crash_report(workdir: str, rank: int) -> str:
-    """The Python stack faulthandler wrote when the rank crashed in native code, if it did."""
-    try:
-        with open(rank_path(workdir, "crash", rank)) as f:
-            return f.read()
-    except OSError:
-        return ""
-
-
-def _how_it_died(code: int) -> str:
-    if code < 0:
-        name = (signal.strsignal(-code) or "unknown signal").lower()
-        why = ("the out-of-memory killer sends it, so does `kill -9`" if -code == signal.SIGKILL
-               else "a crash in native code (a C/C++ extension, a bad pointer)")
-        return f"was killed by signal {-code} ({name}) without a Python error: {why}"
-    if code == 0:
-        return "exited with code 0 without returning a result (os._exit(0) in the worker?)"
-    return f"exited with code {code} without a Python error (os._exit? exit() in native code?)"
 
 
 def _end_all(procs: list[subprocess.Popen], pumps: list[_Pump]) -> None:

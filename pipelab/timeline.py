@@ -96,31 +96,6 @@ def _intervals(timeline: "Timeline") -> list[Interval]:
     return [(s.start, s.end) for s in timeline]
 
 
-def merged(intervals: Iterable[tuple[float, float]]) -> list[tuple[float, float]]:
-    """Intervals merged into disjoint, sorted pieces (the public name of the algebra's union)."""
-    return _merged(intervals)
-
-
-def intersection(xs: list[tuple[float, float]], ys: list[tuple[float, float]]) -> list[tuple[float, float]]:
-    """The time both disjoint, sorted interval lists cover, as disjoint, sorted pieces."""
-    return _merged((max(a, c), min(b, d)) for a, b in xs for c, d in ys if min(b, d) > max(a, c))
-
-
-def complement(xs: list[tuple[float, float]], within: list[tuple[float, float]]) -> list[tuple[float, float]]:
-    """The time of `within` that the disjoint, sorted intervals `xs` do not cover."""
-    out = []
-    for a, b in within:
-        t = a
-        for c, d in xs:
-            if c < b and d > t:
-                if c > t:
-                    out.append((t, c))
-                t = max(t, d)
-        if t < b:
-            out.append((t, b))
-    return out
-
-
 @dataclass
 class Timeline:
     """The spans of one run, from one rank or merged from many."""

@@ -32,7 +32,7 @@ from pipelab.pipeline.runtime import run_step
 from pipelab.pipeline.schedules import Schedule, make_schedule
 from pipelab.pipeline.simulate import Costs, simulate
 from pipelab.pipeline.torch_pipelining import check_torch, torch_step
-from pipelab.timeline import Timeline, complement, intersection, merged
+from pipelab.timeline import Timeline, complement, overlap, union
 from pipelab.worker import RankContext
 
 ENGINES = ("pipelab", "torch")  # whose runtime runs the schedules
@@ -370,14 +370,14 @@ def send_waits(timeline: Timeline) -> dict[str, float]:
     out = dict.fromkeys(("in flight", "computing", "in recv", "blocked", "blocked at the end"), 0.0)
     for rank in {s.rank for s in timeline.filter(kind="send", lane="comm")}:
         def spans(**where) -> list[tuple[float, float]]:
-            return merged((s.start, s.end) for s in timeline.filter(rank=rank, **where))
+            return union((s.start, s.end) for s in timeline.filter(rank=rank, **where))
 
         sends, busy, waiting = spans(kind="send", lane="comm"), spans(lane="compute"), spans(kind="recv", lane="comm")
         idle = complement(busy, sends)  # message time while the rank computed nothing (hatched)
         blocked = complement(waiting, idle)
         last = max((b for _, b in busy), default=float("-inf"))
-        for key, part in (("in flight", sends), ("computing", intersection(sends, busy)), ("in recv", intersection(idle, waiting)),
-                          ("blocked", blocked), ("blocked at the end", intersection(blocked, [(last, float("inf"))]))):
+        for key, part in (("in flight", sends), ("computing", overlap(sends, busy)), ("in recv", overlap(idle, waiting)),
+                          ("blocked", blocked), ("blocked at the end", overlap(blocked, [(last, float("inf"))]))):
             out[key] += sum(b - a for a, b in part)
     return out
 
