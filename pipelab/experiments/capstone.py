@@ -3,15 +3,10 @@
     cfg = capstone.Config(pipe=2, data=2, num_microbatches=2, schedule="1f1b", ...)  # refuses a bad recipe here
     run = capstone.train(cfg, load_corpus())  # refuses a recipe that will not fit, then the grid trains
 
-Each process finds its place with lesson 05's `grid_place`, builds the whole model on the meta
-device, cuts it (`partition_layers`) and makes only its own stage real (`pipelab.build`); for every
-`bptt` window of its replica's columns it runs `run_grid_step`, clips with the global norm over its
-pipeline and steps SGD. Before any process starts, `memory_plan` estimates each stage's memory and
-a recipe that does not fit is refused. On an emulated node (`Config(emulate="4xH100-nvlink")`) the
-processes, their math and every loss stay real and small, while each rank's clock is modelled: its
-stage lasts what an H100 takes for the same stage of the tutorial's model (`emulate.training`).
+Each process runs `lm_training.GridTrainer`. With `emulate="4xH100-nvlink"` the processes, their
+math and every loss stay real and small while each rank's clock is modelled: its stage lasts what an
+H100 takes for the same stage of the tutorial's model (`pipelab.emulate.training`).
 """
-
 from __future__ import annotations
 
 import copy
@@ -256,9 +251,8 @@ def worker(ctx: RankContext, cfg: Config) -> Result:
 
 @dataclass
 class LMRun(TimedSteps):
-    """What the grid brought back: losses per step (mean over replicas) and per micro-batch, the
-    logged curve, the stages' weights, the log intervals' times, the peak stash per stage, and the
-    steps timed after training."""
+    """What the grid brought back: losses, the logged curve, the stages' weights, the log intervals'
+    times, the peak stash per stage, and the steps timed after training."""
 
     cfg: Config
     losses: list[float]  # per step: the batch's loss, the mean of its micro-batches'

@@ -1,7 +1,5 @@
 """Lesson 10's comparisons: the one-process baseline the grid's speed is set against, and the
-verdicts the lesson concludes (each returns (key, verdict, text, figures); the notebook concludes
-them, and prints the tables beside them).
-"""
+verdicts, each returning (key, verdict, text, figures) for the notebook to conclude."""
 
 from __future__ import annotations
 
@@ -46,13 +44,8 @@ def one_process_rates(corpus: Corpus, cfg: Config, steps: int, repeats: int, dev
         torch.set_num_threads(threads)
 
 
-def train_one_process(corpus: Corpus, cfg: Config, steps: int, device=None) -> float:
-    """Tokens/s of `steps` training steps of the whole model in this process, once."""
-    return one_process_rates(corpus, cfg, steps, 1, device)[0]
-
-
 def baseline_tokens_per_second(corpus: Corpus, cfg: Config) -> Measured:
-    """The rate the grid is compared with: on an emulated node ONE device's modelled rate for the
+    """The rate the grid is compared with: on a modelled node ONE device's modelled rate for the
     whole model on the whole batch; elsewhere one process's, timed `cfg.speed_repeats` times."""
     if cfg.node is not None:
         return Measured.of([one_device_tokens_per_second(cfg, len(corpus.vocab))])
@@ -102,7 +95,7 @@ def stash_table(plan: list[dict], run: LMRun) -> list[dict]:
 
 
 def stash_verdict(plan: list[dict], run: LMRun) -> tuple[str, str, str, dict]:
-    """Does every stage's measured stash match the estimate made before the run (`stash_table`)?"""
+    """Does every stage's measured stash match the estimate made before the run?"""
     off = max(abs(nbytes / r["activations"] - 1) for r, (_, nbytes) in zip(plan, run.stash))
     counts_agree = all(count == r["peak stash"] for r, (count, _) in zip(plan, run.stash))
     ok = counts_agree and off < 0.05
@@ -112,14 +105,13 @@ def stash_verdict(plan: list[dict], run: LMRun) -> tuple[str, str, str, dict]:
 
 
 def speed_table(run: LMRun, one_rate: Measured, vocab_size: int) -> list[dict]:
-    """The grid's tokens/s beside one device's (modelled) or one process's (timed), and on an
-    emulated node where the grid's modelled step goes, from the same costs its ranks spent."""
+    """The grid's tokens/s beside one device's (modelled) or one process's (timed); modelled, where its step goes."""
     cfg, grid = run.cfg, run.tokens_per_second
     if not run.modelled:
         return [{"": "the grid", "tokens/s": f"{grid:,.0f}"}, {"": "one process, timed", "tokens/s": f"{one_rate:,.0f}"}]
     model, step = modelled_step(cfg, vocab_size), cfg.step_tokens(modelled=True) / grid.median
     rest = step - model["schedule_s"] - model["update_s"]
-    return [{"": f"parameters at the big size ({vocab_size:,}-word vocabulary)", "modelled": f"{model['parameters'] / 1e9:.2f} B"},
+    return [{"": f"parameters at the tutorial's size ({vocab_size:,}-word vocabulary)", "modelled": f"{model['parameters'] / 1e9:.2f} B"},
             {"": "tokens/s, the grid", "modelled": f"{grid.median:,.0f}"},
             {"": f"tokens/s, one {cfg.node.device.name} alone", "modelled": f"{one_rate.median:,.0f}"},
             {"": f"step: the {cfg.schedule} schedule's compute (bubble {model['bubble']:.2f})", "modelled": f"{model['schedule_s'] * 1e3:.1f} ms"},

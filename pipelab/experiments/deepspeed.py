@@ -56,9 +56,8 @@ def speedup_verdict(speedup: Measured, new: str = "new cut", same_cut: bool = Fa
 
 
 def profile_verdict(times: CutTimes, num_stages: int = 2) -> tuple[str, str, str, dict]:
-    """(key, verdict, text, figures) for `num_stages` stages: is the 'profile' cut's slowest stage
-    faster than the 'parameters' cut's (modelled: exactly; measured: in every round)? Where another
-    cut's slowest stage is faster, why (`table()` prints every cut's figures)."""
+    """(key, verdict, text, figures): is the 'profile' cut's slowest stage of `num_stages` faster than the
+    'parameters' cut's (modelled: exactly; measured: in every round)? Where another cut's is, why."""
     S, w = num_stages, times.layer_ms
     by_params, by_profile = times.cuts[S, "parameters"], times.cuts[S, "profile"]
     slowest, speedup = {m: t for (s, m), t in times.slowest.items() if s == S}, times.speedup(S)
@@ -97,9 +96,8 @@ def why_not_profile(times: CutTimes, num_stages: int, winner: str) -> str:
 
 def contrast_verdict(here: CutTimes, model: CutTimes, layers: list, device_name: str,
                      kind: str = "Conv2d") -> tuple[str, str, str, dict]:
-    """(key, verdict, text, figures): the same cuts measured on this machine's cores (`here`) beside
-    their modelled times on `device_name` (`model`): the share of the time in the `kind` layers, and
-    the measured rounds' spread, which a model does not have (`contrast_table` has the cuts)."""
+    """(key, verdict, text, figures): the `kind` layers' share of the time measured here (`here`) and
+    modelled on `device_name` (`model`), and the measured rounds' spread (`contrast_table`: the cuts)."""
     which = [i for i, layer in enumerate(layers) if layer_name(layer) == kind]
     share_here = sum(here.layer_ms[i] for i in which) / sum(here.layer_ms)
     share_there = sum(model.layer_ms[i] for i in which) / sum(model.layer_ms)
@@ -325,7 +323,7 @@ def partitions_worker(ctx: RankContext, cfg: PartitionsConfig) -> dict[tuple[int
 
 
 def gather_partitions(cfg: PartitionsConfig, results: list[dict]) -> dict[tuple[int, str], list[int]]:
-    return results[0]
+    return results[0]  # every rank built the same modules
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -341,8 +339,7 @@ class DeepSpeedConfig(Config):
 
 @dataclass
 class DeepSpeedRun:
-    """What a `TrainRun` shows, done by DeepSpeed: its partition, losses and final weights (per
-    rank, named as our stages name them)."""
+    """What a `TrainRun` shows, done by DeepSpeed: partition, losses, final weights (per rank, our names)."""
 
     parts: list[int]
     losses: list[float]
