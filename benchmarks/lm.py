@@ -13,7 +13,7 @@ median tokens/s of both and the median round-by-round ratio with its min-max (ab
 grid is faster).
 
 With `--emulate NODE` the grid runs once on that emulated node (its clocks modelled at the lesson's
-emulated size, `capstone.Config.emulated_*`) and the baseline is one emulated device's modelled
+emulated size, `capstone.Config.tutorial`) and the baseline is one emulated device's modelled
 step: both deterministic, so there is one round and no spread.
 """
 
@@ -27,8 +27,9 @@ import torch
 from pipelab import hardware
 from pipelab.data import load_corpus
 from pipelab.display import format_table
-from pipelab.experiments.capstone import (LOSS_TOLERANCE, Config, baseline_tokens_per_second, emulated_size,
-                                          single_process_losses, train, train_one_process)
+from pipelab.experiments.capstone import Config, emulated_size, train
+from pipelab.experiments.capstone_verdicts import LOSS_TOLERANCE, baseline_tokens_per_second, one_process_rates
+from pipelab.lm_training import single_process_losses
 from pipelab.measure import Measured, alternate, ratios
 
 
@@ -60,7 +61,7 @@ def main() -> None:
         first_losses.append(run.losses[:3])
         return run.tokens_per_second.median
 
-    figures = alternate({"grid": grid, "one": lambda: train_one_process(corpus, cfg, args.batches)},
+    figures = alternate({"grid": grid, "one": lambda: one_process_rates(corpus, cfg, args.batches, 1)[0]},
                         repeats=args.repeats, warmup=0)
     want = single_process_losses(corpus, cfg, 3)
     for losses in first_losses:

@@ -12,6 +12,10 @@ stage real (`pipelab.build`).
 the global norm is the square root of the sum of every stage's squared norm, so the squares are
 summed across the pipeline group before any stage scales its gradients.
 
+`window_losses` and `perplexity` score a model the right way (exp of the mean loss per token);
+`tutorial_perplexity` is the tutorial's `evaluate`, line for line, to show what it gets wrong.
+`gather_model` puts the stages' weights back in one model.
+
 `stage_memory` says, before anything runs, how many bytes each stage will need: parameters,
 gradients, optimizer state, and one micro-batch's activations times the most micro-batches the
 schedule stashes at once (lesson 07's simulator).
@@ -20,12 +24,15 @@ schedule stashes at once (lesson 07's simulator).
 from __future__ import annotations
 
 import math
+from typing import Sequence
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
+from pipelab.build import is_meta, materialize
 from pipelab.checks import whole_number
+from pipelab.data import get_batch
 from pipelab.pipeline.schedules import Schedule
 from pipelab.pipeline.simulate import simulate
 
@@ -214,3 +221,94 @@ def generate(model: nn.Module, vocab, prompt: str, words: int = 20, top_k: int =
         choice = top.indices[torch.multinomial(torch.softmax(top.values, -1), 1, generator=gen)]
         ids.append(int(choice))
     return vocab.decode(ids).replace(" <eos> ", "\n")
+
+
+def window_losses(model, source: torch.Tensor, bptt: int) -> list[tuple[float, int]]:
+    """(mean token loss, seq_len) of every window of `source`, the short last one included."""
+    model.eval()
+    out = []
+    device = next(model.parameters()).device
+    with torch.no_grad():
+        for i in range(0, source.shape[0] - 1, bptt):
+            x, y = (t.to(device) for t in get_batch(source, i, bptt))
+            out.append((float(lm_loss(model(x), y)), x.shape[1]))
+    model.train()
+    return out
+
+
+def perplexity(losses: list[tuple[float, int]]) -> float:
+    """exp of the mean loss per token: each window weighted by its length, divided by all of them."""
+    return math.exp(sum(loss * n for loss, n in losses) / sum(n for _, n in losses))
+
+
+def tutorial_windows(rows: int, bptt: int, max_windows: int = 50) -> int:
+    """How many windows the tutorial's `evaluate` scores: `range(0, min(50 * bptt, rows - 1), bptt)`."""
+    return len(range(0, min(max_windows * bptt, rows - 1), bptt))
+
+
+def tutorial_perplexity(losses: list[tuple[float, int]], rows: int, bptt: int, columns: int, max_windows: int = 50) -> float:
+    """The tutorial's `evaluate`, exactly. Its `get_batch` returns `data.t()`, (columns, seq_len), so
+    `len(data)` is the number of COLUMNS (its eval batch size, 10):
+
+        nbatches = min(50 * bptt, data_source.size(0) - 1)
+        for i in range(0, nbatches, bptt):
+            data, targets = get_batch(data_source, i)
+            total_loss += len(data) * criterion(output_flat, targets).item()
+        return total_loss / (len(data_source) - 1)       # then math.exp of it
+
+    `losses` are (mean token loss, seq_len) of the windows of a `rows` x `columns` set, in order
+    (`window_losses`). Each window weighs `columns`, not its columns x seq_len tokens, and the sum
+    is divided by the set's rows less one, not by the tokens scored."""
+    scored = tutorial_windows(rows, bptt, max_windows)
+    if len(losses) < scored:
+        raise ValueError(f"the tutorial's evaluate scores {scored} windows of a {rows}-row set with bptt={bptt}; "
+                         f"got the losses of {len(losses)}: pass every window's (`window_losses`)")
+    return math.exp(sum(columns * loss for loss, _ in losses[:scored]) / (rows - 1))
+
+
+def tutorial_evaluate_figures(losses: list[tuple[float, int]], rows: int, bptt: int, columns: int) -> dict:
+    """The tutorial's `evaluate` taken apart on the same windows: what it adds up and divides by,
+    beside what the mean loss per token adds up and divides by."""
+    scored = losses[:tutorial_windows(rows, bptt)]
+    return {"windows": len(losses), "windows scored": len(scored), "columns": columns, "rows": rows,
+            "weight per window": columns, "tokens per window": columns * bptt,
+            "divisor": rows - 1, "tokens scored": columns * sum(n for _, n in scored),
+            "tutorial": tutorial_perplexity(losses, rows, bptt, columns),
+            "right, same windows": perplexity(scored), "right": perplexity(losses)}
+
+
+def tutorial_evaluate_table(figures: dict) -> list[dict]:
+    """`tutorial_evaluate_figures` as rows: what the tutorial's formula adds up and divides by,
+    beside the mean loss per token's."""
+    f = figures
+    return [{"": "each window's mean loss weighted by", "the tutorial's evaluate": f"len(data) = {f['columns']} (columns)",
+             "the loss per token": f"its tokens: {f['columns']} x {f['tokens per window'] // f['columns']} = {f['tokens per window']}"},
+            {"": "the sum divided by", "the tutorial's evaluate": f"len(data_source) - 1 = {f['divisor']:,} (rows - 1)",
+             "the loss per token": f"the tokens scored: {f['tokens scored']:,}"},
+            {"": "perplexity", "the tutorial's evaluate": f"{f['tutorial']:.2f}",
+             "the loss per token": (f"{f['right']:.1f}" if f["windows scored"] == f["windows"] else
+                                    f"{f['right, same windows']:.1f} ({f['windows scored']} windows), {f['right']:.1f} (all {f['windows']})")}]
+
+
+def gather_model(model, stage, group, keep: bool = True):
+    """The whole model, its stages' weights gathered from the pipeline `group` (every stage calls;
+    only where `keep` is the model loaded, elsewhere None: the others hold their stage only)."""
+    pieces = [None] * (dist.get_world_size(group) if group is not None else 1)
+    mine = {k: v.detach().cpu() for k, v in stage.state_dict().items()}
+    if group is not None:
+        dist.all_gather_object(pieces, mine, group=group)
+    else:
+        pieces = [mine]
+    return load_whole(model, pieces) if keep else None
+
+
+def load_whole(model, pieces: Sequence[dict]):
+    """`model` (real, or built on the meta device) with the stages' weights `pieces` loaded. A meta
+    model takes the tensors as its own (`assign=True`: no second copy), and `materialize` computes
+    what no state dict holds (the positional encoding's buffer)."""
+    state = {k: v for piece in pieces for k, v in piece.items()}
+    if not is_meta(model):
+        model.load_state_dict(state)
+        return model
+    model.load_state_dict(state, assign=True)
+    return materialize(model)

@@ -12,10 +12,11 @@ import pytest
 import torch
 
 from pipelab.data import batchify, get_batch, load_corpus
-from pipelab.experiments.capstone import (Config, memory_plan, perplexity, single_process_losses, train, tutorial_evaluate_figures,
-                                          tutorial_perplexity)
+from pipelab.experiments.capstone import Config, TutorialSize, memory_plan, train
 from pipelab.launch import spawn
-from pipelab.lm import TransformerLM, check_fits, clip_grad_norm_, generate, lm_loss, stage_memory, stages_of
+from pipelab.lm import (TransformerLM, check_fits, clip_grad_norm_, generate, lm_loss, perplexity, stage_memory, stages_of,
+                        tutorial_evaluate_figures, tutorial_perplexity)
+from pipelab.lm_training import single_process_losses
 from pipelab.pipeline.partition import partition_layers
 from pipelab.pipeline.schedules import make_schedule
 from pipelab.progress import ProgressFile, progress_bar
@@ -103,7 +104,7 @@ def test_grid_first_steps_equal_one_process(schedule, capsys):
 def test_on_an_emulated_node_the_grid_trains_the_same_and_its_clock_is_modelled(capsys):
     from pipelab.emulate.cost import collective_seconds
     from pipelab.emulate.specs import parse_node
-    from pipelab.experiments import capstone
+    from pipelab.experiments import capstone, capstone_verdicts
 
     corpus = load_corpus(max_lines=600)
     cfg = Config(emsize=16, nhead=2, nhid=32, nlayers=2, batch_size=8, num_microbatches=2, max_batches=4,
@@ -111,32 +112,36 @@ def test_on_an_emulated_node_the_grid_trains_the_same_and_its_clock_is_modelled(
     run = train(cfg, corpus, progress=False)
     torch.testing.assert_close(run.losses, single_process_losses(corpus, cfg, 4), atol=1e-5, rtol=1e-5)
     rate = run.tokens_per_second  # the log intervals after the first: the same modelled step each time
-    assert run.emulated and len(rate.values) == 3 and rate.high - rate.low < 1e-6 * rate.median
-    model = capstone.emulated_step(cfg, len(corpus.vocab))
-    step = cfg.step_tokens(emulated=True) / rate.median
+    assert run.modelled and len(rate.values) == 3 and rate.high - rate.low < 1e-6 * rate.median
+    model = capstone.modelled_step(cfg, len(corpus.vocab))
+    step = cfg.step_tokens(modelled=True) / rate.median
     all_reduce = collective_seconds("all_reduce", model["gradient_bytes"], cfg.data, parse_node(cfg.emulate).link)
     assert model["schedule_s"] + model["update_s"] + all_reduce < step < model["schedule_s"] + model["update_s"] + 2 * all_reduce
     assert run.step_time.median == pytest.approx(step, rel=0.01)  # the Gantt's steps: the same modelled step, timed alone
-    one = capstone.baseline_tokens_per_second(corpus, cfg)  # ONE emulated device: its modelled step, no timing
+    one = capstone_verdicts.baseline_tokens_per_second(corpus, cfg)  # ONE emulated device: its modelled step, no timing
     assert list(one.values) == [capstone.one_device_tokens_per_second(cfg, len(corpus.vocab))]
-    assert capstone.speed_verdict(run, one, len(corpus.vocab)) == "faster"
-    assert "one NVIDIA H100 SXM alone" in capsys.readouterr().out
+    assert capstone_verdicts.speed_verdict(run, one)[1] == "faster"
+    rows = capstone_verdicts.speed_table(run, one, len(corpus.vocab))
+    assert any("one NVIDIA H100 SXM alone" in row[""] for row in rows)
+    assert "modelled ms/batch" in capsys.readouterr().out  # the log line says its step time is modelled
 
 
 def test_one_emulated_device_does_every_stages_work_on_the_whole_batch():
     from pipelab.emulate.specs import parse_node
+    from pipelab.emulate.training import one_device_seconds
     from pipelab.experiments import capstone
 
     cfg = Config(emulate="4xH100-nvlink")
     node = parse_node(cfg.emulate)
     h100 = node.device
-    stages = capstone.emulated_stages(cfg, 3000, node)
+    stages = capstone.big_stages(cfg, 3000)
     assert [r["stage"] for r in stages] == [0, 1] and stages[0]["I"] == 0  # token ids need no gradient
     microbatches = cfg.data * cfg.num_microbatches
     by_stage = sum(microbatches * (r["F"] + r["B"]) + r["clip"] + r["optimizer"] for r in stages)
     # the same work in one pass over the whole batch: no more than micro-batch by micro-batch with each
     # stage's backward priced as I + W (as the simulator prices it), and not much less
-    assert 0.8 * by_stage < capstone.one_device_seconds(cfg, 3000, node) <= by_stage
+    ids = torch.zeros(microbatches * cfg.tutorial.columns, cfg.bptt, dtype=torch.long, device="meta")
+    assert 0.8 * by_stage < one_device_seconds(capstone.big_model(cfg, 3000), ids, lm_loss, node, "bfloat16") <= by_stage
     # clipping and SGD over n bfloat16 parameters read and write 3 x 2n bytes each, at the streaming
     # bandwidth the calibrated model measures (a fraction of the data sheet's)
     from pipelab.emulate import calibrated
@@ -146,16 +151,17 @@ def test_one_emulated_device_does_every_stages_work_on_the_whole_batch():
     assert stages[1]["optimizer"] == pytest.approx(3 * 2 * n / streaming, rel=0.01)
     from pipelab.display import human_bytes
 
-    table = capstone.emulated_stage_table(cfg, 3000)  # what the notebook prints: 2 bytes per bfloat16 gradient
+    table = capstone.big_stage_table(cfg, 3000)  # what the notebook prints: 2 bytes per bfloat16 gradient
     assert [row["gradients"] for row in table] == [human_bytes(2 * r["parameters"]) for r in stages]
     with pytest.raises(ValueError, match="emsize=4096 must be a multiple of nhead=3"):
-        Config(emulate="4xH100-nvlink", emulated_nhead=3)
-    with pytest.raises(ValueError, match="more emulated_nlayers"):
-        Config(emulate="8xH100-nvlink", pipe=8, data=1, batch_size=8, nlayers=8, emulated_nlayers=1)  # 4 layers, 8 stages
+        Config(emulate="4xH100-nvlink", tutorial=TutorialSize(nhead=3))
+    with pytest.raises(ValueError, match="more tutorial.nlayers"):
+        Config(emulate="8xH100-nvlink", pipe=8, data=1, batch_size=8, nlayers=8, tutorial=TutorialSize(nlayers=1))  # 4 layers, 8 stages
 
 
 def test_equality_checks_run_without_tf32_and_the_reference_is_on_the_grids_device():
-    from pipelab.experiments import capstone
+    from pipelab.experiments import capstone_verdicts
+    from pipelab.lm_training import reference_device
 
     before = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
     torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = True
@@ -166,13 +172,13 @@ def test_equality_checks_run_without_tf32_and_the_reference_is_on_the_grids_devi
     finally:
         torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = before
     want = "cuda" if torch.cuda.is_available() else "cpu"
-    assert capstone.reference_device().type == want
+    assert reference_device().type == want
     cfg = Config(emsize=16, nhead=2, nhid=32, nlayers=1, batch_size=4, pipe=1, data=1, num_microbatches=1)
     corpus = load_corpus(max_lines=300)
-    assert capstone.train_one_process(corpus, cfg, 2, device="cpu") > 0
+    assert capstone_verdicts.one_process_rates(corpus, cfg, 2, 1, device="cpu")[0] > 0
     if torch.cuda.is_available():  # the GPU's reference equals the CPU's within the stated tolerance
         torch.testing.assert_close(single_process_losses(corpus, cfg, 3, device="cuda:0"),
-                                   single_process_losses(corpus, cfg, 3, device="cpu"), atol=capstone.LOSS_TOLERANCE, rtol=0)
+                                   single_process_losses(corpus, cfg, 3, device="cpu"), atol=capstone_verdicts.LOSS_TOLERANCE, rtol=0)
 
 
 def test_tutorial_evaluate_is_its_formula_exactly():
@@ -212,7 +218,7 @@ def test_tutorial_perplexity_equals_the_tutorials_evaluate_run_on_a_model():
             data, targets = tutorial_get_batch(data_source, i)
             total_loss += len(data) * lm_loss(model(data), targets).item()
     tutorial = math.exp(total_loss / (len(data_source) - 1))
-    from pipelab.experiments.capstone import window_losses
+    from pipelab.lm import window_losses
 
     mine = tutorial_perplexity(window_losses(model, data_source, bptt), len(data_source), bptt, columns)
     assert mine == pytest.approx(tutorial, rel=1e-6)
@@ -300,17 +306,17 @@ def test_progress_bar_in_a_notebook_is_one_output_updated_in_place(monkeypatch):
     assert final[0] == "| epoch   1 |    20/   30 batches" and "30/30" in final[1] and "loss=2.9" in final[1]
 
 
-def test_verdicts_are_read_off_the_figures(capsys):
-    from pipelab.experiments import capstone
+def test_verdicts_are_read_off_the_figures():
+    from pipelab.experiments import capstone_verdicts as verdicts
 
     # ln(3000) = 8.006: the loss of guessing evenly among 3,000 words
-    assert capstone.loss_at_step_0_verdict(8.1, 0.4, 3000) == "near ln(vocab)"
-    assert capstone.loss_at_step_0_verdict(14.0, 3.7, 3000) == "far from ln(vocab)"
+    assert verdicts.loss_at_step_0_verdict(8.1, 0.4, 3000)[1] == "near ln(vocab)"
+    assert verdicts.loss_at_step_0_verdict(14.0, 3.7, 3000)[1] == "far from ln(vocab)"
     late_high, late_low = [20.0, 9.0, 9.5, 9.1], [8.5, 7.0, 6.9, 7.2]  # the verdict reads the last half
-    assert capstone.lr_verdict({5.0: late_high, 1.0: late_low}, 3000, 64) == "tutorial's rate above, ours below"
-    assert capstone.lr_verdict({5.0: late_low, 1.0: late_low}, 3000, 64) == "tutorial's rate below, ours below"
+    key, verdict, text, _ = verdicts.lr_verdict({5.0: late_high, 1.0: late_low}, 3000, 64)
+    assert verdict == "tutorial's rate above, ours below" and "lr 5.0 stayed above ln(vocab), at lr 1.0 below" in text
+    assert verdicts.lr_verdict({5.0: late_low, 1.0: late_low}, 3000, 64)[1] == "tutorial's rate below, ours below"
     figures = tutorial_evaluate_figures([(4.7, 35)] * 16 + [(4.9, 13)], 574, 35, 10)
-    assert capstone.evaluate_verdict(figures) == "tutorial's too low"
-    out = capsys.readouterr().out
-    assert "On this run:" in out and "10 columns" in out and "35x too little" in out and "573 rows" in out
-    assert "5,730 tokens" in out  # 16 x 35 + 13 = 573 rows scored, 10 tokens each
+    key, verdict, text, _ = verdicts.evaluate_verdict(figures)
+    assert verdict == "tutorial's too low" and "divides by rows, not tokens" in text
+    assert figures["divisor"] == 573 and figures["tokens scored"] == 5730  # 16 x 35 + 13 = 573 rows scored, 10 tokens each
