@@ -167,6 +167,8 @@ def stage_for_rank(stages: Sequence[nn.Module], s: int, rank: int, device: torch
     elif isinstance(stages, StageFiles):
         module = stages.load(s, device)
     else:
-        module = copy.deepcopy(stages[s])  # a stage on meta: shapes only, copied for free
+        # A list: on meta, copied for free (real stages reach a spawned rank as files; a list of
+        # real ones is here only where the rank built them itself, as a torchrun script does).
+        module = copy.deepcopy(stages[s])
     # A stage still on meta gets its weights here, named by its place in nn.Sequential(*stages).
     return materialize(module, device, name=str(s))
