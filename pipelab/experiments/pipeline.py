@@ -12,7 +12,6 @@ lr=None))`. Lesson 06's verdicts are in `experiments.gpipe`, lesson 07's in `exp
 
 from __future__ import annotations
 
-import copy
 from dataclasses import dataclass, field
 from functools import cached_property
 from typing import Callable, Sequence
@@ -21,7 +20,6 @@ import torch
 from torch import nn
 
 from pipelab import experiments
-from pipelab.build import materialize
 from pipelab.checks import divides, mean_loss, same_batch, whole_number
 from pipelab.measure import Measured, RankSteps, Steps, TimedSteps, gather_steps, time_steps, timed_slice
 from pipelab.emulate.pipe import EmulatedPipe
@@ -31,6 +29,7 @@ from pipelab.pipeline.partition import split_model
 from pipelab.pipeline.runtime import run_step
 from pipelab.pipeline.schedules import Schedule, make_schedule
 from pipelab.pipeline.simulate import Costs, simulate
+from pipelab.pipeline.stage_source import StageFiles, for_ranks, stage_for_rank, traceable
 from pipelab.pipeline.torch_pipelining import check_torch, torch_step
 from pipelab.timeline import Timeline, complement, overlap, union
 from pipelab.worker import RankContext
@@ -55,7 +54,11 @@ class Config(experiments.Config):
 
     `schedules`: names ("gpipe", "1f1b", "interleaved", "zb-h1") or `Schedule`s built by hand;
     `num_microbatches`, `x`, `y` and `checkpoint`: one for all schedules or one per schedule. `steps`
-    per schedule, the first a warm-up. `engine`: "pipelab" (our runtime) or "torch"."""
+    per schedule, the first a warm-up. `engine`: "pipelab" (our runtime) or "torch".
+
+    `stages`: modules (real, or on the meta device), or a `StageBuilder(build_stage, num_stages)`
+    that each rank calls for its own stages only. Real modules travel one file per stage, so a
+    rank reads its own stages only (`pipeline.stage_source`)."""
 
     stages: Sequence[nn.Module] = field(repr=False)
     x: torch.Tensor | Sequence[torch.Tensor] = field(repr=False)
@@ -79,7 +82,10 @@ class Config(experiments.Config):
             raise ValueError(f"engine must be one of {ENGINES}, got {self.engine!r}")
         if self.emulate is not None:
             self.check_emulated()
-        for s, stage in enumerate(self.stages):
+        if callable(self.stages) and not isinstance(self.stages, (nn.Module, Sequence)):
+            raise ValueError(f"stages={self.stages!r} is a function: wrap it as stages=StageBuilder(build_stage, "
+                             "num_stages=N) (pipelab.pipeline.stage_source), so each rank builds its own stages")
+        for s, stage in enumerate(traceable(self.stages)):  # a builder's stages are checked on meta
             if not isinstance(stage, nn.Module):
                 raise ValueError(f"stage {s} is {stage!r}, not an nn.Module: a stage is copied to its rank "
                                  "and moved to its device; wrap a function in a module (e.g. nn.Flatten(), "
@@ -92,7 +98,7 @@ class Config(experiments.Config):
         first = self.jobs[0]  # builds and checks every job
         # The loss of one micro-batch must be one number: its backward starts there.
         rows = first.x.shape[0] // first.schedule.num_microbatches
-        out = trace(self.stages, first.x[:rows])[-1]  # a meta tensor where the stages are built on meta
+        out = trace(traceable(self.stages), first.x[:rows])[-1]  # a meta tensor where the stages are built on meta
         loss = self.loss_fn(out, first.y[:rows].to(out.device))
         if not isinstance(loss, torch.Tensor) or loss.dim() != 0:
             got = f"a tensor of shape {list(loss.shape)}" if isinstance(loss, torch.Tensor) else repr(loss)
@@ -160,7 +166,24 @@ class Config(experiments.Config):
                 raise ValueError("checkpoint=True runs with engine='pipelab' only; with torch's schedules put "
                                  "torch.utils.checkpoint inside the stages instead")
             return Job(schedule, x, y, checkpoint)
-        return Job(schedule, x, y, checkpoint, message_specs(self.stages, x, schedule.num_microbatches))
+        return Job(schedule, x, y, checkpoint, message_specs(traceable(self.stages), x, schedule.num_microbatches))
+
+    @cached_property
+    def sent_stages(self) -> Sequence[nn.Module]:
+        """The stages as the ranks receive them: real modules saved one file per stage, so each
+        rank reads its own only; a StageBuilder and stages on meta as they are (small)."""
+        return for_ranks(self.stages)
+
+    def __getstate__(self) -> dict:
+        """What pickling sends a rank: every field, with the stages as `sent_stages`."""
+        state = {k: v for k, v in self.__dict__.items() if k != "sent_stages"}
+        return {**state, "stages": self.sent_stages}
+
+    def remove_stage_files(self) -> None:
+        """Delete the files real stages were sent in (after a run); a later run writes them again."""
+        sent = self.__dict__.pop("sent_stages", None)
+        if isinstance(sent, StageFiles) and sent is not self.stages:
+            sent.remove()
 
 
 def emulated_mlp(node: str | None, layers: int, num_stages: int, width: int, rows: int, dtype: str = "bfloat16") -> dict:
@@ -209,9 +232,9 @@ def worker(ctx: RankContext, cfg: Config) -> list[Result]:
 
 
 def rank_modules(ctx: RankContext, cfg: Config, schedule: Schedule) -> dict[int, nn.Module]:
-    """This rank's own copies of the stages it holds, on its device. Stages built on the meta device
-    (`pipelab.build.on_meta`) get their weights here, so a rank holds its stages only."""
-    return {s: materialize(copy.deepcopy(cfg.stages[s]), ctx.device, name=str(s)) for s in schedule.stages_of(ctx.rank)}
+    """This rank's own stages on its device, and no other: built by a StageBuilder, read from
+    their files, or made real from the meta device (`pipeline.stage_source.stage_for_rank`)."""
+    return {s: stage_for_rank(cfg.stages, s, ctx.rank, ctx.device) for s in schedule.stages_of(ctx.rank)}
 
 
 def gradients_of(modules: dict[int, nn.Module]) -> dict[int, dict[str, torch.Tensor | None]]:
@@ -348,7 +371,10 @@ def gather_job(job: Job, results: list[Result]) -> PipelineRun:
 
 def run(cfg: Config) -> list[PipelineRun]:
     """Run `cfg` on real processes: `experiments.run(worker, cfg, gather)`."""
-    return experiments.run(worker, cfg, gather)
+    try:
+        return experiments.run(worker, cfg, gather)
+    finally:
+        cfg.remove_stage_files()
 
 
 def pooled_bubble(runs: Sequence[PipelineRun]) -> Measured:
