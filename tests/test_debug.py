@@ -14,36 +14,22 @@ from torch import nn
 from pipelab import exercises
 from pipelab.debug import bugs, check_replicas, collective_check, compare_with_one_process, diagnose
 from pipelab.debug.flight_recorder import FlightRecorder
+from pipelab.debug.runs import attempt, short_timeout
 from pipelab.experiments import debug as dx
 from pipelab.exercises.debug import broken_step
 from pipelab.launch import spawn
 
-CFG = dx.Config(hang_seconds=5.0, check_seconds=2.0)  # 5 s: a busy machine's slowest step must not look like a hang
-FAST = dx.Config(hang_seconds=3.0, check_seconds=2.0)  # for hangs at the first operation
+from processes import live_processes
 
-
-def live_processes(parent_pid: int) -> list[int]:
-    """Live processes of this test process's spawn() calls: its ranks and what they started, which
-    inherit PIPELAB_PARENT_PID (as in tests/test_launch.py)."""
-    found = []
-    for pid in filter(str.isdigit, os.listdir("/proc")):
-        try:
-            with open(f"/proc/{pid}/environ", "rb") as f:
-                env = dict(kv.split(b"=", 1) for kv in f.read().split(b"\0") if b"=" in kv)
-            with open(f"/proc/{pid}/stat") as f:
-                zombie = f.read().rsplit(")", 1)[1].split()[0] == "Z"
-        except (FileNotFoundError, ProcessLookupError, PermissionError):
-            continue
-        if not zombie and env.get(b"PIPELAB_PARENT_PID") == str(parent_pid).encode():
-            found.append(int(pid))
-    return found
+CFG = dx.Config(hang_seconds=3.0)  # a busy machine's slowest pipeline step must not look like a hang
+FAST = dx.Config()  # for hangs at the first operation
 
 
 # ---- the collective check ------------------------------------------------------------------------
 
 
 def shapes_differ(ctx, seconds: float):
-    dx.short_timeout(5.0)
+    short_timeout(5.0)
     with collective_check(seconds):
         dist.all_reduce(torch.ones(4, 8) if ctx.rank == 0 else torch.ones(4))
 
@@ -61,7 +47,7 @@ def matching_collectives(ctx):
 
 
 def test_the_check_names_a_shape_mismatch_and_leaves_nothing_behind():
-    shape = dx.attempt("shape", shapes_differ, FAST, 2.0)
+    shape = attempt("shape", shapes_differ, 2, 2.0)
     assert "shape (4, 8)" in shape.message and "shape (4,)" in shape.message and "CollectiveMismatch" in shape.message
     assert live_processes(os.getpid()) == []
 

@@ -17,22 +17,7 @@ import torch.distributed as dist
 from pipelab.launch import WorkerError, spawn
 from pipelab.timeline import Timeline
 
-
-def live_processes(parent_pid: int) -> list[int]:
-    """PIDs of live processes of the spawn() calls made by `parent_pid`: its workers and the
-    processes they started, which inherit the workers' environment."""
-    found = []
-    for pid in filter(str.isdigit, os.listdir("/proc")):
-        try:
-            with open(f"/proc/{pid}/environ", "rb") as f:
-                env = dict(kv.split(b"=", 1) for kv in f.read().split(b"\0") if b"=" in kv)
-            with open(f"/proc/{pid}/stat") as f:
-                zombie = f.read().rsplit(")", 1)[1].split()[0] == "Z"
-        except (FileNotFoundError, ProcessLookupError, PermissionError):
-            continue
-        if not zombie and env.get(b"PIPELAB_PARENT_PID") == str(parent_pid).encode():
-            found.append(int(pid))
-    return found
+from processes import live_processes
 
 
 def rank_payload(ctx, scale):
