@@ -17,6 +17,8 @@ do not.
 
 from __future__ import annotations
 
+import warnings
+
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
@@ -106,8 +108,10 @@ def expert_gradients(ctx, model: TinyMoE, loss_fn, x, y, fixed: bool = False) ->
 
     xs, ys = my_rows(ctx, x, y)
     h = torch.tanh(model.dense(xs))
-    mine = all_to_all_single(torch.empty_like(h), h)  # block q of every rank's rows goes to rank q
-    out = all_to_all_single(torch.empty_like(mine), model.experts[ctx.rank](mine))
+    with warnings.catch_warnings():  # torch calls this autograd all-to-all deprecated; its successor is private
+        warnings.simplefilter("ignore", FutureWarning)
+        mine = all_to_all_single(torch.empty_like(h), h)  # block q of every rank's rows goes to rank q
+        out = all_to_all_single(torch.empty_like(mine), model.experts[ctx.rank](mine))
     loss = F.mse_loss(out, ys)  # this rank's mean; the batch's loss is the mean over ranks
     loss.backward()
     average_gradients(model.dense.parameters())
@@ -136,7 +140,7 @@ def two_stage_gpipe(ctx, stage: nn.Module, x, y, rows: int, microbatches: int, w
             dist.recv(a, peer)
             a.requires_grad_()
             out = F.mse_loss(stage(a), ym) / microbatches
-            losses.append(float(out))
+            losses.append(float(out.detach()))
             inputs.append(a)
         outputs.append(out)
     stage.zero_grad()

@@ -32,7 +32,11 @@ def mismatched_collectives(ctx, hang_seconds: float, checked: bool = False, seco
 
 def receive_first(ctx, hang_seconds: float) -> None:
     """Both ranks post their receive before their send: gloo runs it, NCCL hangs."""
+    from pipelab.emulate import comm
+
     short_timeout(hang_seconds)
+    if comm.active() is not None:  # under NCCL's rule: its watchdog calls the hang after as long
+        comm.active().watchdog.seconds = hang_seconds
     peer = 1 - ctx.rank
     recv = dist.irecv(torch.empty(4), peer)
     send = dist.isend(torch.ones(4), peer)

@@ -11,6 +11,7 @@ from __future__ import annotations
 import datetime
 import os
 import time
+import warnings
 from dataclasses import dataclass
 
 import torch.distributed as dist
@@ -33,7 +34,9 @@ def short_timeout(seconds: float) -> None:
     """Give this rank's process group a timeout of `seconds` for each operation (as
     `init_process_group(timeout=...)` does for a whole job): a planted hang then ends in seconds
     once the ranks run, however long they took to start."""
-    dist.distributed_c10d._set_pg_timeout(datetime.timedelta(seconds=seconds))
+    with warnings.catch_warnings():  # torch warns "only supported for either nccl or gloo" on gloo too
+        warnings.simplefilter("ignore", UserWarning)
+        dist.distributed_c10d._set_pg_timeout(datetime.timedelta(seconds=seconds))
 
 
 def attempt(name: str, fn, world_size: int, *args, timeout: float = 120.0, env: dict[str, str] | None = None,

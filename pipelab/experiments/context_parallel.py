@@ -5,7 +5,7 @@ causal and not; all-to-all (Ulysses); torch's `context_parallel` where it runs o
 outputs and the gradients of its queries, keys and values, the bytes its messages carried and the
 bytes its forward kept for backward, then times causal ring steps both ways on the timeline.
 `gather` checks every variant against one process's attention and builds the `ContextParallelRun`.
-Modelled times (part 5) come from `modelled_seconds` alone.
+Modelled times (part 5) come from `pipelab.emulate`'s flash-attention and message models alone.
 """
 
 from __future__ import annotations
@@ -18,9 +18,8 @@ import torch.nn.functional as F
 from pipelab import experiments
 from pipelab.checks import whole_number
 from pipelab.context_parallel import Layout, Ring, ring_attention, ulysses_attention
-from pipelab.context_parallel.online_softmax import attend_block, block_grads
-from pipelab.emulate.cost import Counts, compute_seconds, count, message_seconds
-from pipelab.emulate.specs import parse_node, torch_dtype
+from pipelab.emulate import seconds
+from pipelab.emulate.attention import attention_flops, flash_attention_seconds
 from pipelab.experiments.tensor_parallel import saved_activation_bytes
 from pipelab.experiments.torch_context_parallel import torch_context_parallel
 from pipelab.measure import Measured, time_steps
@@ -162,7 +161,7 @@ def run(cfg: Config) -> ContextParallelRun:
     return experiments.run(worker, cfg, gather)
 
 
-def one_process(cfg: Config, causal: bool) -> list[torch.Tensor]:
+def reference(cfg: Config, causal: bool) -> list[torch.Tensor]:
     """Attention over the whole sequence in this process: output, dQ, dK, dV."""
     q, k, v, g = cfg.data()
     q, k, v = (t.requires_grad_() for t in (q, k, v))
@@ -173,7 +172,7 @@ def one_process(cfg: Config, causal: bool) -> list[torch.Tensor]:
 
 def gather(cfg: Config, results: list[Result]) -> ContextParallelRun:
     n = cfg.world_size
-    want = {causal: one_process(cfg, causal) for causal in (False, True)}
+    want = {causal: reference(cfg, causal) for causal in (False, True)}
     variants = {}
     for name in cfg.variants:
         per_rank = [r.variants[name] for r in results]
@@ -237,7 +236,6 @@ def bytes_table(run: ContextParallelRun) -> list[dict]:
     return rows
 
 
-
 def blocks_per_rank(layout: str, ranks: int, causal: bool = True) -> dict[int, float]:
     """Per rank: the work its ring attention does in one forward, in blocks of (s/n)^2 token pairs,
     counted from the algorithm's own pairing of query and key chunks (a zig-zag chunk pair is a
@@ -254,30 +252,6 @@ def blocks_per_rank(layout: str, ranks: int, causal: bool = True) -> dict[int, f
 LAYER_7B = {"heads": 32, "head_dim": 128, "hidden": 4096}  # Llama 2 7B's attention
 
 
-def modelled_seconds(kind: str, *, nbytes: float = 0.0, node: str = "8xH100-nvlink",
-                     shape: tuple[int, ...] = (), dtype: str = "bfloat16") -> float:
-    """Modelled seconds of "attention" or "attention grad", one fused (flash) kernel of shape (batch,
-    heads, q_tokens, k_tokens, head_dim) on `node`'s device, or of "p2p", one message of `nbytes`
-    over its link."""
-    n = parse_node(node)
-    if kind == "p2p":
-        return message_seconds(nbytes, n.link)
-    b, h, sq, sk, d = shape
-    t = torch_dtype(dtype)
-    q, o = (torch.empty(b, h, sq, d, dtype=t, device="meta") for _ in range(2))
-    k, v = (torch.empty(b, h, sk, d, dtype=t, device="meta") for _ in range(2))
-    lse = torch.empty(b, h, sq, dtype=t, device="meta")
-    if kind == "attention":
-        flops, tensors = count(attend_block, q, k, v, d ** -0.5).flops, (q, k, v, o)
-    elif kind == "attention grad":
-        flops, tensors = count(block_grads, q, k, v, o, lse, o, d ** -0.5).flops, (q, k, v, o, o, q, k, v)
-    else:
-        raise ValueError(f"kind must be 'attention', 'attention grad' or 'p2p', got {kind!r}")
-    # A fused kernel keeps the scores on chip: its memory traffic is its inputs and outputs only.
-    io = sum(x.numel() * x.element_size() for x in tensors)
-    return compute_seconds(Counts(flops, io, 1), n.device, dtype)
-
-
 def ring_overlap(tokens: int = 128 * 1024, ranks: tuple[int, ...] = (2, 4, 8, 16, 32, 64),
                  per_node: int = 8) -> list[dict]:
     """Per ring size n: one causal zig-zag ring step of a 7B-sized attention layer (each rank s/n
@@ -290,10 +264,8 @@ def ring_overlap(tokens: int = 128 * 1024, ranks: tuple[int, ...] = (2, 4, 8, 16
         c = tokens // n
         node = f"{n}xH100-nvlink" if n <= per_node else f"{n}xH100-ib"
         kv = 2 * c * LAYER_7B["hidden"] * 2  # K and V of s/n tokens in bf16
-        fwd = modelled_seconds("attention", node=node, shape=(1, h, c, c // 2, d))
-        bwd = modelled_seconds("attention grad", node=node, shape=(1, h, c, c // 2, d))
-        fwd_comm = modelled_seconds("p2p", nbytes=kv, node=node)
-        bwd_comm = modelled_seconds("p2p", nbytes=2 * kv, node=node)  # K, V, dK, dV
+        fwd, bwd = (flash_attention_seconds(kind, (1, h, c, c // 2, d), node) for kind in ("forward", "backward"))
+        fwd_comm, bwd_comm = (seconds("send", nbytes=b, node=node) for b in (kv, 2 * kv))  # backward: dK, dV too
         hidden = min(1.0, (fwd + bwd) / (fwd_comm + bwd_comm))
         rows.append({"ranks": n, "tokens per rank": c, "link": "NVLink 4" if n <= per_node else "InfiniBand NDR",
                      "attention fwd+bwd (ms)": round((fwd + bwd) * 1e3, 3),
@@ -390,9 +362,7 @@ def run_flops(params: dict) -> float:
     `steps` causal passes per layout (a causal pass does about half the work)."""
     cfg = Config(**{k: v for k, v in params.items() if k in Config.__dataclass_fields__})
 
-    def pass_flops(s: int) -> float:
-        q = torch.empty(cfg.batch, cfg.heads, s, cfg.head_dim, device="meta")
-        lse = torch.empty(cfg.batch, cfg.heads, s, device="meta")
-        return count(attend_block, q, q, q, 1.0).flops + count(block_grads, q, q, q, q, lse, q, 1.0).flops
+    def pass_flops(s: int) -> float:  # as torch's counter counts attend_block and block_grads
+        return sum(attention_flops(kind, (cfg.batch, cfg.heads, s, s, cfg.head_dim)) for kind in ("forward", "backward"))
 
     return pass_flops(cfg.seq_len) * (len(VARIANTS) + 2) + pass_flops(cfg.timed_seq_len) / 2 * 2 * cfg.steps

@@ -16,8 +16,8 @@ import torch
 import torch.distributed as dist
 
 from pipelab import experiments
-from pipelab.emulate.specs import parse_node
 from pipelab.checks import divisors, positive_number, whole_number
+from pipelab.emulate.specs import parse_node
 from pipelab.expert_parallel import ExpertParallelGroups, ExpertParallelMoE, MoELayer, reduce_gradients
 from pipelab.measure import Measured, time_steps
 from pipelab.worker import RankContext
@@ -183,7 +183,7 @@ def run(cfg: Config) -> ExpertParallelRun:
     return experiments.run(worker, cfg, gather)
 
 
-def one_process(cfg: Config):
+def reference(cfg: Config):
     """The whole layer in this process on every rank's tokens, one group per rank; the loss the
     mean of the groups' losses. Returns (layer with gradients, outputs, inputs with gradients)."""
     layer = cfg.layer()
@@ -199,7 +199,7 @@ def one_process(cfg: Config):
 
 
 def gather(cfg: Config, results: list[Result]) -> ExpertParallelRun:
-    layer, outs, xs, losses = one_process(cfg)
+    layer, outs, xs, losses = reference(cfg)
     w, main = cfg.world_size, cfg.syncs[0]
     diff = {"outputs": 0.0, "loss": 0.0, "input": 0.0, "router": 0.0}
     for r, out, x, loss in zip(results, outs, xs, losses):

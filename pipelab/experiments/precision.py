@@ -285,7 +285,7 @@ def zero_worker(ctx: RankContext, cfg: Config) -> dict[int, ZeroResult]:
 
 
 @one_thread()
-def zero_reference(cfg: Config) -> tuple[list[float], dict[str, torch.Tensor]]:
+def reference(cfg: Config) -> tuple[list[float], dict[str, torch.Tensor]]:
     """One process, the whole batch, bf16 weights and fp32 masters: the losses and masters ZeRO must reach."""
     model, (x, y) = cfg.model(), cfg.data()
     trainer = MasterWeights(model, adam(cfg))
@@ -312,7 +312,7 @@ def zero_rows(cfg: Config, runs: dict[int, list[ZeroResult]]) -> list[dict]:
     """Per ranks and stage: the fullest rank's bytes per parameter, counted beside the formula
     (2 + 2 + 12 in mixed precision), and how far its losses and masters are from one process."""
     psi = sum(p.numel() for p in cfg.model().parameters())
-    ref_losses, ref_masters = zero_reference(cfg)
+    ref_losses, ref_masters = reference(cfg)
     rows = []
     for n, ranks in runs.items():
         for stage in (0, 1, 2, 3):
