@@ -28,10 +28,8 @@ COUNTS = {
                                                                  p["seq_len"], p["steps"]),
     "13_zbv_dualpipev_looped_bfs": lambda p: v_schedules.run_flops(p["width"], p["layers"], p["batch"], p["steps"],
                                                                    p["larger_layers"]),
-    "14_context_parallelism": lambda p: context_parallel.run_flops(p["heads"], p["head_dim"], p["batch"], p["seq_len"],
-                                                                   p["timed_seq_len"], p["steps"]),
-    "15_expert_parallelism": lambda p: expert_parallel.run_flops(p["experts"], p["top_k"], p["dim"], p["hidden"], p["tokens"],
-                                                                 p["world_size"], p["grid_world_size"], p["steps"]),
+    "14_context_parallelism": context_parallel.run_flops,
+    "15_expert_parallelism": expert_parallel.run_flops,
 }
 
 

@@ -8,6 +8,7 @@ import torch.nn.functional as F
 
 from pipelab import exercises
 from pipelab.context_parallel import Layout, attend_block, merge
+from pipelab.emulate.attention import attention_flops, flash_attention_seconds
 from pipelab.experiments import context_parallel as cpx
 
 
@@ -62,6 +63,17 @@ def test_merging_two_blocks_is_attention_over_both():
     assert torch.allclose(lse, torch.logsumexp(q @ k.transpose(-2, -1) * 0.5, -1), atol=1e-6)
 
 
+def test_the_flash_model_counts_what_torchs_counter_counts_of_our_blocks():
+    from pipelab.context_parallel.online_softmax import block_grads
+    from pipelab.emulate.cost import count
+
+    q, o = (torch.empty(1, 4, 64, 16, device="meta") for _ in range(2))
+    k, v = (torch.empty(1, 4, 32, 16, device="meta") for _ in range(2))
+    lse = torch.empty(1, 4, 64, device="meta")
+    assert count(attend_block, q, k, v, 0.25).flops == attention_flops("forward", (1, 4, 64, 32, 16))
+    assert count(block_grads, q, k, v, o, lse, o, 0.25).flops == attention_flops("backward", (1, 4, 64, 32, 16))
+
+
 def test_modelled_overlap_comes_from_the_emulator_and_stops_hiding_across_nodes():
     rows = cpx.ring_overlap()
     by_n = {r["ranks"]: r for r in rows}
@@ -70,8 +82,8 @@ def test_modelled_overlap_comes_from_the_emulator_and_stops_hiding_across_nodes(
     assert by_n[2]["attention fwd+bwd (ms)"] / by_n[4]["attention fwd+bwd (ms)"] == pytest.approx(4, rel=0.05)
     assert by_n[2]["K/V passing fwd+bwd (ms)"] / by_n[4]["K/V passing fwd+bwd (ms)"] == pytest.approx(2, rel=0.05)
     # twice the FLOPs on the same device in the model: twice the time, near enough (launch overhead aside)
-    one = cpx.modelled_seconds("attention", shape=(1, 32, 4096, 4096, 128))
-    assert cpx.modelled_seconds("attention", shape=(1, 32, 4096, 8192, 128)) == pytest.approx(2 * one, rel=0.01)
+    one = flash_attention_seconds("forward", (1, 32, 4096, 4096, 128), "8xH100-nvlink")
+    assert flash_attention_seconds("forward", (1, 32, 4096, 8192, 128), "8xH100-nvlink") == pytest.approx(2 * one, rel=0.01)
     assert "exposed from n=16" in cpx.overlap_verdict(rows)[1]
 
 

@@ -7,6 +7,7 @@ import torch
 import torch.distributed as dist
 
 from pipelab import exercises
+from pipelab.emulate import moe
 from pipelab.emulate.cost import message_seconds
 from pipelab.emulate.specs import parse_node
 from pipelab.experiments import expert_load as load
@@ -62,18 +63,18 @@ def test_balancing_loss_is_one_when_even_and_grows_when_concentrated():
 
 def test_modelled_all_to_all_is_one_message_per_peer():
     node = parse_node("4xH100-nvlink")
-    got = load.modelled_seconds("all_to_all", nbytes=3e6, node="4xH100-nvlink")
+    got = moe.all_to_all_seconds(3e6, "4xH100-nvlink")
     assert got == pytest.approx(3 * message_seconds(1e6, node.link))
-    assert load.modelled_seconds("all_to_all", nbytes=3e6, node="1xH100-nvlink") == 0.0
-    forward = load.modelled_seconds("expert_forward", node="2xH100-nvlink", shape=(4096, 4096, 14336))
+    assert moe.all_to_all_seconds(3e6, "1xH100-nvlink") == 0.0
+    forward = moe.expert_seconds("forward", 4096, 4096, 14336, "2xH100-nvlink")
     # 2 matrix products of 2 * 4096 * 4096 * 14336 FLOPs at the H100's measured bf16 efficiency, compute-bound
     from pipelab.emulate import calibrated
 
     flops = 2 * 2 * 4096 * 4096 * 14336
     e_max = calibrated.efficiency_of(node.device).matmul["bfloat16"][0]
     assert forward == pytest.approx(flops / (e_max * node.device.rate("bfloat16")), rel=0.02)
-    with pytest.raises(ValueError, match="unknown kind 'gemm'"):
-        load.modelled_seconds("gemm", node="2xH100-nvlink")
+    with pytest.raises(ValueError, match="kind must be 'forward' or 'backward', got 'gemm'"):
+        moe.expert_seconds("gemm", 1, 4, 4, "2xH100-nvlink")
 
 
 def test_the_busiest_rank_sets_the_modelled_step_and_the_condition_by_hand():
@@ -82,7 +83,8 @@ def test_the_busiest_rank_sets_the_modelled_step_and_the_condition_by_hand():
     step, even = load.modelled_step(cfg, uneven), load.modelled_step(cfg, load.evenly(uneven))
     assert step.assignments[0] > step.assignments[1] and step.step > even.step
     assert load.pace_verdict(step, even)[1] == "busiest sets the pace"
-    row = load.hiding_condition(cfg, "H100-nvlink")
+    row = moe.hiding_condition("2xH100-nvlink", cfg.modelled_tokens, cfg.top_k, cfg.experts, cfg.modelled_dim,
+                               cfg.modelled_hidden)
     # (n-1)/n * b * C / (3W), C and W what the calibrated model reaches at the layer's sizes: C below
     # the H100's dense bf16 peak, W below NVLink 4's 450 GB/s line rate, so the threshold moves
     # with both and the modelled step must agree with the formula on which side a layer is

@@ -17,6 +17,8 @@ do not.
 
 from __future__ import annotations
 
+import warnings
+
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
@@ -106,8 +108,10 @@ def expert_gradients(ctx, model: TinyMoE, loss_fn, x, y, fixed: bool = False) ->
 
     xs, ys = my_rows(ctx, x, y)
     h = torch.tanh(model.dense(xs))
-    mine = all_to_all_single(torch.empty_like(h), h)  # block q of every rank's rows goes to rank q
-    out = all_to_all_single(torch.empty_like(mine), model.experts[ctx.rank](mine))
+    with warnings.catch_warnings():  # torch calls this autograd all-to-all deprecated; its successor is private
+        warnings.simplefilter("ignore", FutureWarning)
+        mine = all_to_all_single(torch.empty_like(h), h)  # block q of every rank's rows goes to rank q
+        out = all_to_all_single(torch.empty_like(mine), model.experts[ctx.rank](mine))
     loss = F.mse_loss(out, ys)  # this rank's mean; the batch's loss is the mean over ranks
     loss.backward()
     average_gradients(model.dense.parameters())
@@ -119,29 +123,29 @@ def expert_gradients(ctx, model: TinyMoE, loss_fn, x, y, fixed: bool = False) ->
     return loss.item()
 
 
-def pipeline_accumulation(ctx, model: nn.Sequential, loss_fn, x, y, fixed: bool = False,
-                          num_microbatches: int = 4) -> float | None:
-    """Two pipeline stages (the first half of the layers on rank 0, the rest on rank 1), GPipe:
-    every micro-batch's forward, then every backward, each stage accumulating its gradients."""
-    cut = len(model) // 2
-    stage = model[:cut] if ctx.rank == 0 else model[cut:]
+def two_stage_gpipe(ctx, stage: nn.Module, x, y, rows: int, microbatches: int, width: int,
+                    zero_each_microbatch: bool = False) -> float | None:
+    """Two pipeline stages (rank 0 the first, rank 1 the last), GPipe: every micro-batch's forward
+    (`rows` rows each; rank 1 receives `width` features), then every backward, each stage
+    accumulating its gradients. Returns the loss on rank 1, None on rank 0."""
     peer = 1 - ctx.rank
     outputs, inputs, losses = [], [], []
-    for xm, ym in zip(x.chunk(num_microbatches), y.chunk(num_microbatches)):
+    for i in range(microbatches):
+        xm, ym = x[i * rows:(i + 1) * rows], y[i * rows:(i + 1) * rows]
         if ctx.rank == 0:
             out = stage(xm)
             dist.send(out.detach(), peer)
         else:
-            a = torch.empty(xm.shape[0], model[cut].in_features)
+            a = torch.empty(rows, width)
             dist.recv(a, peer)
             a.requires_grad_()
-            out = F.mse_loss(stage(a), ym) / num_microbatches
-            losses.append(float(out))
+            out = F.mse_loss(stage(a), ym) / microbatches
+            losses.append(float(out.detach()))
             inputs.append(a)
         outputs.append(out)
     stage.zero_grad()
     for i, out in enumerate(outputs):
-        if not fixed:
+        if zero_each_microbatch:
             stage.zero_grad()  # the bug: each micro-batch's backward starts from zero again
         if ctx.rank == 0:
             g = torch.empty_like(out)
@@ -151,3 +155,13 @@ def pipeline_accumulation(ctx, model: nn.Sequential, loss_fn, x, y, fixed: bool 
             out.backward()
             dist.send(inputs[i].grad, peer)
     return sum(losses) if ctx.rank == 1 else None
+
+
+def pipeline_accumulation(ctx, model: nn.Sequential, loss_fn, x, y, fixed: bool = False,
+                          num_microbatches: int = 4) -> float | None:
+    """Two pipeline stages of `model` (the first half of its layers on rank 0, the rest on rank 1);
+    the bug zeroes the gradients before each micro-batch's backward."""
+    cut = len(model) // 2
+    stage = model[:cut] if ctx.rank == 0 else model[cut:]
+    return two_stage_gpipe(ctx, stage, x, y, len(x) // num_microbatches, num_microbatches, model[cut].in_features,
+                           zero_each_microbatch=not fixed)

@@ -123,8 +123,11 @@ def _watch(recorder: FlightRecorder, path: str, timeout: float, stop: threading.
             store.set(DUMP_KEY, why)
             store.add(DUMPED_KEY, 1)
             deadline = time.time() + 2.0
-            while store.add(DUMPED_KEY, 0) < dist.get_world_size() and time.time() < deadline:
-                time.sleep(0.05)
+            try:
+                while store.add(DUMPED_KEY, 0) < dist.get_world_size() and time.time() < deadline:
+                    time.sleep(0.05)
+            except RuntimeError:  # the store's host rank ended first (DistNetworkError): its dump is written
+                pass
             print(f"flight recorder: {why}; every rank's buffer dumped to {os.path.dirname(path)}; ending rank "
                   f"{recorder.rank} with exit code {EXIT_TIMEOUT}", flush=True)
             os._exit(EXIT_TIMEOUT)

@@ -5,7 +5,7 @@ causal and not; all-to-all (Ulysses); torch's `context_parallel` where it runs o
 outputs and the gradients of its queries, keys and values, the bytes its messages carried and the
 bytes its forward kept for backward, then times causal ring steps both ways on the timeline.
 `gather` checks every variant against one process's attention and builds the `ContextParallelRun`.
-The emulated node's figures come from `modelled_seconds`, the one door to the emulator's timing.
+Modelled times (part 5) come from `pipelab.emulate`'s flash-attention and message models alone.
 """
 
 from __future__ import annotations
@@ -18,8 +18,10 @@ import torch.nn.functional as F
 from pipelab import experiments
 from pipelab.checks import whole_number
 from pipelab.context_parallel import Layout, Ring, ring_attention, ulysses_attention
+from pipelab.emulate import seconds
+from pipelab.emulate.attention import attention_flops, flash_attention_seconds
 from pipelab.experiments.tensor_parallel import saved_activation_bytes
-from pipelab.experiments.torch_context_parallel import torch_context_parallel, torch_refusals
+from pipelab.experiments.torch_context_parallel import torch_context_parallel
 from pipelab.measure import Measured, time_steps
 from pipelab.tensor_parallel.comm import CommMeter
 from pipelab.timeline import Timeline
@@ -83,9 +85,7 @@ def attention(variant: str, q, k, v, ring: Ring):
     return ulysses_attention(q, k, v, ring, causal)
 
 
-# ---------------------------------------------------------------------------------------------
-# On each rank
-# ---------------------------------------------------------------------------------------------
+# ---- On each rank -----------------------------------------------------------------------------------
 
 
 @dataclass
@@ -107,10 +107,11 @@ class Result:
 
 def worker(ctx: RankContext, cfg: Config) -> Result:
     """Every variant once (checked, counted), then `cfg.steps` timed causal passes per layout."""
-    variants = {}
+    variants, refusals = {}, {}
     for variant in cfg.variants:
         if variant == "torch":
-            variants[variant] = VariantResult(torch_context_parallel(ctx, cfg), (), {}, 0)
+            out, refusals = torch_context_parallel(ctx, cfg)
+            variants[variant] = VariantResult(out, (), {}, 0)
             continue
         ring = Ring.world(meter=CommMeter())
         layout = layout_of(variant, ctx.world_size)
@@ -128,13 +129,10 @@ def worker(ctx: RankContext, cfg: Config) -> Result:
         steps = time_steps(ctx, lambda i: (ring_attention(q, k, v, ring, layout, True) * g).sum().backward(),
                            cfg.steps)
         seconds[name], timelines[name] = steps.seconds, steps.timelines[-1]
-    refusals = torch_refusals(ctx, cfg) if "torch" in cfg.variants else {}
     return Result(ctx.rank, variants, seconds, timelines, refusals)
 
 
-# ---------------------------------------------------------------------------------------------
-# The parent side
-# ---------------------------------------------------------------------------------------------
+# ---- The parent side --------------------------------------------------------------------------------
 
 
 @dataclass
@@ -163,7 +161,7 @@ def run(cfg: Config) -> ContextParallelRun:
     return experiments.run(worker, cfg, gather)
 
 
-def one_process(cfg: Config, causal: bool) -> list[torch.Tensor]:
+def reference(cfg: Config, causal: bool) -> list[torch.Tensor]:
     """Attention over the whole sequence in this process: output, dQ, dK, dV."""
     q, k, v, g = cfg.data()
     q, k, v = (t.requires_grad_() for t in (q, k, v))
@@ -174,7 +172,7 @@ def one_process(cfg: Config, causal: bool) -> list[torch.Tensor]:
 
 def gather(cfg: Config, results: list[Result]) -> ContextParallelRun:
     n = cfg.world_size
-    want = {causal: one_process(cfg, causal) for causal in (False, True)}
+    want = {causal: reference(cfg, causal) for causal in (False, True)}
     variants = {}
     for name in cfg.variants:
         per_rank = [r.variants[name] for r in results]
@@ -203,9 +201,7 @@ def one_process_memory(cfg: Config) -> tuple[int, int]:
     return ring_bytes, math_bytes
 
 
-# ---------------------------------------------------------------------------------------------
-# Formulas: bytes each rank sends, work each rank does
-# ---------------------------------------------------------------------------------------------
+# ---- Formulas: bytes each rank sends, work each rank does -------------------------------------------
 
 
 def shard_bytes(cfg: Config) -> int:
@@ -240,7 +236,6 @@ def bytes_table(run: ContextParallelRun) -> list[dict]:
     return rows
 
 
-
 def blocks_per_rank(layout: str, ranks: int, causal: bool = True) -> dict[int, float]:
     """Per rank: the work its ring attention does in one forward, in blocks of (s/n)^2 token pairs,
     counted from the algorithm's own pairing of query and key chunks (a zig-zag chunk pair is a
@@ -252,39 +247,9 @@ def blocks_per_rank(layout: str, ranks: int, causal: bool = True) -> dict[int, f
     return {r: size * sum(1 for k in range(ranks) for _ in _pairs(lay, r, k, 1, causal)) for r in range(ranks)}
 
 
-# ---------------------------------------------------------------------------------------------
-# The emulated node: modelled time at 128K tokens of a 7B-sized layer
-# ---------------------------------------------------------------------------------------------
+# ---- Modelled time at 128K tokens of a 7B-sized layer -----------------------------------------------
 
 LAYER_7B = {"heads": 32, "head_dim": 128, "hidden": 4096}  # Llama 2 7B's attention
-
-
-def modelled_seconds(kind: str, *, nbytes: float = 0.0, node: str = "8xH100-nvlink",
-                     shape: tuple[int, ...] = (), dtype: str = "bfloat16") -> float:
-    """Modelled seconds from the emulator's public models (`pipelab.emulate`): "attention" and
-    "attention grad" are one fused (flash) kernel of shape (batch, heads, q_tokens, k_tokens,
-    head_dim) on the node's device; "p2p" is one message of `nbytes` over the node's link."""
-    from pipelab.emulate.cost import Counts, compute_seconds, count, message_seconds
-    from pipelab.emulate.specs import parse_node, torch_dtype
-    from pipelab.context_parallel.online_softmax import attend_block, block_grads
-
-    n = parse_node(node)
-    if kind == "p2p":
-        return message_seconds(nbytes, n.link)
-    b, h, sq, sk, d = shape
-    t = torch_dtype(dtype)
-    q, o = (torch.empty(b, h, sq, d, dtype=t, device="meta") for _ in range(2))
-    k, v = (torch.empty(b, h, sk, d, dtype=t, device="meta") for _ in range(2))
-    lse = torch.empty(b, h, sq, dtype=t, device="meta")
-    if kind == "attention":
-        flops, tensors = count(attend_block, q, k, v, d ** -0.5).flops, (q, k, v, o)
-    elif kind == "attention grad":
-        flops, tensors = count(block_grads, q, k, v, o, lse, o, d ** -0.5).flops, (q, k, v, o, o, q, k, v)
-    else:
-        raise ValueError(f"kind must be 'attention', 'attention grad' or 'p2p', got {kind!r}")
-    # A fused kernel keeps the scores on chip: its memory traffic is its inputs and outputs only.
-    io = sum(x.numel() * x.element_size() for x in tensors)
-    return compute_seconds(Counts(flops, io, 1), n.device, dtype)
 
 
 def ring_overlap(tokens: int = 128 * 1024, ranks: tuple[int, ...] = (2, 4, 8, 16, 32, 64),
@@ -299,10 +264,8 @@ def ring_overlap(tokens: int = 128 * 1024, ranks: tuple[int, ...] = (2, 4, 8, 16
         c = tokens // n
         node = f"{n}xH100-nvlink" if n <= per_node else f"{n}xH100-ib"
         kv = 2 * c * LAYER_7B["hidden"] * 2  # K and V of s/n tokens in bf16
-        fwd = modelled_seconds("attention", node=node, shape=(1, h, c, c // 2, d))
-        bwd = modelled_seconds("attention grad", node=node, shape=(1, h, c, c // 2, d))
-        fwd_comm = modelled_seconds("p2p", nbytes=kv, node=node)
-        bwd_comm = modelled_seconds("p2p", nbytes=2 * kv, node=node)  # K, V, dK, dV
+        fwd, bwd = (flash_attention_seconds(kind, (1, h, c, c // 2, d), node) for kind in ("forward", "backward"))
+        fwd_comm, bwd_comm = (seconds("send", nbytes=b, node=node) for b in (kv, 2 * kv))  # backward: dK, dV too
         hidden = min(1.0, (fwd + bwd) / (fwd_comm + bwd_comm))
         rows.append({"ranks": n, "tokens per rank": c, "link": "NVLink 4" if n <= per_node else "InfiniBand NDR",
                      "attention fwd+bwd (ms)": round((fwd + bwd) * 1e3, 3),
@@ -319,9 +282,7 @@ NEMO_CP = [{"sequence": "128K", "without CP (TFLOP/s per GPU)": 424, "with CP": 
            {"sequence": "1M", "without CP (TFLOP/s per GPU)": 26.5, "with CP": 536}]
 
 
-# ---------------------------------------------------------------------------------------------
-# Verdicts
-# ---------------------------------------------------------------------------------------------
+# ---- Verdicts ---------------------------------------------------------------------------------------
 
 TOLERANCE = 1e-4  # float32 sums in another order: far above rounding, far below a wrong block
 
@@ -336,17 +297,13 @@ def same_as_one_process(run: ContextParallelRun) -> tuple[str, str, str, dict]:
 
 
 def balance_verdict(run: ContextParallelRun) -> tuple[str, str, str, dict]:
-    """The measured causal step both ways, and the blocks each rank computes (from the pairing)."""
+    """The measured causal step both ways (the blocks each rank computes are in the table above it)."""
     from pipelab.measure import compare
 
-    n = run.cfg.world_size
     contiguous, zigzag = run.step_time["contiguous"], run.step_time["zigzag"]
-    blocks = blocks_per_rank("contiguous", n)
     verdict = compare(zigzag, contiguous)
-    even = blocks_per_rank("zigzag", n)[0]
-    text = (f"contiguous shards give rank 0 {blocks[0]:g} block of work and rank {n - 1} {blocks[n - 1]:g}, zig-zag "
-            f"each {even:g}: a causal pass took {zigzag.median * 1e3:.0f} ms zig-zag against "
-            f"{contiguous.median * 1e3:.0f} ms contiguous ({verdict}, measured)")
+    text = (f"measured, a causal pass took {zigzag.median * 1e3:.0f} ms with zig-zag shards, which even out the "
+            f"ranks' work, against {contiguous.median * 1e3:.0f} ms contiguous ({verdict})")
     return "14.causal_balance", verdict, text, {"zigzag_s": zigzag.median, "contiguous_s": contiguous.median}
 
 
@@ -365,8 +322,8 @@ def memory_verdict(run: ContextParallelRun) -> tuple[str, str, str, dict]:
     n, whole = run.cfg.world_size, run.one_process_activation_bytes
     per_rank = max(v.activation_bytes for name, v in run.variants.items() if VARIANTS[name][0] == "ring")
     verdict = "1/n of one process" if per_rank * n == whole else "not 1/n"
-    text = (f"a ring rank kept {per_rank:,} bytes for backward, {verdict} ({whole:,}); torch's math "
-            f"attention in one process keeps {run.scores_activation_bytes:,}, the s x s probabilities")
+    text = (f"a ring rank kept {per_rank:,} bytes for backward, {verdict}; torch's math attention in one "
+            f"process keeps {run.scores_activation_bytes:,}, the s x s probabilities")
     return "14.activation_memory", verdict, text, {"per_rank": per_rank, "one_process": whole}
 
 
@@ -375,8 +332,8 @@ def overlap_verdict(rows: list[dict]) -> tuple[str, str, str, dict]:
     at8 = next(r for r in rows if r["ranks"] == 8)
     exposed = next((r for r in rows if r["hidden"] != "100%"), None)
     where = f"n={exposed['ranks']} ({exposed['link']})" if exposed else f"none up to n={rows[-1]['ranks']}"
-    text = (f"modelled, 8 x H100 at 128K tokens: K/V passing {at8['K/V passing fwd+bwd (ms)']:.2f} ms hides "
-            f"behind {at8['attention fwd+bwd (ms)']:.1f} ms of attention per step; it first shows at {where}")
+    text = (f"modelled at 128K tokens, the K/V passing hides behind the attention on 8 H100s "
+            f"({at8['hidden']}); it first shows at {where}")
     return "14.ring_overlap", f"exposed from {where}", text, {"exposed_from": exposed["ranks"] if exposed else None}
 
 
@@ -394,21 +351,18 @@ def nemo_verdict(rows: list[dict]) -> tuple[str, str, str, dict]:
     with_cp = [r["with CP"] for r in NEMO_CP]
     at8 = next(r for r in rows if r["ranks"] == 8)
     verdict = "consistent" if at8["hidden"] == "100%" else "K/V passing exposed"
-    text = (f"NeMo holds {min(with_cp):g}-{max(with_cp):g} TFLOP/s per GPU with CP from 128K to 1M tokens; the model's "
-            f"K/V passing is {at8['hidden']} hidden at n=8 ({verdict}); why, without CP, it falls (memory) it cannot say")
+    text = (f"NeMo keeps {min(with_cp):g}+ TFLOP/s per GPU with CP up to 1M tokens; the model hides K/V passing at "
+            f"8 ranks ({verdict}) but cannot explain throughput without CP")
     return "14.nemo", verdict, text, {"hidden_at_8": at8["hidden"]}
 
 
-def run_flops(heads: int, head_dim: int, batch: int, seq_len: int, timed_seq_len: int, steps: int) -> float:
-    """FLOPs of lesson 14's runs at a profile's size, counted on the meta device: one forward and
-    backward of the whole sequence's attention per variant, and `steps` causal passes per layout
-    (a causal pass does about half the work)."""
-    from pipelab.emulate.cost import count
-    from pipelab.context_parallel.online_softmax import attend_block, block_grads
+def run_flops(params: dict) -> float:
+    """FLOPs of one run of lesson 14 at the notebook parameters `params` (missing names: the defaults),
+    counted on the meta device: a forward and backward of the whole sequence per variant, and
+    `steps` causal passes per layout (a causal pass does about half the work)."""
+    cfg = Config(**{k: v for k, v in params.items() if k in Config.__dataclass_fields__})
 
-    def pass_flops(s: int) -> float:
-        q = torch.empty(batch, heads, s, head_dim, device="meta")
-        lse = torch.empty(batch, heads, s, device="meta")
-        return count(attend_block, q, q, q, 1.0).flops + count(block_grads, q, q, q, q, lse, q, 1.0).flops
+    def pass_flops(s: int) -> float:  # as torch's counter counts attend_block and block_grads
+        return sum(attention_flops(kind, (cfg.batch, cfg.heads, s, s, cfg.head_dim)) for kind in ("forward", "backward"))
 
-    return pass_flops(seq_len) * (len(VARIANTS) + 2) + pass_flops(timed_seq_len) / 2 * 2 * steps
+    return pass_flops(cfg.seq_len) * (len(VARIANTS) + 2) + pass_flops(cfg.timed_seq_len) / 2 * 2 * cfg.steps

@@ -1,32 +1,29 @@
 """Lesson 17 from a notebook: hangs and silent gradient bugs, planted on real gloo ranks, each
 beside the check that finds it and a one-process reference.
 
-Every planted hang runs under a small process-group timeout (`Config.hang_seconds`, per operation):
-the waiting rank raises when it expires, spawn stops every rank and leaves no process behind, so a
-hang costs seconds. Times called "measured" are wall-clock seconds of the call on this machine,
-start-up of the ranks included.
+Every planted hang runs under a small process-group timeout (`Config.hang_seconds`, per operation,
+`pipelab.debug.runs`): it ends in seconds and leaves no process behind. Times called "measured" are
+wall-clock seconds of the call on this machine, start-up of the ranks included.
 """
 
 from __future__ import annotations
 
-import contextlib
 import functools
-import os
 import shutil
 import tempfile
-import time
 from dataclasses import dataclass, field
 
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
 from pipelab import experiments
 from pipelab.checks import positive_number, whole_number
-from pipelab.debug import bugs, check_replicas, collective_check, diagnose, flight_recorder, load_dumps
+from pipelab.debug import bugs, check_replicas, diagnose, load_dumps
 from pipelab.debug.compare import Comparison, compare, rank_gradients, reference_gradients
-from pipelab.launch import WorkerError, spawn
+from pipelab.debug.hangs import mismatched_collectives, pipeline_with_planted_hang, receive_first
+from pipelab.debug.runs import Outcome, attempt
+from pipelab.launch import spawn
 
 ISSUES = {"zero_bubble_w_pass": "pytorch#144530", "shard_group_of_one": "verl#7493",
           "expert_gradients": "pytorch#160285", "pipeline_accumulation": "NeMo PR #3530"}
@@ -42,8 +39,8 @@ class Config(experiments.Config):
     batch: int = 16
     num_microbatches: int = 4
     steps: int = 2
-    hang_seconds: float = 5.0
-    check_seconds: float = 3.0
+    hang_seconds: float = 2.0
+    check_seconds: float = 2.0
     capacity: int = 16
 
     def check(self) -> None:
@@ -74,81 +71,17 @@ def mse(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     return F.mse_loss(model(x), y)
 
 
-@dataclass(frozen=True)
-class Outcome:
-    """How one run ended: `ended` ('finished', 'raised', 'timed out'), after `seconds` measured, and
-    the first line(s) of what it said."""
-
-    name: str
-    ended: str
-    seconds: float
-    message: str
+# ---- 1. A collective mismatch -----------------------------------------------------------------------
 
 
-def short_timeout(seconds: float) -> None:
-    """Give this rank's process group a timeout of `seconds` for each operation (as
-    `init_process_group(timeout=...)` does for a whole job): a planted hang then ends in seconds
-    once the ranks run, however long they took to start."""
-    import datetime
-
-    dist.distributed_c10d._set_pg_timeout(datetime.timedelta(seconds=seconds))
-
-
-def attempt(name: str, fn, cfg: Config, *args, env: dict[str, str] | None = None, **spawn_kwargs) -> Outcome:
-    """Run `fn` on the ranks and say how it ended, after how many seconds. A planted hang ends at
-    the process group's timeout (`short_timeout`); spawn's own `cfg.timeout` is the last resort."""
-    saved = {k: os.environ.get(k) for k in (env or {})}
-    os.environ.update(env or {})
-    start = time.perf_counter()
-    try:
-        spawn(fn, cfg.world_size, *args, timeout=cfg.timeout, **spawn_kwargs)
-        ended, message = "finished", ""
-    except WorkerError as e:
-        ended = ("timed out" if "did not finish within timeout" in e.args[0] or "code 3 " in e.args[0] or
-                 "Timed out" in e.args[0] else "raised")
-        message = _short(e)
-    finally:
-        for k, v in saved.items():
-            os.environ.pop(k) if v is None else os.environ.__setitem__(k, v)
-    return Outcome(name, ended, time.perf_counter() - start, message)
-
-
-def _short(e: WorkerError) -> str:
-    """The cause's first line, and its first consequence's."""
-    lines = [e.args[0].splitlines()[0][:300]]
-    lines += [c.args[0].splitlines()[0][:300] for c in e.consequences[:1]]
-    return "\n".join(lines)
-
-
-# ---------------------------------------------------------------------------------------------
-# 1. A collective mismatch
-# ---------------------------------------------------------------------------------------------
-
-
-def mismatched_collectives(ctx, hang_seconds: float, checked: bool = False, seconds: float = 2.0) -> None:
-    """Rank 0 all-reduces its gradient; rank 1, on another branch, broadcasts it (DeepSpeed#7044's kind)."""
-    short_timeout(hang_seconds)
-    grad = torch.ones(4, 8)
-    with collective_check(seconds) if checked else contextlib.nullcontext():
-        if ctx.rank == 0:
-            dist.all_reduce(grad)
-        else:
-            dist.broadcast(grad, src=0)
-
-
-def collective_mismatch(cfg: Config) -> list[Outcome]:
-    """The same mismatch three ways: plain gloo, torch's TORCH_DISTRIBUTED_DEBUG=DETAIL, our check."""
-    h = cfg.hang_seconds
-    return [attempt("gloo", mismatched_collectives, cfg, h),
-            attempt("gloo, TORCH_DISTRIBUTED_DEBUG=DETAIL", mismatched_collectives, cfg, h,
-                    env={"TORCH_DISTRIBUTED_DEBUG": "DETAIL"}),
-            checked_mismatch(cfg)]
-
-
-def checked_mismatch(cfg: Config) -> Outcome:
-    """The mismatch under our collective check."""
-    return attempt("pipelab.debug.collective_check", mismatched_collectives, cfg, cfg.hang_seconds, True,
-                   cfg.check_seconds)
+def collective_mismatch(cfg: Config, torch_runs: bool = True) -> list[Outcome]:
+    """The mismatch under our collective check, after (`torch_runs`) plain gloo and torch's
+    TORCH_DISTRIBUTED_DEBUG=DETAIL on the same program."""
+    h, n = cfg.hang_seconds, cfg.world_size
+    runs = [attempt("gloo", mismatched_collectives, n, h),
+            attempt("gloo, TORCH_DISTRIBUTED_DEBUG=DETAIL", mismatched_collectives, n, h,
+                    env={"TORCH_DISTRIBUTED_DEBUG": "DETAIL"})] if torch_runs else []
+    return runs + [attempt("pipelab.debug.collective_check", mismatched_collectives, n, h, True, cfg.check_seconds)]
 
 
 def names_both_calls(outcome: Outcome) -> bool:
@@ -169,75 +102,16 @@ def mismatch_verdict(outcomes: list[Outcome]) -> tuple[str, str, str, dict]:
     return "debug.mismatch", "named", text + ".", {"torch_named": len(named)}
 
 
-# ---------------------------------------------------------------------------------------------
-# 2. A point-to-point deadlock under NCCL's rule
-# ---------------------------------------------------------------------------------------------
-
-
-def receive_first(ctx, hang_seconds: float) -> None:
-    """Both ranks post their receive before their send: gloo runs it, NCCL hangs."""
-    short_timeout(hang_seconds)
-    peer = 1 - ctx.rank
-    recv = dist.irecv(torch.empty(4), peer)
-    send = dist.isend(torch.ones(4), peer)
-    recv.wait()
-    send.wait()
+# ---- 2. A point-to-point deadlock under NCCL's rule -------------------------------------------------
 
 
 def p2p_deadlock(cfg: Config) -> list[Outcome]:
     """The same program on gloo and under NCCL's ordering rule (`spawn(nccl_rule=True)`)."""
-    return [attempt("gloo", receive_first, cfg, cfg.hang_seconds),
-            attempt("NCCL's rule", receive_first, cfg, cfg.hang_seconds, nccl_rule=True)]
+    return [attempt("gloo", receive_first, cfg.world_size, cfg.hang_seconds),
+            attempt("NCCL's rule", receive_first, cfg.world_size, cfg.hang_seconds, nccl_rule=True)]
 
 
-# ---------------------------------------------------------------------------------------------
-# 3. A hang in a pipeline, read from the flight recorders' dumps
-# ---------------------------------------------------------------------------------------------
-
-
-def gpipe_step(ctx, cfg: Config, stage: nn.Module, x: torch.Tensor, y: torch.Tensor, m: int) -> None:
-    """One GPipe step of two stages over `m` micro-batches: every forward, then every backward."""
-    rows, peer = cfg.batch // cfg.num_microbatches, 1 - ctx.rank
-    outs, ins = [], []
-    for i in range(m):
-        if ctx.rank == 0:
-            out = stage(x[i * rows:(i + 1) * rows])
-            dist.send(out.detach(), peer)
-        else:
-            a = torch.empty(rows, 2 * cfg.width)
-            dist.recv(a, peer)
-            a.requires_grad_()
-            out = F.mse_loss(stage(a), y[i * rows:(i + 1) * rows]) / m
-            ins.append(a)
-        outs.append(out)
-    for i, out in enumerate(outs):
-        if ctx.rank == 0:
-            g = torch.empty_like(out)
-            dist.recv(g, peer)
-            out.backward(g)
-        else:
-            out.backward()
-            dist.send(ins[i].grad, peer)
-
-
-def pipeline_with_planted_hang(ctx, cfg: Config, dump_dir: str, plant: str) -> None:
-    """Two GPipe stages for `cfg.steps` recorded steps. `plant="microbatches"`: in the last step
-    rank 0 cuts its batch into one micro-batch fewer than rank 1 expects (a short last batch);
-    `plant="stall"`: in the last step rank 1 stops in its own work (a stuck data loader)."""
-    short_timeout(cfg.hang_seconds)
-    model, (x, y) = cfg.model(), cfg.data()
-    stage = model[:2] if ctx.rank == 0 else model[2:]
-    # A job's first step is slow (autograd starts its machinery, memory is allocated): on a busy
-    # machine it could outlast the timeout, so it runs before the recorder watches.
-    gpipe_step(ctx, cfg, stage, x, y, cfg.num_microbatches)
-    with flight_recorder(dump_dir, cfg.capacity, cfg.hang_seconds):
-        for step in range(cfg.steps):
-            m, last = cfg.num_microbatches, step == cfg.steps - 1
-            if last and plant == "microbatches" and ctx.rank == 0:
-                m -= 1
-            if last and plant == "stall" and ctx.rank == 1:
-                time.sleep(10 * cfg.hang_seconds)  # stopped long before, when rank 0 times out
-            gpipe_step(ctx, cfg, stage, x, y, m)
+# ---- 3. A hang in a pipeline, read from the flight recorders' dumps ---------------------------------
 
 
 @dataclass
@@ -255,7 +129,8 @@ def planted_hang(cfg: Config, plant: str = "microbatches") -> HangRun:
         raise ValueError(f"plant must be 'microbatches' or 'stall', got {plant!r}")
     dump_dir = tempfile.mkdtemp(prefix="pipelab-flight-")
     try:
-        outcome = attempt(f"pipeline, {plant}", pipeline_with_planted_hang, cfg, cfg, dump_dir, plant)
+        outcome = attempt(f"pipeline, {plant}", pipeline_with_planted_hang, cfg.world_size, cfg, dump_dir, plant,
+                          timeout=cfg.timeout)
         dumps = load_dumps(dump_dir)
     finally:
         shutil.rmtree(dump_dir, ignore_errors=True)
@@ -275,9 +150,7 @@ def recorder_verdict(run: HangRun) -> tuple[str, str, str, dict]:
     return "debug.recorder", "behind" if d.behind else "cycle", text, {"issued": w.peer_count, "needed": w.wanted}
 
 
-# ---------------------------------------------------------------------------------------------
-# 4. Silent gradient bugs, beside one process
-# ---------------------------------------------------------------------------------------------
+# ---- 4. Silent gradient bugs, beside one process ----------------------------------------------------
 
 
 def case_model(cfg: Config, name: str) -> nn.Module:

@@ -1,28 +1,23 @@
-"""Lesson 15's load: where the router sends tokens, and what an uneven load costs on an emulated node.
+"""Lesson 15's load: where the router sends tokens, and what an uneven load costs in modelled time.
 
 Tokens per expert before and after the balancing loss trains (one process: lesson 15 shows the
-layer over ranks equals it); one step of the layer on an emulated node, its times modelled from
-where the tokens really went (`modelled_seconds` is the one place they come from), so the busiest
-expert's rank sets the pace; a capacity-factor sweep; the scaling book's condition for the
-all-to-alls to hide behind the experts' compute, beside the modelled step.
+layer over ranks equals it); one step of the layer in modelled time (`pipelab.emulate.moe` times
+each part) from where the tokens really went, so the busiest expert's rank sets the pace; a
+capacity-factor sweep; the scaling book's condition for the all-to-alls to hide, beside the step.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
-from functools import lru_cache
 
 import torch
-from torch import nn
 
-from pipelab.emulate.cost import Counts
+from pipelab.emulate.moe import all_to_all_seconds, expert_seconds, hiding_condition
 from pipelab.experiments.expert_parallel import Config, one_thread
 from pipelab.timeline import Span, Timeline
 
 
-# ---------------------------------------------------------------------------------------------
-# Load: tokens per expert before and after the balancing loss trains
-# ---------------------------------------------------------------------------------------------
+# ---- Load: tokens per expert before and after the balancing loss trains -----------------------------
 
 
 def load_after_training(cfg: Config, steps: int, aux_weight: float, lr: float = 0.1) -> list[torch.Tensor]:
@@ -50,70 +45,18 @@ def imbalance(load: torch.Tensor) -> float:
     return float(load.max() / load.float().mean())
 
 
-# ---------------------------------------------------------------------------------------------
-# A step on an emulated node: modelled time
-# ---------------------------------------------------------------------------------------------
-
-
-def modelled_seconds(kind: str, *, nbytes: float = 0.0, node: str, shape: tuple = (), dtype: str = "bfloat16") -> float:
-    """Modelled seconds of one operation of this lesson on the emulated `node` ("2xH100-nvlink"),
-    from the emulator's public timing functions; every modelled time of the lesson comes from here.
-    "all_to_all": a rank sends `nbytes` to the node's other ranks, one message each, back to back
-    (latency + bytes / bandwidth each); "expert_forward" / "expert_backward": one expert MLP on
-    `shape` = (tokens, dim, hidden), counted on the meta device and timed by the roofline."""
-    from pipelab.emulate.cost import message_seconds
-    from pipelab.emulate.specs import parse_node
-
-    n = parse_node(node)
-    if kind == "all_to_all":
-        peers = n.count - 1
-        return peers * message_seconds(nbytes / peers, n.link) if peers and nbytes else 0.0
-    if kind in ("expert_forward", "expert_backward"):
-        return _expert_seconds(kind, tuple(shape), n.device.name, dtype, node)
-    raise ValueError(f"unknown kind {kind!r}; use 'all_to_all', 'expert_forward' or 'expert_backward'")
-
-
-def _expert_seconds(kind: str, shape: tuple, device_name: str, dtype: str, node: str) -> float:
-    from pipelab.emulate.cost import compute_seconds
-    from pipelab.emulate.specs import parse_node
-
-    tokens, dim, hidden = shape
-    if tokens == 0:
-        return 0.0
-    fixed, per_token = _expert_counts(kind, dim, hidden, dtype)
-    counts = Counts(fixed.flops + tokens * per_token.flops, fixed.bytes + tokens * per_token.bytes, fixed.kernels)
-    return compute_seconds(counts, parse_node(node).device, dtype)
-
-
-@lru_cache(maxsize=64)
-def _expert_counts(kind: str, dim: int, hidden: int, dtype: str) -> tuple:
-    """An expert MLP's FLOPs and bytes as fixed + per token (both are affine in the token count:
-    the weights are read once, every activation grows with the tokens), counted on the meta device
-    at 1 and 2 tokens."""
-    from pipelab.emulate.cost import forward_backward_counts
-    from pipelab.emulate.specs import torch_dtype
-
-    with torch.device("meta"):
-        mlp = nn.Sequential(nn.Linear(dim, hidden, bias=False), nn.GELU(), nn.Linear(hidden, dim, bias=False))
-
-    def counts(tokens: int):
-        f, i, w = forward_backward_counts(mlp, torch.empty(tokens, dim, device="meta"), torch_dtype(dtype))
-        return f if kind == "expert_forward" else i + w
-
-    one, two = counts(1), counts(2)
-    per_token = Counts(two.flops - one.flops, two.bytes - one.bytes, 0)
-    return Counts(one.flops - per_token.flops, one.bytes - per_token.bytes, one.kernels), per_token
+# ---- A step in modelled time ------------------------------------------------------------------------
 
 
 @dataclass
 class ModelledStep:
-    """One step of the layer on an emulated node (modelled), from where the tokens really went."""
+    """One step of the layer in modelled time, from where the tokens really went."""
 
     timeline: Timeline
     node: str
     all_to_all: float  # seconds of one all-to-all (the busiest rank's share sets it)
     experts: list[float]  # per rank: its experts' forward + backward seconds
-    assignments: list[int]  # per rank: the assignments its experts computed, at the emulated size
+    assignments: list[int]  # per rank: the assignments its experts computed, at the modelled size
 
     @property
     def step(self) -> float:
@@ -125,27 +68,22 @@ class ModelledStep:
 
 
 def modelled_step(cfg: Config, counts: torch.Tensor, link: str | None = None) -> ModelledStep:
-    """The first expert-parallel group's step, counts (ranks, E) scaled to the emulated size: dispatch,
+    """The first expert-parallel group's step, counts (ranks, E) scaled to the modelled size: dispatch,
     the experts' forward, combine; in backward the combine's and dispatch's all-to-alls the other
     way around the experts' backward. An all-to-all ends for all when the last rank reaches it."""
-    from pipelab.emulate.specs import torch_dtype
-
     n, local = cfg.ep_size, cfg.experts // cfg.ep_size
     node = f"{n}x{link or cfg.link}"
-    scale = cfg.emulated_tokens / cfg.tokens
-    c = counts[:n].double() * scale
+    c = counts[:n].double() * (cfg.modelled_tokens / cfg.tokens)
     between = c.view(n, n, local).sum(2) * (1 - torch.eye(n, dtype=torch.double))  # [source, destination], off-rank
-    row = cfg.emulated_dim * torch_dtype(cfg.dtype).itemsize
-    busiest = float(torch.maximum(between.sum(1), between.sum(0)).max()) * row
-    a2a = modelled_seconds("all_to_all", nbytes=busiest, node=node, dtype=cfg.dtype)
+    row = cfg.modelled_dim * getattr(torch, cfg.dtype).itemsize
+    a2a = all_to_all_seconds(float(torch.maximum(between.sum(1), between.sum(0)).max()) * row, node)
     arrived = c.sum(0).view(n, local).round().long()  # per rank, per local expert
 
     def experts(kind: str, rank: int) -> float:
-        return sum(modelled_seconds(kind, node=node, shape=(int(t), cfg.emulated_dim, cfg.emulated_hidden),
-                                    dtype=cfg.dtype) for t in arrived[rank])
+        return sum(expert_seconds(kind, int(t), cfg.modelled_dim, cfg.modelled_hidden, node, cfg.dtype)
+                   for t in arrived[rank])
 
-    fwd = [experts("expert_forward", r) for r in range(n)]
-    bwd = [experts("expert_backward", r) for r in range(n)]
+    fwd, bwd = [experts("forward", r) for r in range(n)], [experts("backward", r) for r in range(n)]
     spans, t = [], 0.0
     for phase in ("dispatch", "F", "combine", "combine backward", "B", "dispatch backward"):
         lengths = {"F": fwd, "B": bwd}.get(phase, [a2a] * n)
@@ -171,7 +109,7 @@ def routed_counts(cfg: Config) -> tuple[torch.Tensor, int]:
 
 
 def capacity_sweep(cfg: Config, factors: tuple[float, ...]) -> list[dict]:
-    """Per capacity factor: the assignments dropped and the modelled step on the emulated node."""
+    """Per capacity factor: the assignments dropped and the modelled step."""
     rows = []
     for f in factors:
         c = replace(cfg, capacity_factor=f)
@@ -183,39 +121,15 @@ def capacity_sweep(cfg: Config, factors: tuple[float, ...]) -> list[dict]:
     return rows
 
 
-def hiding_condition(cfg: Config, link: str) -> dict:
-    """The scaling book's comparison for one expert layer, per rank with T tokens, k experts each,
-    width D, expert hidden size F, b bytes per value, over n ranks: four all-to-alls of
-    T k D b (n-1)/n bytes at W bytes/s against the experts' 12 T k D F FLOPs at C FLOP/s (forward
-    and backward). Hidden when F > (n-1)/n * b * C / (3 W). C and W are what the emulator's
-    calibrated model reaches at this layer's sizes: the experts' product and one message per peer."""
-    from pipelab.emulate.specs import parse_node, torch_dtype
-
-    name = f"{cfg.ep_size}x{link}"
-    n = parse_node(name)
-    b = torch_dtype(cfg.dtype).itemsize
-    tokens = cfg.emulated_tokens * cfg.top_k // cfg.experts  # one expert's tokens at an even load
-    shape = (tokens, cfg.emulated_dim, cfg.emulated_hidden)
-    rate = 4 * tokens * cfg.emulated_dim * cfg.emulated_hidden / modelled_seconds(
-        "expert_forward", node=name, shape=shape, dtype=cfg.dtype)
-    sent = cfg.emulated_tokens * cfg.top_k * cfg.emulated_dim * b * (n.count - 1) / n.count
-    bandwidth = sent / modelled_seconds("all_to_all", nbytes=sent, node=name, dtype=cfg.dtype)
-    threshold = (n.count - 1) / n.count * b * rate / (3 * bandwidth)
-    return {"link": n.link.name, "threshold F": threshold,
-            "formula: compute / all-to-all": cfg.emulated_hidden / threshold}
-
-
-# ---------------------------------------------------------------------------------------------
-# Verdicts
-# ---------------------------------------------------------------------------------------------
+# ---- Verdicts ---------------------------------------------------------------------------------------
 
 
 def balancing_verdict(loads: list[torch.Tensor], plain: list[torch.Tensor]) -> tuple[str, str, str, dict]:
     """Whether the balancing loss evened the load (busiest over mean) more than training without it."""
     before, after, without = imbalance(loads[0]), imbalance(loads[-1]), imbalance(plain[-1])
     verdict = "evened" if after < before and after < without else "not evened"
-    text = (f"the busiest expert got {before:.2f}x the mean load before training, {after:.2f}x after "
-            f"{len(loads) - 1} steps with the balancing loss, {without:.2f}x without it")
+    text = (f"with the balancing loss the busiest expert's load fell to {after:.2f}x the mean, against "
+            f"{without:.2f}x without it")
     return "15.balancing_loss", verdict, text, {"before": before, "after": after, "without": without}
 
 
@@ -234,9 +148,8 @@ def capacity_verdict(rows: list[dict]) -> tuple[str, str, str, dict]:
     lo, hi = rows[0], rows[-1]
     verdict = ("fewer drops, longer step" if hi["dropped (%)"] < lo["dropped (%)"]
                and hi["modelled step (ms)"] > lo["modelled step (ms)"] else "no trade")
-    text = (f"capacity factor {lo['capacity factor']} to {hi['capacity factor']}: dropped assignments "
-            f"{lo['dropped (%)']}% to {hi['dropped (%)']}%, modelled step {lo['modelled step (ms)']} to "
-            f"{hi['modelled step (ms)']} ms")
+    text = (f"raising the capacity factor cut the dropped assignments from {lo['dropped (%)']}% to "
+            f"{hi['dropped (%)']}% and lengthened the modelled step (table above)")
     return "15.capacity", verdict, text, {"rows": rows}
 
 
@@ -254,7 +167,8 @@ def hiding_table(cfg: Config, counts: torch.Tensor, links: tuple[str, ...]) -> l
     over the four all-to-alls)."""
     rows = []
     for link in links:
-        row = hiding_condition(cfg, link)
+        row = hiding_condition(f"{cfg.ep_size}x{link}", cfg.modelled_tokens, cfg.top_k, cfg.experts, cfg.modelled_dim,
+                               cfg.modelled_hidden, cfg.dtype)
         step = modelled_step(cfg, counts, link)
         row["modelled: compute / all-to-all"] = max(step.experts) / step.communication
         rows.append({k: round(v, 2) if isinstance(v, float) else v for k, v in row.items()})

@@ -17,6 +17,7 @@ import torch.distributed as dist
 
 from pipelab import experiments
 from pipelab.checks import divisors, positive_number, whole_number
+from pipelab.emulate.specs import parse_node
 from pipelab.expert_parallel import ExpertParallelGroups, ExpertParallelMoE, MoELayer, reduce_gradients
 from pipelab.measure import Measured, time_steps
 from pipelab.worker import RankContext
@@ -42,11 +43,11 @@ class Config(experiments.Config):
     seed: int = 0
     steps: int = 3  # timed forward+backward passes
     syncs: tuple[str, ...] = ("reduce_gradients",)  # the first is checked whole; each one's expert gradients too
-    # The emulated node's size for modelled time (a Mixtral-8x7B-like expert, in bfloat16)
+    # Modelled time's size: a Mixtral-8x7B-like expert in bfloat16, over `link`
     link: str = "H100-nvlink"
-    emulated_dim: int = 4096
-    emulated_hidden: int = 14336
-    emulated_tokens: int = 8192  # per rank
+    modelled_dim: int = 4096
+    modelled_hidden: int = 14336
+    modelled_tokens: int = 8192  # per rank
     dtype: str = "bfloat16"
 
     @property
@@ -55,8 +56,8 @@ class Config(experiments.Config):
 
     def check(self) -> None:
         super().check()
-        for name in ("experts", "top_k", "dim", "hidden", "tokens", "steps", "emulated_dim", "emulated_hidden",
-                     "emulated_tokens"):
+        for name in ("experts", "top_k", "dim", "hidden", "tokens", "steps", "modelled_dim", "modelled_hidden",
+                     "modelled_tokens"):
             whole_number(name, getattr(self, name))
         positive_number("capacity_factor", self.capacity_factor, example="capacity_factor=1.25")
         ep = whole_number("ep", self.ep_size, example=f"ep={self.world_size}")
@@ -72,7 +73,6 @@ class Config(experiments.Config):
                              f"use top_k <= {self.experts} (Switch Transformer 1, Mixtral 2)")
         if not self.syncs or any(s not in SYNCS for s in self.syncs):
             raise ValueError(f"syncs must be some of {SYNCS}, got {self.syncs!r}")
-        from pipelab.emulate.specs import parse_node
         parse_node(f"{ep}x{self.link}")  # a bad name lists the known devices and links
 
     def layer(self) -> MoELayer:
@@ -89,8 +89,8 @@ class Config(experiments.Config):
 
 @contextmanager
 def one_thread():
-    """One intra-op thread in this process, as each rank runs: on a busy 2-core machine, two threads
-    spinning for each other slow the small reference layer by an order of magnitude."""
+    """One intra-op thread in this process, as each rank runs (a block, or a decorator): on a busy
+    2-core machine, two threads spinning for each other slow small tensors by an order of magnitude."""
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
@@ -120,9 +120,7 @@ def reduce_as_plain_data_parallel(moe: ExpertParallelMoE) -> None:
 SYNC = {"reduce_gradients": reduce_gradients, "as_plain_data_parallel": reduce_as_plain_data_parallel}
 
 
-# ---------------------------------------------------------------------------------------------
-# On each rank
-# ---------------------------------------------------------------------------------------------
+# ---- On each rank -----------------------------------------------------------------------------------
 
 
 @dataclass
@@ -167,9 +165,7 @@ def worker(ctx: RankContext, cfg: Config) -> Result:
                   grads, moe.first, out.tokens_per_expert.cpu(), seconds)
 
 
-# ---------------------------------------------------------------------------------------------
-# The parent side
-# ---------------------------------------------------------------------------------------------
+# ---- The parent side --------------------------------------------------------------------------------
 
 
 @dataclass
@@ -187,7 +183,7 @@ def run(cfg: Config) -> ExpertParallelRun:
     return experiments.run(worker, cfg, gather)
 
 
-def one_process(cfg: Config):
+def reference(cfg: Config):
     """The whole layer in this process on every rank's tokens, one group per rank; the loss the
     mean of the groups' losses. Returns (layer with gradients, outputs, inputs with gradients)."""
     layer = cfg.layer()
@@ -203,7 +199,7 @@ def one_process(cfg: Config):
 
 
 def gather(cfg: Config, results: list[Result]) -> ExpertParallelRun:
-    layer, outs, xs, losses = one_process(cfg)
+    layer, outs, xs, losses = reference(cfg)
     w, main = cfg.world_size, cfg.syncs[0]
     diff = {"outputs": 0.0, "loss": 0.0, "input": 0.0, "router": 0.0}
     for r, out, x, loss in zip(results, outs, xs, losses):
@@ -241,9 +237,7 @@ def per_expert_table(run: ExpertParallelRun) -> list[dict]:
                            for e, c in enumerate(row)}} for r, row in enumerate(run.counts)]
 
 
-# ---------------------------------------------------------------------------------------------
-# Verdicts
-# ---------------------------------------------------------------------------------------------
+# ---- Verdicts ---------------------------------------------------------------------------------------
 
 TOLERANCE = 1e-4  # float32 sums in another order: far above rounding, far below a wrong gradient
 
@@ -272,18 +266,21 @@ def doubled_gradient(run: ExpertParallelRun, sync: str = "as_plain_data_parallel
     return "15.expert_gradients", verdict, text, {"ratio": ratio, "largest_difference": worst}
 
 
-def run_flops(experts: int, top_k: int, dim: int, hidden: int, tokens: int, world_size: int, grid_world_size: int,
-              steps: int) -> float:
-    """FLOPs of lesson 15's runs at a profile's size, counted on the meta device: per rank and pass,
-    the router on its tokens and each token's k experts (none dropped: an upper bound); two checked
-    and `steps` timed passes on `world_size` ranks, one checked and `steps` timed on the grid's."""
+def run_flops(params: dict) -> float:
+    """FLOPs of one run of lesson 15 at the notebook parameters `params` (missing names: the defaults),
+    counted on the meta device: per rank and pass, the router on its tokens and each token's k experts
+    (none dropped: an upper bound); two checked and `steps` timed passes on `world_size` ranks, one
+    checked and `steps` timed on the grid's `grid_world_size`."""
     from torch import nn
 
     from pipelab.emulate.cost import step_flops
 
+    p = {"world_size": 2, "grid_world_size": 4, **params}
+    cfg = Config(**{k: v for k, v in p.items() if k in ("experts", "top_k", "dim", "hidden", "tokens", "steps")})
     with torch.device("meta"):
-        router = nn.Linear(dim, experts, bias=False)
-        expert = nn.Sequential(nn.Linear(dim, hidden, bias=False), nn.GELU(), nn.Linear(hidden, dim, bias=False))
-    per_pass = (step_flops(router, torch.empty(tokens, dim, device="meta"))
-                + step_flops(expert, torch.empty(tokens * top_k, dim, device="meta")))
-    return per_pass * (world_size * (2 + steps) + grid_world_size * (1 + steps))
+        router = nn.Linear(cfg.dim, cfg.experts, bias=False)
+        expert = nn.Sequential(nn.Linear(cfg.dim, cfg.hidden, bias=False), nn.GELU(),
+                               nn.Linear(cfg.hidden, cfg.dim, bias=False))
+    per_pass = (step_flops(router, torch.empty(cfg.tokens, cfg.dim, device="meta"))
+                + step_flops(expert, torch.empty(cfg.tokens * cfg.top_k, cfg.dim, device="meta")))
+    return per_pass * (p["world_size"] * (2 + cfg.steps) + p["grid_world_size"] * (1 + cfg.steps))

@@ -16,6 +16,7 @@ from torch import nn
 
 from pipelab import experiments
 from pipelab.checks import positive_number, whole_number
+from pipelab.experiments.expert_parallel import one_thread
 from pipelab.precision import DynamicLossScaler, MasterWeights, MixedZero, bytes_per_parameter
 from pipelab.sharding import Collectives, formula, held_by
 from pipelab.worker import RankContext
@@ -70,29 +71,11 @@ class Config(experiments.Config):
         return loss * self.loss_weight if small else loss
 
 
-def one_thread(fn):
-    """Run `fn` with torch on one thread: these tensors are small, and on shared cores a second
-    thread only waits for the first (the ranks run on one thread each, as `pipelab.worker` sets)."""
-    import functools
-
-    @functools.wraps(fn)
-    def wrapped(*args, **kwargs):
-        threads = torch.get_num_threads()
-        torch.set_num_threads(1)
-        try:
-            return fn(*args, **kwargs)
-        finally:
-            torch.set_num_threads(threads)
-    return wrapped
-
-
 def adam(cfg: Config):
     return lambda params: torch.optim.Adam(params, lr=cfg.lr, foreach=False)
 
 
-# ---------------------------------------------------------------------------------------------
-# Training curves
-# ---------------------------------------------------------------------------------------------
+# ---- Training curves --------------------------------------------------------------------------------
 
 
 @dataclass
@@ -106,7 +89,7 @@ class Curve:
     weights: list[dict] = field(default_factory=list)  # after every step (fp16 runs, for step-for-step equality)
 
 
-@one_thread
+@one_thread()
 def train(cfg: Config, recipe: str, small: bool = False, scaling: bool = True) -> Curve:
     """`cfg.steps` Adam steps of the MLP in `recipe` (one of CURVES) on the whole batch; `small`:
     the loss times `cfg.loss_weight` (the curve records it unweighted)."""
@@ -182,9 +165,8 @@ def curves_verdict(runs: dict[str, Curve], rtol: float) -> tuple:
     gaps, equal = agreement(runs), bitwise_equal_steps(runs)
     worst = max(gaps, key=gaps.get)
     within = gaps[worst] <= rtol
-    text = (f"Every 16-bit curve stays within {gaps[worst]:.1%} of fp32's loss (largest: {worst}), "
-            f"{'inside' if within else 'outside'} the {rtol:.0%} tolerance; bit-equal steps: {max(equal.values())} of "
-            f"{len(runs['fp32'].losses)}.")
+    text = (f"Every half-precision curve stays within {gaps[worst]:.1%} of fp32's loss ({worst} the farthest), "
+            f"{'inside' if within else 'outside'} the {rtol:.0%} tolerance.")
     return "16.curves", "within tolerance" if within else "outside tolerance", text, \
         dict(worst_gap=gaps[worst], rtol=rtol, bit_equal_steps=max(equal.values()))
 
@@ -194,8 +176,7 @@ def scalers_verdict(runs: dict[str, Curve]) -> tuple:
     ours, torchs = runs["fp16 + our scaler"], runs["fp16 + GradScaler"]
     same = ours.scales == torchs.scales and ours.skipped == torchs.skipped and all(
         torch.equal(a[n], b[n]) for a, b in zip(ours.weights, torchs.weights) for n in a)
-    text = (f"Over {len(ours.scales)} steps (scale {ours.scales[0]:.3g} down to {min(ours.scales):.3g}, "
-            f"{len(ours.skipped)} skipped), ours and torch.amp.GradScaler took "
+    text = (f"Over {len(ours.scales)} steps, {len(ours.skipped)} of them skipped, ours and torch.amp.GradScaler took "
             + ("the same scales, skips and weights, bit for bit." if same else "different scales, skips or weights."))
     return "16.scalers", "equal" if same else "different", text, \
         dict(skipped=len(ours.skipped), lowest=min(ours.scales))
@@ -207,7 +188,7 @@ def small_gradients(cfg: Config) -> dict[str, Curve]:
             "fp16 + our scaler": train(cfg, "fp16 + our scaler", small=True)}
 
 
-@one_thread
+@one_thread()
 def zero_gradient_share(cfg: Config, scale: float = 1.0) -> float:
     """The share of the small-gradient run's first-layer weight gradients that are exactly 0 in
     fp16 autocast, with the loss times `scale`."""
@@ -231,12 +212,10 @@ def small_gradients_verdict(runs: dict[str, Curve]) -> tuple:
     return "16.small_gradients", "scaling needed" if stops else "no difference", text, kept
 
 
-# ---------------------------------------------------------------------------------------------
-# Memory per parameter
-# ---------------------------------------------------------------------------------------------
+# ---- Memory per parameter ---------------------------------------------------------------------------
 
 
-@one_thread
+@one_thread()
 def held_per_parameter(cfg: Config, recipe: str) -> tuple[float, float, float]:
     """Bytes per parameter one process holds after a step of `recipe`, counted from tensor storages."""
     model, (x, y) = cfg.model(), cfg.data()
@@ -261,12 +240,12 @@ def held_per_parameter(cfg: Config, recipe: str) -> tuple[float, float, float]:
 
 
 def memory_rows(cfg: Config) -> list[dict]:
-    """Per recipe, bytes per parameter measured (one process) beside the formula."""
+    """Per recipe, bytes per parameter counted from tensor storages (one process) beside the formula."""
     rows = []
     for recipe in ("fp32", "bf16 autocast", "bf16 + fp32 master"):
         got, want = held_per_parameter(cfg, recipe), bytes_per_parameter(recipe)
-        rows.append({"recipe": recipe, "measured (params, grads, state)": ", ".join(f"{v:.2f}" for v in got),
-                     "formula": ", ".join(str(v) for v in want), "measured total": round(sum(got), 3),
+        rows.append({"recipe": recipe, "counted (params, grads, state)": ", ".join(f"{v:.2f}" for v in got),
+                     "formula": ", ".join(str(v) for v in want), "counted total": round(sum(got), 3),
                      "formula total": sum(want)})
     return rows
 
@@ -305,8 +284,8 @@ def zero_worker(ctx: RankContext, cfg: Config) -> dict[int, ZeroResult]:
     return out
 
 
-@one_thread
-def zero_reference(cfg: Config) -> tuple[list[float], dict[str, torch.Tensor]]:
+@one_thread()
+def reference(cfg: Config) -> tuple[list[float], dict[str, torch.Tensor]]:
     """One process, the whole batch, bf16 weights and fp32 masters: the losses and masters ZeRO must reach."""
     model, (x, y) = cfg.model(), cfg.data()
     trainer = MasterWeights(model, adam(cfg))
@@ -330,10 +309,10 @@ def zero_runs(cfg: Config) -> dict[int, list[ZeroResult]]:
 
 
 def zero_rows(cfg: Config, runs: dict[int, list[ZeroResult]]) -> list[dict]:
-    """Per ranks and stage: the fullest rank's bytes per parameter, measured beside the formula
+    """Per ranks and stage: the fullest rank's bytes per parameter, counted beside the formula
     (2 + 2 + 12 in mixed precision), and how far its losses and masters are from one process."""
     psi = sum(p.numel() for p in cfg.model().parameters())
-    ref_losses, ref_masters = zero_reference(cfg)
+    ref_losses, ref_masters = reference(cfg)
     rows = []
     for n, ranks in runs.items():
         for stage in (0, 1, 2, 3):
@@ -343,7 +322,7 @@ def zero_rows(cfg: Config, runs: dict[int, list[ZeroResult]]) -> list[dict]:
                            for i in range(len(ref_losses)))
             weight_gap = max((ranks[0].masters[stage][k] - v).abs().max().item() for k, v in ref_masters.items())
             rows.append({"ranks": n, "stage": f"ZeRO-{stage}" if stage else "DP",
-                         "measured B/param": round(sum(held) / psi, 3), "formula B/param": want.total / psi,
+                         "counted B/param": round(sum(held) / psi, 3), "formula B/param": want.total / psi,
                          "loss vs one process": float(f"{loss_gap:.2g}"), "largest master difference":
                          float(f"{weight_gap:.2g}"), "sent per step (B)": ranks[0].sent[stage]})
     return rows

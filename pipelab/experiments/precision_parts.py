@@ -1,8 +1,6 @@
 """Lesson 16's other runs: the formats and what rounding does to gradients, recomputation's
 activation bytes and modelled step time, FP8's scaling, and the bf16 all-reduce on real ranks.
-
-Modelled time comes from one function, `modelled_seconds`, which asks `pipelab.emulate`: nothing
-here states a time of its own.
+Every modelled time comes from `modelled_seconds`: nothing here states a time of its own.
 """
 
 from __future__ import annotations
@@ -17,7 +15,7 @@ from pipelab import experiments
 from pipelab.checks import whole_number
 from pipelab.emulate.cost import Counts, compute_seconds, count, forward_backward_counts, meta_module
 from pipelab.emulate.specs import parse_node
-from pipelab.experiments.precision import one_thread
+from pipelab.experiments.expert_parallel import one_thread
 from pipelab.experiments.tensor_parallel import korthikanti_bytes, parameter_storages, saved_activation_bytes
 from pipelab.precision import (FORMATS, DelayedScaling, MODES, RecomputedBlock, amax, attention_core, dequantize,
                                fp8_matmul, quantize, rounding_effect, scale_for)
@@ -25,18 +23,15 @@ from pipelab.sharding import ring_bytes
 from pipelab.transformer import Block
 from pipelab.worker import RankContext
 
-NODE = "1xH100-nvlink4"  # the emulated device of the modelled step times
+NODE = "1xH100-nvlink4"  # the device of the modelled step times
 
 
 def modelled_seconds(counts: Counts, dtype: str, node: str = NODE) -> float:
-    """The one door to modelled time in this lesson: work `counts` in `dtype` on `node`'s device,
-    as `pipelab.emulate` models it (its roofline at its stated efficiency)."""
+    """Modelled seconds of work `counts` in `dtype` on `node`'s device, by the calibrated roofline."""
     return compute_seconds(counts, parse_node(node).device, dtype)
 
 
-# ---------------------------------------------------------------------------------------------
-# Formats
-# ---------------------------------------------------------------------------------------------
+# ---- Formats ----------------------------------------------------------------------------------------
 
 
 def format_rows() -> list[dict]:
@@ -59,9 +54,7 @@ def rounding_rows(named: dict[str, torch.Tensor]) -> list[dict]:
     return rows
 
 
-# ---------------------------------------------------------------------------------------------
-# Recomputation
-# ---------------------------------------------------------------------------------------------
+# ---- Recomputation ----------------------------------------------------------------------------------
 
 
 @dataclass(frozen=True)
@@ -99,9 +92,9 @@ def korthikanti_per_mode(size: BlockSize, mode: str, dropout: bool) -> float:
     return size.sbh * (32 + 2 * a * s / h)
 
 
-@one_thread
+@one_thread()
 def recompute_rows(size: BlockSize) -> tuple[list[dict], bool]:
-    """Per mode, the bytes autograd keeps for backward, measured on the bf16 block, beside the
+    """Per mode, the bytes autograd keeps for backward, counted on the bf16 block, beside the
     formula without dropout; and whether every mode gave the same gradients bit for bit."""
     torch.manual_seed(0)
     block = Block(size.dim, size.n_heads).to(torch.bfloat16)
@@ -113,14 +106,14 @@ def recompute_rows(size: BlockSize) -> tuple[list[dict], bool]:
         y.float().square().mean().backward()
         grads.append([x_in.grad] + [p.grad.clone() for p in block.parameters()])
         block.zero_grad(set_to_none=True)
-        rows.append({"recomputation": mode, "measured (bytes/sbh)": round(kept / size.sbh, 3),
+        rows.append({"recomputation": mode, "counted (bytes/sbh)": round(kept / size.sbh, 3),
                      "Korthikanti, no dropout (bytes/sbh)": korthikanti_per_mode(size, mode, False) / size.sbh,
                      "Korthikanti, with dropout (bytes/sbh)": korthikanti_per_mode(size, mode, True) / size.sbh})
     same = all(torch.equal(a, b) for g in grads[1:] for a, b in zip(g, grads[0]))
     return rows, same
 
 
-@one_thread
+@one_thread()
 def recompute_times(size: BlockSize, node: str = NODE) -> list[dict]:
     """Per mode, the modelled step time of one bf16 block at `size` on `node`: forward + backward,
     plus the forward again (full) or the attention core again (selective)."""
@@ -144,18 +137,15 @@ def recompute_times(size: BlockSize, node: str = NODE) -> list[dict]:
 
 def recompute_verdict(rows: list[dict], times: list[dict]) -> tuple:
     """What selective recomputation saves beside what it costs, against full."""
-    kept = {r["recomputation"]: r["measured (bytes/sbh)"] for r in rows}
+    kept = {r["recomputation"]: r["counted (bytes/sbh)"] for r in rows}
     cost = {r["recomputation"]: r["overhead vs none"] for r in times}
     text = (f"Selective recomputation kept {kept['selective'] / kept['none']:.0%} of the activations for "
-            f"{cost['selective']:.1%} more modelled time; full kept {kept['full'] / kept['none']:.0%} for "
-            f"{cost['full']:.0%} more.")
+            f"{cost['selective']:.1%} more modelled time; full recomputation keeps less and costs more (table above).")
     return "16.recompute", "selective cheaper" if cost["selective"] < cost["full"] else "selective not cheaper", \
         text, dict(selective_overhead=cost["selective"], full_overhead=cost["full"])
 
 
-# ---------------------------------------------------------------------------------------------
-# FP8
-# ---------------------------------------------------------------------------------------------
+# ---- FP8 --------------------------------------------------------------------------------------------
 
 
 def relative_error(got: torch.Tensor, want: torch.Tensor) -> float:
@@ -163,7 +153,7 @@ def relative_error(got: torch.Tensor, want: torch.Tensor) -> float:
     return ((got.double() - want.double()).norm() / want.double().norm()).item()
 
 
-@one_thread
+@one_thread()
 def fp8_errors(a: torch.Tensor, b: torch.Tensor) -> dict[str, float]:
     """The relative error of a @ b in bf16 and in FP8 e4m3 (per-tensor scales; no scale), against fp32."""
     want, one = a.float() @ b.float(), torch.tensor(1.0)
@@ -173,7 +163,7 @@ def fp8_errors(a: torch.Tensor, b: torch.Tensor) -> dict[str, float]:
             "fp8 e4m3, no scale": relative_error(fp8_matmul(a, b, one, one), want)}
 
 
-@one_thread
+@one_thread()
 def fp8_rows(pairs: dict[str, tuple[torch.Tensor, torch.Tensor]]) -> list[dict]:
     """Per named product, its operands' amax and the errors of `fp8_errors`."""
     return [{"product": name, "amax of the operands": f"{amax(a).item():.2g}, {amax(b).item():.2g}",
@@ -190,7 +180,7 @@ def lesson_matrices(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor) ->
     return {"forward: input @ weight^T": (hidden, w.T), "backward: output gradient @ weight": (grad_out, w)}
 
 
-@one_thread
+@one_thread()
 def scaling_over_steps(tensors: list[torch.Tensor], history: int = 4) -> list[dict]:
     """Per tensor of a sequence (a layer's activations step after step): the error of its e4m3
     round trip with current scaling and with delayed scaling, and the share that saturated."""
@@ -218,9 +208,7 @@ def fp8_rates(shape: tuple[int, int, int], node: str = NODE) -> dict[str, float]
             "amax + cast of both operands (us, modelled)": cast * 1e6}
 
 
-# ---------------------------------------------------------------------------------------------
-# Data parallelism in bf16
-# ---------------------------------------------------------------------------------------------
+# ---- Data parallelism in bf16 -----------------------------------------------------------------------
 
 
 @dataclass
@@ -266,7 +254,7 @@ def allreduce_verdict(results: list[AllReduced], cfg: AllReduceConfig) -> tuple:
     r0 = results[0]
     err32, err16 = relative_error(r0.fp32, exact), relative_error(r0.bf16, exact)
     text = (f"The bf16 all-reduce sent {r0.bytes_bf16 / r0.bytes_fp32:.2f}x fp32's bytes and added a relative "
-            f"error of {err16:.1e} (fp32's: {err32:.1e}).")
+            f"error of {err16:.1e} to the sum.")
     ratio = r0.bytes_bf16 / r0.bytes_fp32
     verdict = "half the bytes" if ratio == 0.5 else f"{ratio:.2f} of the bytes"
-    return "16.bf16_allreduce", verdict, text, dict(ratio=ratio, error_bf16=err16)
+    return "16.bf16_allreduce", verdict, text, dict(ratio=ratio, error_bf16=err16, error_fp32=err32)

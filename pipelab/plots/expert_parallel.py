@@ -20,7 +20,7 @@ def plot_load(loads: dict[str, list], ax=None):
     ax.set_xticks(range(experts), [f"expert {e}" for e in range(experts)])
     ax.set_ylabel("tokens routed (all ranks)")
     ax.set_title("Tokens per expert")
-    ax.legend(fontsize="small")
+    ax.legend(fontsize="small", loc="upper left", bbox_to_anchor=(1.01, 1), borderaxespad=0)  # beside: covers no bar
     return ax
 
 

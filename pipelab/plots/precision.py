@@ -37,7 +37,7 @@ def plot_curves(runs: dict[str, "Curve"], title: str = "Loss by step: fp32, bf16
 
 
 def plot_zero_memory(rows: list[dict]):
-    """Bytes per parameter per rank (the fullest rank) by ZeRO stage in mixed precision, measured
+    """Bytes per parameter per rank (the fullest rank) by ZeRO stage in mixed precision, counted
     (bars) and the formula (black tick), for each number of ranks."""
     fig, ax = plt.subplots(figsize=(9, 4))
     sizes = sorted({r["ranks"] for r in rows})
@@ -46,13 +46,13 @@ def plot_zero_memory(rows: list[dict]):
     for k, n in enumerate(sizes):
         mine = [r for r in rows if r["ranks"] == n]
         xs = [g + (k - (len(sizes) - 1) / 2) * width for g in range(len(stages))]
-        ax.bar(xs, [r["measured B/param"] for r in mine], width * 0.9, label=f"measured, N={n}", edgecolor="black")
+        ax.bar(xs, [r["counted B/param"] for r in mine], width * 0.9, label=f"counted, N={n}", edgecolor="black")
         for x, r in zip(xs, mine):
             ax.plot([x - width * 0.45, x + width * 0.45], [r["formula B/param"]] * 2, color="black", lw=2)
     ax.set_xticks(range(len(stages)))
     ax.set_xticklabels(stages)
     ax.set_ylabel("bytes per parameter, per rank")
-    ax.set_title("Mixed precision (bf16 + fp32 master + Adam): measured (bars), 2 + 2 + 12 formula (tick)")
+    ax.set_title("Mixed precision (bf16 + fp32 master + Adam): counted from storages (bars), 2 + 2 + 12 formula (tick)")
     ax.legend()
     return fig
 
