@@ -93,3 +93,14 @@ def ranks_fit(world_size: int, bytes_per_rank: float = 0) -> None:
         raise ValueError(f"world_size={world_size} ranks need about {need / 2**30:.1f} GiB "
                          f"({per:.2f} GiB each) but this machine has {available / 2**30:.1f} GiB available; "
                          f"use world_size <= {max(1, int(available // (RANK_BASE_BYTES + bytes_per_rank)))}")
+
+
+def modelled_size(name: str, value, node, example: str) -> None:
+    """Refuse a size for the modelled compute (e.g. `emulated_batch`) that is not a whole number,
+    or that is given without a modelled node to use it."""
+    if value is None:
+        return
+    whole_number(name, value, example=example)
+    if node is None:
+        raise ValueError(f"{name}={value} sizes the modelled compute of an emulated node; name one "
+                         f"(emulate='4xH100-nvlink4') or leave {name}=None")

@@ -38,3 +38,23 @@ def sharded_layers(layers: list[tuple[str, nn.Module]], model: nn.Module, x: tor
         forward, backward_input, backward_weight = forward_backward_counts(module, example)
         costs.append((forward, backward_input + backward_weight))
     return sharded_table([name for name, _ in layers], costs)
+
+
+def time_tanh_stages(ctx, stages: Iterable[int], layers: int, size: tuple[int, int, str]) -> None:
+    """On an emulated rank, time `stages` as `layers` Linear + Tanh layers each at `size` (width,
+    rows, dtype); elsewhere nothing: the rank's own clock times them."""
+    if ctx.emulator is not None:
+        width, rows, dtype = size
+        ctx.emulator.use(tanh_stages(stages, layers, width, rows, ctx.emulator.node.device, dtype))
+
+
+def untimed(ctx) -> None:
+    """On an emulated rank, stop timing by the cost table: what runs next is checked, not timed."""
+    if ctx.emulator is not None:
+        ctx.emulator.use(None)
+
+
+def time_sharded_layers(ctx, layers: list[tuple[str, nn.Module]], model: nn.Module, x: torch.Tensor, rows: int) -> None:
+    """On an emulated rank, time each named layer's forward and backward at `rows` rows (`sharded_layers`)."""
+    if ctx.emulator is not None:
+        ctx.emulator.use(sharded_layers(layers, model, x, rows))

@@ -121,7 +121,7 @@ def cores_against_modelled(cpu: PipelineRun, node: PipelineRun) -> Verdict:
     return ("07.cores_against_emulated", verdict,
             f"{cpu.schedule.name} on this machine's cores left a measured bubble of {cpu.bubble_fraction.median:.3f} "
             f"against {node.bubble_fraction.median:.3f} modelled ({verdict}): there forward boxes vary, modelled ones do not",
-            {"cpu": cpu.bubble_fraction, "emulated": node.bubble_fraction, "forward_spread": spread})
+            {"cpu": cpu.bubble_fraction, "modelled": node.bubble_fraction, "forward_spread": spread})
 
 
 def zb_memory(zb: PipelineRun, one: PipelineRun) -> Verdict:

@@ -19,8 +19,9 @@ import torch
 from torch import nn
 
 from pipelab import experiments
-from pipelab.checks import divides, mean_loss, positive_number, same_batch, trainable, whole_number
+from pipelab.checks import divides, mean_loss, modelled_size, positive_number, same_batch, trainable, whole_number
 from pipelab.display import human_bytes
+from pipelab.emulate import cost, sized
 from pipelab.measure import (Measured, RankSteps, Steps, TimedSteps, alternate, compare, compare_medians, gather_steps,
                              ratios, time_steps)
 from pipelab.sharding import (OPTIMIZERS, Collectives, DataParallel, Held, Zero1, Zero2, Zero3, formula,
@@ -60,7 +61,7 @@ class Config(experiments.Config):
     optimizer: str = "adam"
     lr: float = 1e-3
     steps: int = 4  # every step checked against one process; all but the first timed
-    emulated_batch: int | None = None  # on an emulated node: the per-rank batch compute is modelled at
+    emulated_batch: int | None = None  # the per-rank batch a modelled node's compute is modelled at
 
     def check(self) -> None:
         super().check()
@@ -74,11 +75,7 @@ class Config(experiments.Config):
                 f"each value on its own ({', '.join(OPTIMIZERS)}). One that looks at a whole tensor or the whole "
                 f"gradient (LBFGS, Adafactor, LAMB's trust ratio, Muon) would see pieces; use optimizer='adam'")
         positive_number("lr", self.lr, example="lr=1e-3")
-        if self.emulated_batch is not None:
-            whole_number("emulated_batch", self.emulated_batch, example="emulated_batch=512")
-            if self.emulate is None:
-                raise ValueError(f"emulated_batch={self.emulated_batch} sizes the modelled compute of an emulated "
-                                 "node; name one (emulate='4xH100-nvlink4') or leave emulated_batch=None")
+        modelled_size("emulated_batch", self.emulated_batch, self.emulate, example="emulated_batch=512")
         whole_number("steps", self.steps, example="steps=4")
         divides("batch", same_batch(self.x, self.y), "world_size", self.world_size)
         mean_loss(self.loss_fn)
@@ -165,11 +162,8 @@ class Result:
 def train(ctx: RankContext, cfg: Config, variant: str, x: torch.Tensor, y: torch.Tensor) -> VariantResult:
     """Train this rank's model with `variant` for cfg.steps steps on its slice (x, y)."""
     model = cfg.build().to(ctx.device)
-    if ctx.emulator is not None:  # each layer's compute modelled at the emulated batch
-        from pipelab.emulate.sized import sharded_layers
-
-        layers = [(layer.name, layer.module) for layer in layers_of(model, 1)]
-        ctx.emulator.use(sharded_layers(layers, model, x, cfg.emulated_batch or x.shape[0]))
+    layers = [(layer.name, layer.module) for layer in layers_of(model, 1)]
+    sized.time_sharded_layers(ctx, layers, model, x, cfg.emulated_batch or x.shape[0])  # a modelled node's clock
     t = trainer(ctx, cfg, variant, model)
     comm = getattr(t, "comm", None)
 
@@ -226,7 +220,7 @@ class VariantRun(TimedSteps):
     @property
     def makespan(self) -> Measured:
         """Seconds from the first span to the last of each timed step, all ranks: the step as its
-        timeline shows it (on an emulated node, modelled time)."""
+        timeline shows it (modelled time on a modelled node)."""
         return Measured.of(tl.makespan for tl in self.steps.timelines)
 
     @property
@@ -245,10 +239,15 @@ class Run:
     psi: int
     moments: int  # optimizer state values per parameter (Adam: 2)
     variants: dict[str, VariantRun]
-    emulate: str | None = None  # the emulated node it ran on (modelled time), or None: this machine
+    emulate: str | None = None  # the node it ran on (modelled time), or None: this machine
 
     def __getitem__(self, variant: str) -> VariantRun:
         return self.variants[variant]
+
+    @property
+    def modelled(self) -> bool:
+        """Whether its times are modelled (they repeat exactly) rather than measured."""
+        return self.emulate is not None
 
     def formula(self, variant: str) -> Held:
         return formula(STAGE[variant], self.psi, self.world_size, state_bytes=4 * self.moments)
@@ -356,7 +355,7 @@ def fit_rows(psi: float, world_size: int, device_bytes: float, param_bytes: floa
 def prefetch_rows(run: Run) -> list[dict]:
     """ZeRO-3 with prefetch and without: step (first to last span), communication no compute hid,
     and the most whole-layer parameter bytes held at once."""
-    clock = "modelled" if run.emulate else "measured"
+    clock = "modelled" if run.modelled else "measured"
     return [{"ZeRO-3": name, f"step (ms, {clock})": f"{r.makespan.scaled(1e3):.3g}",
              f"exposed communication (ms, {clock})": f"{r.exposed_comm.scaled(1e3):.3g}",
              "whole layers held at once": human_bytes(max(r.peak_gathered))}
@@ -365,13 +364,13 @@ def prefetch_rows(run: Run) -> list[dict]:
 
 def prefetch_verdict(run: Run) -> tuple:
     """What prefetching did to ZeRO-3's step and its exposed communication, and what it cost in
-    memory. Modelled time (an emulated node) repeats exactly, so any difference is real; measured
+    memory. Modelled time repeats exactly, so any difference is real; measured
     time moves from run to run, so a direction only beyond that noise."""
     on, off = run["zero3"], run["zero3_no_prefetch"]
-    differ = compare if run.emulate is not None else compare_medians
+    differ = compare if run.modelled else compare_medians
     step, exposed = differ(on.makespan, off.makespan), differ(on.exposed_comm, off.exposed_comm)
     peak_on, peak_off = max(on.peak_gathered), max(off.peak_gathered)
-    where = "on the emulated node (modelled)" if run.emulate else "on this machine (measured)"
+    where = "on the emulated node (modelled)" if run.modelled else "on this machine (measured)"
     held = "more" if peak_on > peak_off else "as many" if peak_on == peak_off else "fewer"
     said = {"lower": "lower", "higher": "higher", "within noise": "within noise"}[step]
     text = (f"{where}, ZeRO-3's step took {on.makespan.median * 1e3:.3g} ms with prefetch and "
@@ -460,9 +459,8 @@ def run_flops(params: dict) -> float:
     one-rank run (4 variants, 2 steps) and the 4-rank run (our 5 variants, 3 steps, and its
     reference); Adam's element-wise update is left out (it is small)."""
     from pipelab import models
-    from pipelab.emulate.cost import step_flops
 
     p = {"width": 256, "batch": 64, "steps": 5, **params}
     model = models.mlp([p["width"], p["width"] + 1, p["width"] + 1, p["width"]]).to("meta")
-    step = step_flops(model, torch.empty(p["batch"], p["width"], device="meta"))
+    step = cost.step_flops(model, torch.empty(p["batch"], p["width"], device="meta"))
     return step * (p["steps"] * (len(VARIANTS) + 1) + 2 * 4 + 3 * (len(OURS) + 1))

@@ -18,6 +18,7 @@ from torch import nn
 
 from pipelab import experiments
 from pipelab.checks import divides, whole_number
+from pipelab.emulate import cost, sized
 from pipelab.measure import Measured, time_steps
 from pipelab.pipeline.p2p import message_specs
 from pipelab.pipeline.runtime import run_step
@@ -118,12 +119,7 @@ def worker(ctx: RankContext, cfg: Config) -> dict[str, ScheduleResult]:
         modules = {s: stages[s] for s in schedule.stages_of(ctx.rank)}
         specs = message_specs(stages, x, schedule.num_microbatches)
         first: dict = {}
-        if ctx.emulator is not None:  # each stage timed as the same layers at the emulated size
-            from pipelab.emulate.sized import tanh_stages
-
-            width, rows, dtype = cfg.emulated_size
-            ctx.emulator.use(tanh_stages(modules, cfg.layers // schedule.num_stages, width, rows,
-                                         ctx.emulator.node.device, dtype))
+        sized.time_tanh_stages(ctx, modules, cfg.layers // schedule.num_stages, cfg.emulated_size)
 
         def step(i: int, schedule=schedule, modules=modules, specs=specs, first=first) -> None:
             done = run_step(ctx, schedule, modules, nn.MSELoss(), x, y, specs)
@@ -135,8 +131,7 @@ def worker(ctx: RankContext, cfg: Config) -> dict[str, ScheduleResult]:
 
         timed = time_steps(ctx, step, cfg.steps,
                            prepare=lambda i, modules=modules: [m.zero_grad(set_to_none=True) for m in modules.values()])
-        if ctx.emulator is not None:
-            ctx.emulator.use(None)  # torch's own step below is checked, not timed
+        sized.untimed(ctx)  # torch's own step below is checked, not timed
         torch_losses = _torch_losses(ctx, cfg, name, schedule, x, y) if cfg.with_torch and name in TORCH_CLASSES else None
         out[name] = ScheduleResult(first["losses"], first["grads"], first["stash"].peak, first["stash"].peak_bytes,
                                    timed.seconds, timed.timelines, torch_losses)
@@ -303,17 +298,19 @@ def idle_parts(run: VRun, name: str) -> list[dict]:
 
 def startup_verdict(run: VRun, name: str = "DualPipeV") -> tuple[str, str, str, dict]:
     """Whether the simulator's idle time of `name` is all start-up and drain (no gap between
-    actions), and how it stands against the README's formula."""
+    actions), how many chunk forwards (F/2 of a 1F1B stage) it lasts, and the README's formula."""
     rows = idle_parts(run, name)
-    between = max(r["between actions (ms)"] for r in rows)
     idle = max(r["idle in all (ms)"] for r in rows)
+    gaps = max(r["between actions (ms)"] for r in rows) > 1e-3 * idle
+    chunks = idle / (stage_costs(run)[0] / 2)
     formula = {r["schedule"]: r for r in bubble_times(run)}[name]["formula (ms)"]
-    verdict = "start-up and drain only" if between <= 1e-3 * idle else "gaps between actions too"
-    where = ("all before a rank's first action or after its last" if verdict == "start-up and drain only"
-             else "partly between actions")
+    verdict = "gaps between actions too" if gaps else "start-up and drain only"
+    whole = round(chunks) if abs(chunks - round(chunks)) < 0.01 else None
+    count = ("one chunk forward" if whole == 1 else f"{whole} chunk forwards" if whole else "no whole number of chunk forwards")
     return (f"13.startup_{name}_p{run.cfg.world_size}", verdict,
-            f"{name}'s simulated idle of {idle:.3f} ms per rank is {where}; the README's formula, a "
-            f"steady-state count, gives {formula} ms", {"idle_ms": idle, "formula_ms": formula})
+            f"{name}'s simulated idle, {idle:.3f} ms per rank, is {count}, " + ("partly between actions" if gaps else
+            "all before a rank's first action or after its last") + f"; the README's formula counts {formula} ms",
+            {"idle_ms": idle, "chunk_forwards": chunks, "formula_ms": formula})
 
 
 TOLERANCE = 1e-5
@@ -326,7 +323,7 @@ def same_as_one_process(run: VRun) -> tuple[str, str, str, dict]:
     verdict = "same" if worst <= TOLERANCE and (torch_worst is None or torch_worst <= TOLERANCE) else "different"
     text = f"all {len(run.schedules)} schedules gave one process's losses and gradients (largest difference {worst:.1e})"
     if torch_worst is not None:
-        text += f", torch's ZB-V and DualPipeV ours within {torch_worst:.1e}"
+        text += f", and torch's own ZB-V and DualPipeV matched ours within {torch_worst:.1e}"
     return "13.same_as_one_process", verdict, text, {"largest_difference": worst, "torch": torch_worst}
 
 
@@ -360,14 +357,13 @@ def run_flops(params: dict) -> float:
     """FLOPs of lesson 13 at the notebook parameters `params` (missing names take the defaults),
     counted on the meta device: `steps` steps of every schedule, torch's ZB-V and DualPipeV once,
     the reference; with `larger_world_size`, the same schedules (no torch) on `larger_layers`."""
-    from pipelab.emulate.cost import step_flops
 
     p = {"width": 64, "layers": 8, "batch": 32, "steps": 3, "larger_world_size": 4, "larger_layers": 16, **params}
     schedules = len(PLANS)
 
     def model_step(n: int) -> float:
         model = nn.Sequential(*(m for _ in range(n) for m in (nn.Linear(p["width"], p["width"]), nn.Tanh())))
-        return step_flops(model.to("meta"), torch.empty(p["batch"], p["width"], device="meta"))
+        return cost.step_flops(model.to("meta"), torch.empty(p["batch"], p["width"], device="meta"))
 
     total = model_step(p["layers"]) * (p["steps"] * schedules + len(TORCH_CLASSES) + 1)
     if p["larger_world_size"]:

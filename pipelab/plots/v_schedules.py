@@ -20,13 +20,15 @@ def schedule_panels(timelines: dict, time_words: str = "modelled"):
         _label(ax, tl)
         kinds |= {s.kind for s in tl}
         exposed = exposed or bool(exposed_spans(tl))
+    for ax in axes[:-1, 0]:
+        ax.set_xlabel("")
     order = [k for k in KIND_COLORS if k in kinds] + sorted(kinds - set(KIND_COLORS))
     handles = [Patch(facecolor=kind_color(k), edgecolor="black", label=k) for k in order]
     if exposed:
         handles.append(Patch(facecolor="white", label="exposed: no compute hides it", **EXPOSED_STYLE))
     fig.legend(handles=handles, loc="upper center", ncol=len(handles), fontsize="small",
                title="kind (box: stage, kind, micro-batch; a narrow box: micro-batch)")
-    fig.tight_layout(rect=(0, 0, 1, 1 - 0.9 / fig.get_figheight()))
+    fig.tight_layout(rect=(0, 0, 1, 1 - 0.6 / fig.get_figheight()))
     return fig
 
 
