@@ -13,10 +13,39 @@ Last line: one JSON object of the figures (a measured figure X comes with X_min 
 
 import argparse
 import json
+import statistics
 
-from pipelab import hardware
-from pipelab.experiments.tensor_parallel import Config, alternated
-from pipelab.measure import Measured, ratios
+from pipelab import experiments, hardware
+from pipelab.experiments.tensor_parallel import Config, _build, _pass, sequence_parallel
+from pipelab.measure import Measured, alternate, ratios, time_steps
+from pipelab.tensor_parallel import TensorParallelGroup
+from pipelab.worker import RankContext
+
+
+def alternated_worker(ctx: RankContext, cfg: Config, rounds: int) -> dict[str, list[float]]:
+    """Each round, every variant's median of `cfg.steps` forward+backward passes, the variants in
+    turn (`measure.alternate`), so a load that comes and goes slows them alike."""
+    tp = TensorParallelGroup.world()
+    x, g = cfg.data()
+    runs = {}
+    for variant in cfg.variants:
+        block = _build(variant, cfg, tp)
+        x_in, g_in = (tp.slice(x, 1), tp.slice(g, 1)) if sequence_parallel(variant) else (x, g)
+        x_in = x_in.clone().requires_grad_()
+
+        def one_round(block=block, x_in=x_in, g_in=g_in) -> float:
+            steps = time_steps(ctx, lambda i: _pass(block, x_in, g_in), cfg.steps,
+                               prepare=lambda i: block.zero_grad(set_to_none=True))
+            return statistics.median(steps.seconds)
+
+        runs[variant] = one_round
+    return alternate(runs, rounds)
+
+
+def alternated(cfg: Config, rounds: int) -> dict[str, list[float]]:
+    """Per variant, the slowest rank's median pass of each round (seconds)."""
+    per_rank = experiments.run(lambda ctx, c: alternated_worker(ctx, c, rounds), cfg)
+    return {v: [max(r) for r in zip(*(ranks[v] for ranks in per_rank))] for v in cfg.variants}
 
 
 def _figure(name: str, m: Measured, digits: int = 3) -> dict:

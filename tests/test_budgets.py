@@ -23,11 +23,9 @@ def gpu_profile(stem: str) -> tuple[dict, dict]:
 
 
 COUNTS = {
-    "11_sharding": lambda p: sharding.run_flops(p["width"], p["batch"], p["steps"]),
-    "12_tensor_parallelism": lambda p: tensor_parallel.run_flops(p["dim"], p["n_heads"], p["batch"],
-                                                                 p["seq_len"], p["steps"]),
-    "13_zbv_dualpipev_looped_bfs": lambda p: v_schedules.run_flops(p["width"], p["layers"], p["batch"], p["steps"],
-                                                                   p["larger_layers"]),
+    "11_sharding": sharding.run_flops,
+    "12_tensor_parallelism": tensor_parallel.run_flops,
+    "13_zbv_dualpipev_looped_bfs": v_schedules.run_flops,
     "14_context_parallelism": context_parallel.run_flops,
     "15_expert_parallelism": expert_parallel.run_flops,
 }

@@ -488,6 +488,5 @@ def test_gpu_profiles_of_06_and_07_carry_their_flop_counts():
     assert {k: defaults[k] for k in gpipe.DEFAULTS} == gpipe.DEFAULTS  # run_flops' missing names: the notebook's
     assert flops == pytest.approx(counted, rel=1e-3)
     p, flops = profile("07_schedules_1f1b_interleaved_zero_bubble.ipynb")
-    counted = schedules.run_flops(p["width"], p["layers"], p["microbatch_size"], p["microbatches"], p["steps"],
-                                  p["cpu_steps"])
+    counted = schedules.run_flops(p)
     assert flops == pytest.approx(counted, rel=1e-3)

@@ -210,9 +210,8 @@ def same_losses(run: GridRun, tolerance: float = 1e-5) -> tuple[str, str, str, d
     worst = max(abs(a - b) for a, b in zip(grid, one))
     verdict = "same" if worst <= tolerance else "different"
     c = run.cfg
-    text = (f"over {c.pipe} x {c.data} x {c.tensor} processes the first {len(grid)} losses were "
-            f"{', '.join(f'{v:.5f}' for v in grid)}; one process: {', '.join(f'{v:.5f}' for v in one)} "
-            f"(largest difference {worst:.1e})")
+    text = (f"over {c.pipe} x {c.data} x {c.tensor} processes the first {len(grid)} losses "
+            f"{'matched' if verdict == 'same' else 'differed from'} one process's (largest difference {worst:.1e})")
     return "12.grid3d_losses", verdict, text, {"grid": grid, "one_process": one}
 
 
@@ -228,9 +227,9 @@ def axis_costs(run: GridRun) -> tuple[str, str, str, dict]:
     total = sum(busy.values()) or 1.0
     share = {axis: busy[axis] / total for axis in busy}
     clock = f"on an emulated node ({run.cfg.emulate})" if run.cfg.emulate else "on this machine's CPU cores"
-    text = (f"{clock}, of the processes' time in spans: compute {share['compute']:.0%}; tensor parallelism's "
-            f"collectives {share['tensor']:.0%} (several per layer, each waited for before the next matrix "
-            f"product); the data groups' gradient all-reduce {share['data']:.0%} (one per stage, launched after "
-            f"its last backward); the pipeline's messages {share['pipeline']:.0%} (a receive includes waiting for "
-            "its sender: the pipeline's bubble)")
+    names = {"tensor": "tensor parallelism's collectives", "data": "the data groups' gradient all-reduce",
+             "pipeline": "the pipeline's messages, waits for the sender included"}
+    top = max(names, key=share.get)
+    text = (f"{clock}, compute took {share['compute']:.0%} of the processes' time in spans; the largest "
+            f"communication share, {share[top]:.0%}, went to {names[top]}")
     return "12.grid3d_axis_costs", "shares", text, {k: round(v, 4) for k, v in share.items()}

@@ -19,10 +19,11 @@ import torch
 from torch import nn
 
 from pipelab import experiments
-from pipelab.checks import divides, mean_loss, positive_number, same_batch, trainable, whole_number
+from pipelab.checks import divides, mean_loss, modelled_size, positive_number, same_batch, trainable, whole_number
 from pipelab.display import human_bytes
+from pipelab.emulate import cost, sized
 from pipelab.measure import (Measured, RankSteps, Steps, TimedSteps, alternate, compare, compare_medians, gather_steps,
-                             ratios, spread_words, time_steps)
+                             ratios, time_steps)
 from pipelab.sharding import (OPTIMIZERS, Collectives, DataParallel, Held, Zero1, Zero2, Zero3, formula,
                               layers_of, make_optimizer)
 from pipelab.sharding.memory import PeakMeter
@@ -60,7 +61,7 @@ class Config(experiments.Config):
     optimizer: str = "adam"
     lr: float = 1e-3
     steps: int = 4  # every step checked against one process; all but the first timed
-    emulated_batch: int | None = None  # on an emulated node: the per-rank batch compute is modelled at
+    emulated_batch: int | None = None  # the per-rank batch a modelled node's compute is modelled at
 
     def check(self) -> None:
         super().check()
@@ -74,11 +75,7 @@ class Config(experiments.Config):
                 f"each value on its own ({', '.join(OPTIMIZERS)}). One that looks at a whole tensor or the whole "
                 f"gradient (LBFGS, Adafactor, LAMB's trust ratio, Muon) would see pieces; use optimizer='adam'")
         positive_number("lr", self.lr, example="lr=1e-3")
-        if self.emulated_batch is not None:
-            whole_number("emulated_batch", self.emulated_batch, example="emulated_batch=512")
-            if self.emulate is None:
-                raise ValueError(f"emulated_batch={self.emulated_batch} sizes the modelled compute of an emulated "
-                                 "node; name one (emulate='4xH100-nvlink4') or leave emulated_batch=None")
+        modelled_size(self, "emulated_batch")
         whole_number("steps", self.steps, example="steps=4")
         divides("batch", same_batch(self.x, self.y), "world_size", self.world_size)
         mean_loss(self.loss_fn)
@@ -162,35 +159,11 @@ class Result:
     variants: dict[str, VariantResult]
 
 
-def layer_costs(model: nn.Module, x: torch.Tensor, batch: int) -> list[tuple]:
-    """Each layer's modelled (forward, backward) cost, FLOPs and bytes counted on the meta device
-    for a batch of `batch` rows (the emulated size; the real run stays small). `emulate_layers`
-    makes them the rank's cost table."""
-    from pipelab.emulate.cost import forward_backward_counts
-
-    inputs = {}
-    hooks = [layer.module.register_forward_pre_hook(lambda m, args, name=layer.name: inputs.setdefault(name, args[0]))
-             for layer in layers_of(model, 1)]
-    with torch.no_grad():
-        model(x)
-    for h in hooks:
-        h.remove()
-    costs = []
-    for layer in layers_of(model, 1):
-        example = torch.empty(batch, *inputs[layer.name].shape[1:], dtype=inputs[layer.name].dtype)
-        forward, backward_input, backward_weight = forward_backward_counts(layer.module, example.requires_grad_())
-        costs.append((forward, backward_input + backward_weight))
-    return costs
-
-
 def train(ctx: RankContext, cfg: Config, variant: str, x: torch.Tensor, y: torch.Tensor) -> VariantResult:
     """Train this rank's model with `variant` for cfg.steps steps on its slice (x, y)."""
     model = cfg.build().to(ctx.device)
-    if ctx.emulator is not None:  # on an emulated node: each layer's compute modelled at the emulated size
-        from pipelab.emulate.table import sharded_table
-
-        names = [layer.name for layer in layers_of(model, 1)]
-        ctx.emulator.use(sharded_table(names, layer_costs(model, x, cfg.emulated_batch or x.shape[0])))
+    layers = [(layer.name, layer.module) for layer in layers_of(model, 1)]
+    sized.time_sharded_layers(ctx, layers, model, x, cfg.emulated_batch or x.shape[0])  # a modelled node's clock
     t = trainer(ctx, cfg, variant, model)
     comm = getattr(t, "comm", None)
 
@@ -247,7 +220,7 @@ class VariantRun(TimedSteps):
     @property
     def makespan(self) -> Measured:
         """Seconds from the first span to the last of each timed step, all ranks: the step as its
-        timeline shows it (on an emulated node, modelled time)."""
+        timeline shows it (modelled time on a modelled node)."""
         return Measured.of(tl.makespan for tl in self.steps.timelines)
 
     @property
@@ -266,10 +239,15 @@ class Run:
     psi: int
     moments: int  # optimizer state values per parameter (Adam: 2)
     variants: dict[str, VariantRun]
-    emulate: str | None = None  # the emulated node it ran on (modelled time), or None: this machine
+    emulate: str | None = None  # the node it ran on (modelled time), or None: this machine
 
     def __getitem__(self, variant: str) -> VariantRun:
         return self.variants[variant]
+
+    @property
+    def modelled(self) -> bool:
+        """Whether its times are modelled (they repeat exactly) rather than measured."""
+        return self.emulate is not None
 
     def formula(self, variant: str) -> Held:
         return formula(STAGE[variant], self.psi, self.world_size, state_bytes=4 * self.moments)
@@ -374,31 +352,30 @@ def fit_rows(psi: float, world_size: int, device_bytes: float, param_bytes: floa
 # ---------------------------------------------------------------------------------------------
 
 
+def prefetch_rows(run: Run) -> list[dict]:
+    """ZeRO-3 with prefetch and without: step (first to last span), communication no compute hid,
+    and the most whole-layer parameter bytes held at once."""
+    clock = "modelled" if run.modelled else "measured"
+    return [{"ZeRO-3": name, f"step (ms, {clock})": f"{r.makespan.scaled(1e3):.3g}",
+             f"exposed communication (ms, {clock})": f"{r.exposed_comm.scaled(1e3):.3g}",
+             "whole layers held at once": human_bytes(max(r.peak_gathered))}
+            for name, r in (("prefetch", run["zero3"]), ("no prefetch", run["zero3_no_prefetch"]))]
+
+
 def prefetch_verdict(run: Run) -> tuple:
-    """What prefetching did to ZeRO-3's step and its exposed communication on this run, and what it
-    cost in memory. Returns conclude's (key, verdict, text, figures)."""
+    """What prefetching did to ZeRO-3's step and its exposed communication, and what it cost in
+    memory. Modelled time repeats exactly, so any difference is real; measured
+    time moves from run to run, so a direction only beyond that noise."""
     on, off = run["zero3"], run["zero3_no_prefetch"]
-    # Modelled time (an emulated node) repeats exactly: any difference is real. Measured time moves
-    # from run to run: a direction only beyond that noise.
-    differ = compare if run.emulate is not None else compare_medians
+    differ = compare if run.modelled else compare_medians
     step, exposed = differ(on.makespan, off.makespan), differ(on.exposed_comm, off.exposed_comm)
     peak_on, peak_off = max(on.peak_gathered), max(off.peak_gathered)
-    verdict = f"step {step}; exposed communication {exposed}"
-    where = f"on the emulated node {run.emulate} (modelled time)" if run.emulate else "on this machine"
-    noise = "" if run.emulate else ", by more than the run-to-run noise"
-    steps = {"lower": f"prefetch made it faster{noise}.",
-             "higher": f"prefetch made it slower{noise}" + (" (the early all-gather waits in line with the others)."
-                       if run.emulate else ": here the early all-gather competes with compute for the cores."),
-             "within noise": "no difference" + ("." if run.emulate else " beyond the run-to-run noise.")}
-    hidden = {"lower": "less with prefetch", "higher": "more with prefetch", "within noise": "no difference"}
-    text = (f"{where}, ZeRO-3's step on {run.world_size} ranks took {on.makespan.scaled(1e3):.3g} ms with prefetch "
-            f"and {off.makespan.scaled(1e3):.3g} ms without (first to last span; "
-            f"{spread_words(on.makespan)}): {steps[step]} "
-            f"Communication no compute hid: {on.exposed_comm.scaled(1e3):.3g} ms with prefetch, "
-            f"{off.exposed_comm.scaled(1e3):.3g} ms without ({hidden[exposed]}). The cost does not depend on the "
-            f"machine: prefetch held up to {human_bytes(peak_on)} of whole-layer parameters at once, without it "
-            f"{human_bytes(peak_off)}.")
-    return ("11.prefetch", verdict, text,
+    where = "on the emulated node (modelled)" if run.modelled else "on this machine (measured)"
+    held = "more" if peak_on > peak_off else "as many" if peak_on == peak_off else "fewer"
+    said = {"lower": "lower", "higher": "higher", "within noise": "within noise"}[step]
+    text = (f"{where}, ZeRO-3's step took {on.makespan.median * 1e3:.3g} ms with prefetch and "
+            f"{off.makespan.median * 1e3:.3g} ms without ({said}), holding {held} whole-layer parameters at once")
+    return ("11.prefetch", f"step {step}; exposed communication {exposed}", text,
             dict(step_ms_prefetch=on.makespan.scaled(1e3), step_ms_no_prefetch=off.makespan.scaled(1e3),
                  exposed_ms_prefetch=on.exposed_comm.scaled(1e3), exposed_ms_no_prefetch=off.exposed_comm.scaled(1e3),
                  peak_gathered_prefetch=peak_on, peak_gathered_no_prefetch=peak_off))
@@ -476,14 +453,14 @@ def race_gather(cfg: RaceConfig, results: Sequence[RaceResult]) -> Race:
                                                                 for v in cfg.variants})
 
 
-def run_flops(width: int, batch: int, steps: int) -> float:
-    """FLOPs of lesson 11's runs at a profile's size, counted on the meta device: every variant's
-    `steps` on the whole batch and the one-process reference, the one-rank run (4 variants, 2
-    steps) and the 4-rank run (our 5 variants, 3 steps, and its reference). What the `gpu`
-    profile's time budget is estimated from; Adam's element-wise update is left out (it is small)."""
+def run_flops(params: dict) -> float:
+    """FLOPs of lesson 11 at the notebook parameters `params` (missing names take the defaults),
+    counted on the meta device: every variant's `steps` on the whole batch and the reference, the
+    one-rank run (4 variants, 2 steps) and the 4-rank run (our 5 variants, 3 steps, and its
+    reference); Adam's element-wise update is left out (it is small)."""
     from pipelab import models
-    from pipelab.emulate.cost import step_flops
 
-    model = models.mlp([width, width + 1, width + 1, width]).to("meta")
-    step = step_flops(model, torch.empty(batch, width, device="meta"))
-    return step * (steps * (len(VARIANTS) + 1) + 2 * 4 + 3 * (len(OURS) + 1))
+    p = {"width": 256, "batch": 64, "steps": 5, **params}
+    model = models.mlp([p["width"], p["width"] + 1, p["width"] + 1, p["width"]]).to("meta")
+    step = cost.step_flops(model, torch.empty(p["batch"], p["width"], device="meta"))
+    return step * (p["steps"] * (len(VARIANTS) + 1) + 2 * 4 + 3 * (len(OURS) + 1))

@@ -17,6 +17,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import inspect
+import math
 import os
 import sys
 import warnings
@@ -235,8 +236,10 @@ class TracedConfig(experiments.Config):
 
     @cached_property
     def pipeline(self) -> pipeline.Config:
-        """The pipeline run of the traced stages: lesson 07's, checked as there."""
-        return pipeline.Config(stages=self.parts.stages, x=self.x, y=self.y, schedules=list(self.schedules),
+        """The pipeline run of the traced stages (several values across a cut packed into one
+        message): lesson 07's, checked as there."""
+        stages = packed_stages(self.parts, self.x.chunk(self.num_microbatches)[0])
+        return pipeline.Config(stages=stages, x=self.x, y=self.y, schedules=list(self.schedules),
                                num_microbatches=self.num_microbatches, loss_fn=self.loss_fn, steps=self.steps,
                                world_size=self.world_size, backend=self.backend, timeout=self.timeout)
 
@@ -253,8 +256,49 @@ def gather_traced(cfg: TracedConfig, results: list[list[pipeline.Result]]) -> li
 
 
 def unprefixed(grads: list[dict[str, torch.Tensor | None]]) -> list[dict[str, torch.Tensor | None]]:
-    """Stage s's "s.layers.0.weight" as "layers.0.weight": the traced stages keep the model's names."""
-    return [{name.split(".", 1)[1]: g for name, g in stage.items()} for stage in grads]
+    """Stage s's "s.layers.0.weight" (or packed, "s.stage.layers.0.weight") as "layers.0.weight":
+    the traced stages keep the model's names."""
+    return [{name.split(".", 1)[1].removeprefix("stage."): g for name, g in stage.items()} for stage in grads]
+
+
+class Packed(nn.Module):
+    """A traced stage that takes and gives one tensor. pipelab's runtime sends one tensor per
+    message, so where several values cross a cut (one that skips a stage, forwarded through it)
+    they travel flattened side by side, one row per sample, and are unpacked on arrival."""
+
+    def __init__(self, stage: nn.Module, shapes: list[tuple[int, ...]]):
+        super().__init__()
+        self.stage, self.shapes = stage, shapes  # each input's shape after the batch dimension
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        sizes = [math.prod(shape) for shape in self.shapes]
+        inputs = [x] if len(sizes) == 1 else [t.reshape(-1, *shape) for t, shape in
+                                               zip(x.split(sizes, dim=1), self.shapes)]
+        out = self.stage(*inputs)
+        return torch.cat([t.flatten(1) for t in out], dim=1) if isinstance(out, tuple) else out
+
+
+def packed_stages(parts: Split, mb: torch.Tensor) -> list[nn.Module]:
+    """The traced stages, those that receive or send several values wrapped in `Packed` (the
+    shapes from a run of micro-batch `mb` through them)."""
+    stages, values = [], (mb,)
+    with torch.no_grad():
+        for stage in parts.stages:
+            out = stage(*values)
+            several = len(values) > 1 or isinstance(out, tuple)
+            stages.append(Packed(stage, [tuple(v.shape[1:]) for v in values]) if several else stage)
+            values = out if isinstance(out, tuple) else (out,)
+    return stages
+
+
+def skip_verdict(parts: Split, run: SplitRun, worst: float) -> tuple[str, str, str, dict]:
+    """Whether a value made on the first stage crossed every cut (forwarded by the stages between)
+    and the ranks still gave one process's losses and gradients (`worst`: the largest difference)."""
+    skipping = set(parts.receives[1]).intersection(*parts.receives[2:]) if len(parts) > 2 else set()
+    verdict = "forwarded, same" if skipping and worst <= 1e-5 else "not shown"
+    names = ", ".join(sorted(skipping)) or "no value"
+    return ("09.skip", verdict, f"{names} skipped stage 1, forwarded through it, and {len(parts)} ranks gave one "
+            f"process's losses and gradients within {worst:.1e}", {"skipping": names, "largest_difference": worst})
 
 
 # ---------------------------------------------------------------------------------------------
@@ -279,21 +323,25 @@ def predicted_stage(name: str, cut_layers: list[int]) -> int:
     return len(cut_layers)
 
 
-def cut_verdict(model: Transformer, pipe, split_points: list[str]) -> tuple[str, str, str, dict]:
-    """(key, verdict, text, figures): did torch's tracer give each stage the parameters
-    `predicted_stage` counts from the model's modules, and one tensor across each cut?"""
+def cut_rows(model: Transformer, pipe, split_points: list[str]) -> list[dict]:
+    """Per torch stage: its parameters, those `predicted_stage` counts from the model's modules,
+    and how many tensors cross into it."""
     cut_layers = [int(p.split(".")[1]) for p in split_points]  # "layers.2" -> 2
-    stages = range(pipe.num_stages)
-    predicted = [sum(p.numel() for n, p in model.named_parameters() if predicted_stage(n, cut_layers) == s)
-                 for s in stages]
-    traced = [sum(p.numel() for p in pipe.get_stage_module(s).parameters()) for s in stages]
-    crossing = [len(values) for values in pipe_crossings(pipe)[1:]]
-    as_predicted = traced == predicted and crossing == [1] * len(cut_layers)
-    text = (f"torch's tracer gave the stages {', '.join(f'{n:,}' for n in traced)} parameters (counted from the "
-            f"model's modules: {', '.join(f'{n:,}' for n in predicted)}), and {crossing} tensor(s) cross the "
-            f"cut(s): " + ("as predicted." if as_predicted else "not as predicted; compare the stages' code above."))
+    crossing = pipe_crossings(pipe)
+    return [{"stage": s, "parameters": sum(p.numel() for p in pipe.get_stage_module(s).parameters()),
+             "predicted": sum(p.numel() for n, p in model.named_parameters() if predicted_stage(n, cut_layers) == s),
+             "tensors in": len(crossing[s])} for s in range(pipe.num_stages)]
+
+
+def cut_verdict(model: Transformer, pipe, split_points: list[str]) -> tuple[str, str, str, dict]:
+    """Did torch's tracer give each stage the parameters `predicted_stage` counts, and one tensor
+    across each cut?"""
+    rows = cut_rows(model, pipe, split_points)
+    as_predicted = all(r["parameters"] == r["predicted"] for r in rows) and all(r["tensors in"] == 1 for r in rows[1:])
+    text = ("torch's tracer gave every stage the parameters its modules predict, and one tensor crosses each cut"
+            if as_predicted else "torch's tracer did not cut as predicted; compare the table with the stages' code")
     return "09.cut", "as predicted" if as_predicted else "not as predicted", text, {
-        "traced": str(traced), "predicted": str(predicted), "crossing": str(crossing)}
+        "traced": str([r["parameters"] for r in rows]), "predicted": str([r["predicted"] for r in rows])}
 
 
 def compare_with_torch(parts: Split, pipe, mb: torch.Tensor) -> float:

@@ -10,7 +10,6 @@ this process and builds the `TensorParallelRun` the lesson reads.
 from __future__ import annotations
 
 import copy
-import statistics
 from contextlib import nullcontext
 from dataclasses import dataclass, field
 
@@ -20,7 +19,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from pipelab import experiments
 from pipelab.checks import whole_number
-from pipelab.measure import Measured, alternate, time_steps
+from pipelab.measure import Measured, time_steps
 from pipelab.tensor_parallel import ParallelBlock, TensorParallelGroup
 from pipelab.tensor_parallel.comm import CommMeter, ring_bytes
 from pipelab.transformer import Block
@@ -395,36 +394,29 @@ TOLERANCE = 1e-4  # float32 sums in another order: far above rounding, far below
 def same_as_one_process(run: TensorParallelRun) -> tuple[str, str, str, dict]:
     worst = max(v.difference for v in run.variants.values())
     verdict = "same" if worst <= TOLERANCE else "different"
-    text = (f"every variant ({', '.join(run.variants)}) gives the unsplit block's outputs and gradients "
-            f"on {run.cfg.world_size} ranks: largest difference {worst:.1e}" if verdict == "same" else
-            f"a variant differs from one process by {worst:.1e} (above {TOLERANCE:g})")
-    return "12.same_as_one_process", verdict, text, {"largest_difference": worst}
+    text = (f"all {len(run.variants)} variants gave the unsplit block's outputs and gradients on {run.cfg.world_size} "
+            f"ranks (largest difference {worst:.1e})" if verdict == "same" else
+            f"a variant differs from one process by {worst:.1e}, above the tolerance")
+    return "12.same_as_one_process", verdict, text, {"largest_difference": worst, "tolerance": TOLERANCE}
 
 
 def bytes_verdict(run: TensorParallelRun) -> tuple[str, str, str, dict]:
     """Whether sequence parallelism sent what tensor parallelism sent, counted from the messages."""
     moved = {name: v.sent["forward"] + v.sent["backward"] for name, v in run.variants.items() if name in OURS}
     verdict = "same bytes" if moved["tp"] == moved["tp+sp"] else "different bytes"
-    text = (f"per block and pass, rank 0 sent {moved['tp']:,} bytes with tensor parallelism and "
-            f"{moved['tp+sp']:,} with sequence parallelism ({verdict}): on a ring, an all-reduce is a "
-            f"reduce-scatter plus an all-gather. Sequence parallelism adds "
-            f"{run['tp+sp'].sent['parameters']:,} bytes for the gradients of the LayerNorms and biases, "
-            f"and re-gathering the input in backward {moved['tp+sp regather'] - moved['tp+sp']:,} more")
-    return "12.bytes", verdict, text, moved
+    text = (f"per block and pass rank 0 sent {moved['tp']:,} bytes with tensor parallelism and {moved['tp+sp']:,} "
+            "with sequence parallelism: a ring all-reduce is a reduce-scatter plus an all-gather")
+    return "12.bytes", verdict, text, {**moved, "tp+sp parameters": run["tp+sp"].sent["parameters"]}
 
 
 def memory_verdict(run: TensorParallelRun) -> tuple[str, str, str, dict]:
     """Whether the measured activation bytes follow the formula's shape: R + S/t under tensor
     parallelism, (R + S)/t under sequence parallelism with re-gathering."""
-    split, t = memory_split(run), run.cfg.world_size
     measured = run["tp+sp regather"].activation_bytes
-    predicted = split.sequence_parallel(t)
+    predicted = memory_split(run).sequence_parallel(run.cfg.world_size)
     verdict = "as the formula divides" if abs(measured - predicted) <= 0.01 * predicted else "differs"
-    text = (f"tensor parallelism keeps {run['tp'].activation_bytes:,} activation bytes per rank "
-            f"(R + S/t with R = {split.replicated:,.0f} kept whole and S = {split.split:,.0f} split); "
-            f"sequence parallelism with re-gathering keeps {measured:,} against (R + S)/t = {predicted:,.0f} "
-            f"({verdict}); keeping the gathered input instead costs "
-            f"{run['tp+sp'].activation_bytes - measured:,} bytes more")
+    text = (f"sequence parallelism with re-gathering kept {measured:,} activation bytes per rank against the "
+            f"formula's (R + S)/t = {predicted:,.0f}" + (", as it divides" if verdict == "as the formula divides" else ""))
     return "12.activation_memory", verdict, text, {"measured": measured, "predicted": predicted}
 
 
@@ -435,13 +427,12 @@ def all_reduce_count_verdict(run: TensorParallelRun) -> tuple[str, str, str, dic
 
     ours = (count("tp", "forward"), count("tp", "backward"))
     theirs = (count("torch tp", "forward"), count("torch tp", "backward")) if "torch tp" in run.variants else None
-    verdict = f"{ours[0]} forward, {ours[1]} backward"
-    text = f"one block all-reduced {ours[0]} times forward and {ours[1]} times backward with our layers"
+    text = f"our block all-reduced {ours[0]} times forward and {ours[1]} backward"
     if theirs is not None:
-        text += (f"; torch's plan, whose queries, keys and values are three column-wise layers, "
-                 f"{theirs[0]} forward and {theirs[1]} backward: each of the three sums its own input gradient, "
-                 "where our stacked QKV layer sums one")
-    return "12.all_reduces_per_block", verdict, text, {"ours": list(ours), "torch": list(theirs or ())}
+        text += (f", torch's plan {theirs[0]} and {theirs[1]}: its separate query, key and value layers each sum "
+                 "their own input gradient")
+    return ("12.all_reduces_per_block", f"{ours[0]} forward, {ours[1]} backward", text,
+            {"ours": list(ours), "torch": list(theirs or ())})
 
 
 def node_verdict(run: TensorParallelRun) -> tuple[str, str, str, dict]:
@@ -451,10 +442,8 @@ def node_verdict(run: TensorParallelRun) -> tuple[str, str, str, dict]:
     tp_bytes = run["tp"].sent["forward"] + run["tp"].sent["backward"]
     boundary = 2 * cfg.batch * cfg.seq_len * cfg.dim * 4  # fp32 activation forward + gradient back
     ratio = tp_bytes / boundary
-    text = (f"one block sent {tp_bytes:,} bytes per rank per pass, {ratio:.1f}x what a pipeline stage boundary "
-            f"sends for the same batch ({boundary:,}), and every block of every layer sends it again, each "
-            "on the critical path (the next matrix product waits for the sum); that traffic wants NVLink's "
-            "bandwidth, while pipelines and data parallelism send far less per layer and can cross nodes")
+    text = (f"one block sent {ratio:.1f}x what a pipeline stage boundary sends for the same batch, again in every "
+            "layer and on the critical path: traffic for NVLink, not for crossing nodes")
     return "12.inside_a_node", f"{ratio:.1f}x a boundary", text, {"tp_bytes": tp_bytes, "boundary_bytes": boundary}
 
 
@@ -492,43 +481,13 @@ def dtensor_table(cfg: Config) -> list[dict]:
             for i in range(len(per_rank[0])) for rank, placed in enumerate(per_rank) for p in [placed[i]]]
 
 
-# ---------------------------------------------------------------------------------------------
-# Timing ours beside torch's, round by round (benchmarks/tensor_parallel.py)
-# ---------------------------------------------------------------------------------------------
-
-
-def alternated_worker(ctx: RankContext, cfg: Config, rounds: int) -> dict[str, list[float]]:
-    """Each round, every variant's median of `cfg.steps` forward+backward passes, the variants in
-    turn (`measure.alternate`), so a load that comes and goes slows them alike."""
-    tp = TensorParallelGroup.world()
-    x, g = cfg.data()
-    runs = {}
-    for variant in cfg.variants:
-        block = _build(variant, cfg, tp)
-        x_in, g_in = (tp.slice(x, 1), tp.slice(g, 1)) if sequence_parallel(variant) else (x, g)
-        x_in = x_in.clone().requires_grad_()
-
-        def one_round(block=block, x_in=x_in, g_in=g_in) -> float:
-            steps = time_steps(ctx, lambda i: _pass(block, x_in, g_in), cfg.steps,
-                               prepare=lambda i: block.zero_grad(set_to_none=True))
-            return statistics.median(steps.seconds)
-
-        runs[variant] = one_round
-    return alternate(runs, rounds)
-
-
-def alternated(cfg: Config, rounds: int) -> dict[str, list[float]]:
-    """Per variant, the slowest rank's median pass of each round (seconds)."""
-    per_rank = experiments.run(lambda ctx, c: alternated_worker(ctx, c, rounds), cfg)
-    return {v: [max(r) for r in zip(*(ranks[v] for ranks in per_rank))] for v in cfg.variants}
-
-
-def run_flops(dim: int, n_heads: int, batch: int, seq_len: int, steps: int) -> float:
-    """FLOPs of lesson 12's block runs at a profile's size, counted on the meta device: `steps`
-    forward+backward passes of the whole block per variant and the one-process reference's pass.
-    (The 3-D grid runs lesson 10's small model; its count is negligible beside the block's.)"""
+def run_flops(params: dict) -> float:
+    """FLOPs of lesson 12 at the notebook parameters `params` (missing names take the defaults),
+    counted on the meta device: `steps` forward+backward passes of the block per variant and the
+    reference's pass (the 3-D grid's small model is negligible beside the block)."""
     from pipelab.emulate.cost import step_flops
 
-    block = Block(dim, n_heads).to("meta")
-    step = step_flops(block, torch.empty(batch, seq_len, dim, device="meta"))
-    return step * (steps * len(VARIANTS) + 1)
+    p = {"dim": 64, "n_heads": 4, "batch": 2, "seq_len": 64, "steps": 5, **params}
+    block = Block(p["dim"], p["n_heads"]).to("meta")
+    step = step_flops(block, torch.empty(p["batch"], p["seq_len"], p["dim"], device="meta"))
+    return step * (p["steps"] * len(VARIANTS) + 1)

@@ -1,17 +1,16 @@
-"""Lesson 13 from a notebook: 1F1B and ZB-H1 beside ZB-V and DualPipeV, on real ranks, simulated,
-and against the DualPipe repository's formulas.
+"""Lesson 13 from a notebook: 1F1B and ZB-H1 beside ZB-V, DualPipeV and looped BFS, on real ranks,
+simulated, and against the DualPipe repository's formulas.
 
 One model of `layers` equal layers is cut into p stages (1F1B, ZB-H1: one per rank) or 2p stages
-(ZB-V, DualPipeV: two per rank, on a V), so every schedule trains the same model on the same batch.
-Each rank runs every schedule's step `steps` times (`pipeline.runtime.run_step`), and, for ZB-V and
-DualPipeV, torch's own schedule class on the same stages. `gather` checks losses and gradients
-against one process, measures bubbles and stashes, and simulates each schedule with the costs
-measured in its own run.
+(ZB-V, DualPipeV on a V, looped BFS on a loop: two per rank), so every schedule trains the same
+model on the same batch. Each rank runs every schedule's step `steps` times
+(`pipeline.runtime.run_step`), and, for ZB-V and DualPipeV, torch's own class on the same stages.
+`gather` checks losses and gradients against one process and simulates each schedule with the
+costs of its own run.
 """
 
 from __future__ import annotations
 
-import copy
 from dataclasses import dataclass, field
 
 import torch
@@ -19,17 +18,19 @@ from torch import nn
 
 from pipelab import experiments
 from pipelab.checks import divides, whole_number
+from pipelab.emulate import cost, sized
 from pipelab.measure import Measured, time_steps
 from pipelab.pipeline.p2p import message_specs
 from pipelab.pipeline.runtime import run_step
 from pipelab.pipeline.schedules import Schedule, Schedule1F1B, ScheduleZeroBubble
 from pipelab.pipeline.simulate import Costs, SimResult, simulate
 from pipelab.pipeline.stage import StageRunner  # noqa: F401 - lesson 13 shows what W keeps
-from pipelab.pipeline.v_shape import ScheduleDualPipeV, ScheduleZBV, VSchedule
+from pipelab.pipeline.v_shape import ScheduleDualPipeV, ScheduleLoopedBFS, ScheduleZBV, VSchedule
 from pipelab.timeline import Timeline
 from pipelab.worker import RankContext
 
 SCHEDULES = {"1F1B": Schedule1F1B, "ZB-H1": ScheduleZeroBubble, "ZB-V": ScheduleZBV, "DualPipeV": ScheduleDualPipeV}
+PLANS = {**SCHEDULES, "Looped BFS": lambda p, m: ScheduleLoopedBFS(p, m, 2)}  # every schedule a run may name
 TORCH_CLASSES = {"ZB-V": "ScheduleZBVZeroBubble", "DualPipeV": "ScheduleDualPipeV"}
 
 
@@ -45,19 +46,15 @@ class Config(experiments.Config):
     steps: int = 3
     schedules: tuple[str, ...] = tuple(SCHEDULES)
     with_torch: bool = True
-    # On an emulated node each stage's F, B, I and W last what the device model gives for the same
-    # layers at this size: `emulated_width` wide, `emulated_microbatch` rows, in `emulated_dtype`.
-    emulated_width: int = 8192
-    emulated_microbatch: int = 4096
-    emulated_dtype: str = "bfloat16"
+    emulated_size: tuple[int, int, str] = (8192, 4096, "bfloat16")  # width, rows per micro-batch, dtype
 
     def check(self) -> None:
         super().check()
         for name in ("num_microbatches", "width", "layers", "batch", "steps"):
             whole_number(name, getattr(self, name))
-        bad = [s for s in self.schedules if s not in SCHEDULES]
+        bad = [s for s in self.schedules if s not in PLANS]
         if bad or not self.schedules:
-            raise ValueError(f"schedules must be some of {list(SCHEDULES)}, got {list(self.schedules)!r}")
+            raise ValueError(f"schedules must be some of {list(PLANS)}, got {list(self.schedules)!r}")
         p = self.world_size
         if p < 2:
             raise ValueError(f"a pipeline needs at least 2 ranks, got world_size={p}; use world_size=2 or 4")
@@ -68,7 +65,7 @@ class Config(experiments.Config):
 
     def schedule(self, name: str) -> Schedule:
         """The schedule as planned, DualPipeV's overlapped pairs included."""
-        return SCHEDULES[name](self.world_size, self.num_microbatches)
+        return PLANS[name](self.world_size, self.num_microbatches)
 
     def model(self) -> nn.Sequential:
         torch.manual_seed(0)
@@ -94,9 +91,12 @@ def runnable(schedule: Schedule) -> Schedule:
     return schedule
 
 
-# ---------------------------------------------------------------------------------------------
+def stage_share(schedule: Schedule) -> float:
+    """One of the schedule's stages as a share of a 1F1B stage (1, or 1/2 with two stages per rank)."""
+    return schedule.num_ranks / schedule.num_stages
+
+
 # On each rank
-# ---------------------------------------------------------------------------------------------
 
 
 @dataclass
@@ -110,13 +110,7 @@ class ScheduleResult:
     torch_losses: list[float] | None = None
 
 
-@dataclass
-class Result:
-    rank: int
-    schedules: dict[str, ScheduleResult]
-
-
-def worker(ctx: RankContext, cfg: Config) -> Result:
+def worker(ctx: RankContext, cfg: Config) -> dict[str, ScheduleResult]:
     x, y = cfg.data()
     out = {}
     for name in cfg.schedules:
@@ -125,7 +119,7 @@ def worker(ctx: RankContext, cfg: Config) -> Result:
         modules = {s: stages[s] for s in schedule.stages_of(ctx.rank)}
         specs = message_specs(stages, x, schedule.num_microbatches)
         first: dict = {}
-        emulate_stages(ctx, cfg, schedule.num_stages, modules)
+        sized.time_tanh_stages(ctx, modules, cfg.layers // schedule.num_stages, cfg.emulated_size)
 
         def step(i: int, schedule=schedule, modules=modules, specs=specs, first=first) -> None:
             done = run_step(ctx, schedule, modules, nn.MSELoss(), x, y, specs)
@@ -137,28 +131,11 @@ def worker(ctx: RankContext, cfg: Config) -> Result:
 
         timed = time_steps(ctx, step, cfg.steps,
                            prepare=lambda i, modules=modules: [m.zero_grad(set_to_none=True) for m in modules.values()])
-        if ctx.emulator is not None:
-            ctx.emulator.use(None)  # torch's own step below is checked, not timed
+        sized.untimed(ctx)  # torch's own step below is checked, not timed
         torch_losses = _torch_losses(ctx, cfg, name, schedule, x, y) if cfg.with_torch and name in TORCH_CLASSES else None
         out[name] = ScheduleResult(first["losses"], first["grads"], first["stash"].peak, first["stash"].peak_bytes,
                                    timed.seconds, timed.timelines, torch_losses)
-    return Result(ctx.rank, out)
-
-
-def emulate_stages(ctx: RankContext, cfg: Config, num_stages: int, modules) -> None:
-    """On an emulated node, time this rank's stages by their modelled F, B, I and W seconds for the
-    same layers at the emulated size (counted on the meta device, so the size costs no memory)."""
-    if ctx.emulator is None:
-        return
-    from pipelab.emulate.cost import stage_seconds
-    from pipelab.emulate.table import stage_table
-
-    layers = cfg.layers // num_stages
-    big = nn.Sequential(*(layer for _ in range(layers) for layer in (nn.Linear(cfg.emulated_width, cfg.emulated_width),
-                                                                        nn.Tanh()))).to("meta")
-    example = torch.empty(cfg.emulated_microbatch, cfg.emulated_width, device="meta")
-    seconds = stage_seconds(big, example, ctx.emulator.node.device, cfg.emulated_dtype)
-    ctx.emulator.use(stage_table({s: seconds for s in modules}))
+    return out
 
 
 def _torch_losses(ctx: RankContext, cfg: Config, name: str, schedule: Schedule, x, y) -> list[float]:
@@ -172,9 +149,7 @@ def _torch_losses(ctx: RankContext, cfg: Config, name: str, schedule: Schedule, 
     return [float(l.detach()) for l in step(x, y)]
 
 
-# ---------------------------------------------------------------------------------------------
 # The parent side
-# ---------------------------------------------------------------------------------------------
 
 
 @dataclass
@@ -185,7 +160,7 @@ class ScheduleRun:
     grad_difference: float
     torch_loss_difference: float | None  # torch's class on the same stages, against ours
     step_time: Measured
-    bubble_fraction: Measured  # measured, per timed step
+    bubble_fraction: Measured  # per timed step
     stash_peak: dict[int, int]  # rank -> micro-batch stashes alive at once
     stash_peak_bytes: dict[int, int]
     timeline: Timeline = field(repr=False)  # the typical step
@@ -205,7 +180,7 @@ def run(cfg: Config) -> VRun:
     return experiments.run(worker, cfg, gather)
 
 
-def reference(cfg: Config) -> tuple[list[float], dict[int, list[torch.Tensor]], int]:
+def reference(cfg: Config) -> tuple[list[float], dict[int, list[torch.Tensor]]]:
     """One process: per-micro-batch losses, and each layer's gradients (by layer index)."""
     model = cfg.model()
     x, y = cfg.data()
@@ -215,77 +190,127 @@ def reference(cfg: Config) -> tuple[list[float], dict[int, list[torch.Tensor]], 
     return losses, {i: [p.grad for p in layer.parameters()] for i, layer in enumerate(model)}
 
 
-def gather(cfg: Config, results: list[Result]) -> VRun:
+def gather(cfg: Config, results: list[dict[str, ScheduleResult]]) -> VRun:
     ref_losses, ref_grads = reference(cfg)
     runs = {}
     for name in cfg.schedules:
         planned = cfg.schedule(name)
-        per_rank = [r.schedules[name] for r in results]
+        per_rank = [r[name] for r in results]
         last = planned.rank_of(planned.num_stages - 1)
         losses = per_rank[last].losses
-        loss_diff = max(abs(a - b) for a, b in zip(losses, ref_losses))
         grads = {s: g for r in per_rank for s, g in r.grads.items()}
-        grad_diff = _grad_difference(cfg, planned.num_stages, grads, ref_grads)
         theirs = per_rank[last].torch_losses
-        torch_diff = max(abs(a - b) for a, b in zip(theirs, losses)) if theirs else None
-        seconds = [max(s) for s in zip(*(r.seconds for r in per_rank))]
         timelines = [Timeline.merge(tls) for tls in zip(*(r.timelines for r in per_rank))]
         typical = sorted(timelines, key=lambda t: t.makespan)[(len(timelines) - 1) // 2]
-        sched_run = ScheduleRun(name, planned, loss_diff, grad_diff, torch_diff, Measured.of(seconds),
-                                Measured.of(t.bubble_fraction() for t in timelines),
-                                {r: per_rank[r].stash_peak for r in range(cfg.world_size)},
-                                {r: per_rank[r].stash_peak_bytes for r in range(cfg.world_size)}, typical)
-        sched_run.simulated = simulate(runnable(planned), Costs.from_timeline(typical))
-        runs[name] = sched_run
+        runs[name] = ScheduleRun(
+            name, planned, max(abs(a - b) for a, b in zip(losses, ref_losses)),
+            _grad_difference(cfg, planned.num_stages, grads, ref_grads),
+            max(abs(a - b) for a, b in zip(theirs, losses)) if theirs else None,
+            Measured.of(max(s) for s in zip(*(r.seconds for r in per_rank))),
+            Measured.of(t.bubble_fraction() for t in timelines),
+            {r: per_rank[r].stash_peak for r in range(cfg.world_size)},
+            {r: per_rank[r].stash_peak_bytes for r in range(cfg.world_size)}, typical,
+            simulate(runnable(planned), Costs.from_timeline(typical)))
     return VRun(cfg, runs)
 
 
 def _grad_difference(cfg: Config, num_stages: int, grads, ref_grads) -> float:
     """Largest difference between each stage's gradients and the same layers' in one process."""
-    layers_per_stage = 2 * cfg.layers // num_stages  # Linear + Tanh per layer
-    worst = 0.0
-    for s in range(num_stages):
-        ref = [g for i in range(s * layers_per_stage, (s + 1) * layers_per_stage) for g in ref_grads[i]]
-        worst = max([worst, *((a - b).abs().max().item() for a, b in zip(grads[s], ref))])
-    return worst
+    per = 2 * cfg.layers // num_stages  # Linear + Tanh per layer
+    return max((a - b).abs().max().item() for s in range(num_stages)
+               for a, b in zip(grads[s], (g for i in range(s * per, (s + 1) * per) for g in ref_grads[i])))
 
 
-# ---------------------------------------------------------------------------------------------
 # The DualPipe repository's table, and ours beside it
-# ---------------------------------------------------------------------------------------------
 
 
 def dualpipe_formulas(p: int, F: float, B: float, W: float, FB: float | None = None) -> dict[str, dict]:
-    """The DualPipe README's comparison (deepseek-ai/DualPipe, README "Pipeline Bubbles and Memory
-    Usage Comparison"), for one model on p devices. The README counts in PP stages ("chunks", PP
-    even) with F, B (full backward), W (weight backward) and F&B (an overlapped forward and backward)
-    the times of one chunk: 1F1B and ZB1P put PP = p chunks on p devices, DualPipeV PP = 2p chunks
-    on PP/2 = p devices, each half the size. Here F, B and W are the times of one *1F1B stage*, so a
-    DualPipeV chunk takes half of each; F&B defaults to F + B (nothing overlaps). Activations per
-    device are in micro-batches of one 1F1B stage: the README's PP + 1 chunks are p + 1/2 stages.
-    Parameters per device: the README's "2x" is against devices that hold one chunk each; with the
-    same model on the same p devices every schedule holds the same bytes."""
-    half = (F / 2, B / 2, W / 2)
-    fb = sum(half[:2]) if FB is None else FB / 2
-    return {
-        "1F1B": {"bubble": (p - 1) * (F + B), "activations": p},
-        "ZB-H1": {"bubble": (p - 1) * (F + B - 2 * W), "activations": p},
-        "DualPipeV": {"bubble": (2 * p / 2 - 1) * (fb + half[1] - 3 * half[2]), "activations": (2 * p + 1) / 2},
-    }
+    """The DualPipe README's comparison (deepseek-ai/DualPipe, "Pipeline Bubbles and Memory Usage
+    Comparison") for one model on p devices. The README counts in chunks: F, B (full backward), W
+    and F&B (an overlapped forward and backward) of one chunk; 1F1B and ZB1P put PP = p chunks on p
+    devices, DualPipeV PP = 2p half-size chunks on PP/2 = p. Here F, B and W are one *1F1B stage's*,
+    so a DualPipeV chunk takes half of each; F&B defaults to F + B (nothing overlaps). Activations
+    are in micro-batches of one 1F1B stage: the README's PP + 1 chunks are p + 1/2 stages."""
+    f, b, w = F / 2, B / 2, W / 2
+    fb = f + b if FB is None else FB / 2
+    return {"1F1B": {"bubble": (p - 1) * (F + B), "activations": p},
+            "ZB-H1": {"bubble": (p - 1) * (F + B - 2 * W), "activations": p},
+            "DualPipeV": {"bubble": (p - 1) * (fb + b - 3 * w), "activations": p + 0.5}}
+
+
+def stage_costs(run: VRun) -> tuple[float, float, float]:
+    """F, B and W (ms) of one 1F1B stage in this run: the simulator's costs, doubled for a half stage."""
+    r = next(iter(run.schedules.values()))
+    c, scale = r.simulated.costs, 1 / stage_share(r.schedule)
+    return scale * c.forward, scale * (c.backward_input + c.backward_weight), scale * c.backward_weight
+
+
+def work_ms(run: VRun, name: str) -> float:
+    """Milliseconds of compute each rank does in one step (equal layers: every rank the same)."""
+    tl = run[name].timeline
+    return 1e3 * max(tl.busy_time(rank) for rank in tl.ranks)
+
+
+def bubble_times(run: VRun) -> list[dict]:
+    """Per schedule, the bubble as time (a step's length minus one rank's work): the DualPipe
+    README's formula with this run's costs, the simulator, and the run, in modelled milliseconds."""
+    formulas = dualpipe_formulas(run.cfg.world_size, *stage_costs(run))
+    rows = []
+    for name, r in run.schedules.items():
+        formula = formulas.get(name, {"bubble": "-", "activations": "-"})
+        rows.append({"schedule": name, "formula (ms)": _round(formula["bubble"]),
+                     "simulated (ms)": round(r.simulated.makespan_ms - work_ms(run, name), 3),
+                     "run (ms)": round(1e3 * r.step_time.median - work_ms(run, name), 3),
+                     "activations, formula (1F1B stages)": formula["activations"],
+                     "activations, run": max(r.stash_peak.values()) * stage_share(r.schedule)})
+    return rows
 
 
 def table(run: VRun) -> list[dict]:
-    """Per schedule: bubble simulated and measured, peak stash per rank in micro-batches of one
-    1F1B stage (a V stage holds half the layers, so its stash counts half), measured bytes."""
+    """Per schedule: bubble fraction simulated and of the run, peak stash per rank in micro-batches
+    of one 1F1B stage (a half-size stage counts half), and its bytes."""
+    return [{"schedule": name, "bubble simulated": round(r.simulated.bubble_fraction, 3),
+             "bubble of the run": f"{r.bubble_fraction:.3f}",
+             "peak stash (1F1B stages)": max(r.stash_peak.values()) * stage_share(r.schedule),
+             "simulated peak stash": max(r.simulated.peak_stash.values()) * stage_share(r.schedule),
+             "peak stash bytes": max(r.stash_peak_bytes.values())} for name, r in run.schedules.items()]
+
+
+def _round(value):
+    return round(value, 3) if isinstance(value, float) else value
+
+
+def idle_parts(run: VRun, name: str) -> list[dict]:
+    """Where the simulator's idle time lies, rank by rank: before the rank's first action, between
+    its actions, after its last (modelled ms); their sum is the bubble in time on every rank."""
+    tl = run[name].simulated.timeline.filter(lane="compute")
+    start, end = tl.start, tl.end
     rows = []
-    for name, r in run.schedules.items():
-        half = 0.5 if isinstance(r.schedule, VSchedule) else 1.0
-        rows.append({"schedule": name, "bubble simulated": round(r.simulated.bubble_fraction, 3),
-                     "bubble of the run": f"{r.bubble_fraction:.3f}",
-                     "peak stash (1F1B stages)": max(r.stash_peak.values()) * half,
-                     "simulated peak stash": max(r.simulated.peak_stash.values()) * half,
-                     "peak stash bytes": max(r.stash_peak_bytes.values())})
+    for rank in tl.ranks:
+        spans = sorted(tl.filter(rank=rank), key=lambda s: s.start)
+        first, last = spans[0].start - start, end - spans[-1].end
+        total = end - start - tl.busy_time(rank)
+        rows.append({"rank": rank, "idle before its first action (ms)": round(1e3 * first, 3),
+                     "between actions (ms)": round(1e3 * (total - first - last), 3),
+                     "after its last (ms)": round(1e3 * last, 3), "idle in all (ms)": round(1e3 * total, 3)})
     return rows
+
+
+def startup_verdict(run: VRun, name: str = "DualPipeV") -> tuple[str, str, str, dict]:
+    """Whether the simulator's idle time of `name` is all start-up and drain (no gap between
+    actions), how many chunk forwards (F/2 of a 1F1B stage) it lasts, and the README's formula."""
+    rows = idle_parts(run, name)
+    idle = max(r["idle in all (ms)"] for r in rows)
+    gaps = max(r["between actions (ms)"] for r in rows) > 1e-3 * idle
+    chunks = idle / (stage_costs(run)[0] / 2)
+    formula = {r["schedule"]: r for r in bubble_times(run)}[name]["formula (ms)"]
+    verdict = "gaps between actions too" if gaps else "start-up and drain only"
+    whole = round(chunks) if abs(chunks - round(chunks)) < 0.01 else None
+    count = ("one chunk forward" if whole == 1 else f"{whole} chunk forwards" if whole else "no whole number of chunk forwards")
+    return (f"13.startup_{name}_p{run.cfg.world_size}", verdict,
+            f"{name}'s simulated idle, {idle:.3f} ms per rank, is {count}, " + ("partly between actions" if gaps else
+            "all before a rank's first action or after its last") + f"; the README's formula counts {formula} ms",
+            {"idle_ms": idle, "chunk_forwards": chunks, "formula_ms": formula})
 
 
 TOLERANCE = 1e-5
@@ -296,79 +321,51 @@ def same_as_one_process(run: VRun) -> tuple[str, str, str, dict]:
     torch_worst = max((r.torch_loss_difference for r in run.schedules.values()
                        if r.torch_loss_difference is not None), default=None)
     verdict = "same" if worst <= TOLERANCE and (torch_worst is None or torch_worst <= TOLERANCE) else "different"
-    text = (f"every schedule ({', '.join(run.schedules)}) gave one process's per-micro-batch losses and "
-            f"gradients on {run.cfg.world_size} ranks (largest difference {worst:.1e})")
+    text = f"all {len(run.schedules)} schedules gave one process's losses and gradients (largest difference {worst:.1e})"
     if torch_worst is not None:
-        text += f"; torch's own ZB-V and DualPipeV gave ours within {torch_worst:.1e}"
+        text += f", and torch's own ZB-V and DualPipeV matched ours within {torch_worst:.1e}"
     return "13.same_as_one_process", verdict, text, {"largest_difference": worst, "torch": torch_worst}
 
 
 def stash_verdict(run: VRun, a: str = "ZB-H1", b: str = "1F1B") -> tuple[str, str, str, dict]:
     """Whether `a` kept at most what `b` kept, in peak stash bytes on any rank, and in micro-batches."""
     pa, pb = max(run[a].stash_peak_bytes.values()), max(run[b].stash_peak_bytes.values())
-    half = lambda name: 0.5 if isinstance(run[name].schedule, VSchedule) else 1.0  # noqa: E731
-    na, nb = max(run[a].stash_peak.values()) * half(a), max(run[b].stash_peak.values()) * half(b)
+    na, nb = (max(run[n].stash_peak.values()) * stage_share(run[n].schedule) for n in (a, b))
     verdict = "at or below" if pa <= pb else "above"
-    text = (f"{a} kept at most {pa:,} stash bytes on a rank, {pa / pb:.2f}x {b}'s {pb:,} ({verdict} it), "
-            f"while holding {na:g} micro-batches of one 1F1B stage against {b}'s {nb:g}")
-    if verdict == "above" and na <= nb:
-        text += ": as many micro-batches, more bytes each, for what waits between a micro-batch's I and its W"
-    return f"13.stash_{a}_vs_{b}", verdict, text, {a: pa, b: pb}
-
-
-def work_per_rank(run: VRun, name: str) -> float:
-    """Seconds of compute each rank has to do in one step (every rank does the same here: equal
-    layers, and a V rank's two chunks are one 1F1B stage's worth)."""
-    tl = run[name].timeline
-    return max(tl.busy_time(rank) for rank in tl.ranks)
-
-
-def bubble_times(run: VRun) -> list[dict]:
-    """Per schedule, the bubble as time (a step's length minus one rank's work): the DualPipe
-    README's formula with this run's costs, the simulator, and the run, in milliseconds."""
-    c = run["1F1B"].simulated.costs if "1F1B" in run.schedules else next(iter(run.schedules.values())).simulated.costs
-    F, W = c.forward, c.backward_weight
-    B = c.backward_input + c.backward_weight
-    if "ZB-V" in run.schedules and "1F1B" not in run.schedules:  # costs of a half stage: double them
-        F, B, W = 2 * F, 2 * B, 2 * W
-    formulas = dualpipe_formulas(run.cfg.world_size, F, B, W)
-    rows = []
-    for name, r in run.schedules.items():
-        work_ms = 1e3 * work_per_rank(run, name)
-        rows.append({"schedule": name,
-                     "formula (ms)": round(formulas[name]["bubble"], 3) if name in formulas else "-",
-                     "simulated (ms)": round(r.simulated.makespan_ms - work_ms, 3),
-                     "run (ms)": round(1e3 * r.step_time.median - work_ms, 3),
-                     "activations, formula (1F1B stages)": formulas[name]["activations"] if name in formulas else "-",
-                     "activations, run": max(r.stash_peak.values()) * (0.5 if isinstance(r.schedule, VSchedule) else 1)})
-    return rows
+    same = "as many" if na == nb else ("fewer" if na < nb else "more")
+    return (f"13.stash_{a}_vs_{b}", verdict,
+            f"{a} kept {pa / pb:.2f}x {b}'s peak stash bytes on a rank, with {same} micro-batches of a 1F1B stage",
+            {a: pa, b: pb, f"{a} micro-batches": na, f"{b} micro-batches": nb})
 
 
 def bubble_verdict(run: VRun) -> tuple[str, str, str, dict]:
-    """Which schedule left the least idle time on this run, and how the run compares with the
-    simulator playing the same costs (what the runtime adds: waits and messages)."""
+    """The schedules ordered by the idle time the run left (within 5 %: a tie), and how far the run
+    is from the simulator playing the same costs (what the runtime adds: waits and messages)."""
     rows = {r["schedule"]: r for r in bubble_times(run)}
     order = sorted(rows, key=lambda n: rows[n]["run (ms)"])
     ranking = order[0]
-    for before, name in zip(order, order[1:]):  # within 5 %: a tie, not an order
+    for before, name in zip(order, order[1:]):
         ranking += (" = " if rows[name]["run (ms)"] <= 1.05 * rows[before]["run (ms)"] else " < ") + name
     added = max(rows[n]["run (ms)"] - rows[n]["simulated (ms)"] for n in rows)
-    where = f"on an emulated node ({run.cfg.emulate})" if run.cfg.emulate else "on this machine's CPU cores"
-    text = (f"{where}, the bubbles: {ranking} (" + ", ".join(f"{n} {rows[n]['run (ms)']:.2f} ms" for n in order)
-            + f"); the run exceeds the simulator by at most {added:.3f} ms per step (messages and waits the "
-            "simulator leaves out)")
-    return f"13.bubble_order_p{run.cfg.world_size}", ranking, text, {n: rows[n]["run (ms)"] for n in order}
+    where = "modelled" if run.cfg.emulate else "measured"
+    return (f"13.bubble_order_p{run.cfg.world_size}", ranking,
+            f"{where} bubbles in time: {ranking}; the run exceeds the simulator by at most {added:.3f} ms",
+            {n: rows[n]["run (ms)"] for n in order})
 
 
-def run_flops(width: int, layers: int, batch: int, steps: int, larger_layers: int = 0) -> float:
-    """FLOPs of lesson 13's runs at a profile's size, counted on the meta device: `steps` steps of
-    every schedule on the whole batch, one step of torch's ZB-V and DualPipeV, the one-process
-    reference; with `larger_layers`, the same schedules (no torch) on that deeper model."""
-    from pipelab.emulate.cost import step_flops
+def run_flops(params: dict) -> float:
+    """FLOPs of lesson 13 at the notebook parameters `params` (missing names take the defaults),
+    counted on the meta device: `steps` steps of every schedule, torch's ZB-V and DualPipeV once,
+    the reference; with `larger_world_size`, the same schedules (no torch) on `larger_layers`."""
+
+    p = {"width": 64, "layers": 8, "batch": 32, "steps": 3, "larger_world_size": 4, "larger_layers": 16, **params}
+    schedules = len(PLANS)
 
     def model_step(n: int) -> float:
-        model = nn.Sequential(*(m for _ in range(n) for m in (nn.Linear(width, width), nn.Tanh()))).to("meta")
-        return step_flops(model, torch.empty(batch, width, device="meta"))
+        model = nn.Sequential(*(m for _ in range(n) for m in (nn.Linear(p["width"], p["width"]), nn.Tanh())))
+        return cost.step_flops(model.to("meta"), torch.empty(p["batch"], p["width"], device="meta"))
 
-    total = model_step(layers) * (steps * len(SCHEDULES) + len(TORCH_CLASSES) + 1)
-    return total + (model_step(larger_layers) * (steps * len(SCHEDULES) + 1) if larger_layers else 0.0)
+    total = model_step(p["layers"]) * (p["steps"] * schedules + len(TORCH_CLASSES) + 1)
+    if p["larger_world_size"]:
+        total += model_step(p["larger_layers"]) * (p["steps"] * schedules + 1)
+    return total

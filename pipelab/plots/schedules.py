@@ -14,17 +14,18 @@ from pipelab.plots import gantt, median_of
 from pipelab.timeline import Timeline
 
 
-def plot_measured_vs_simulated(measured: Timeline, simulated: SimResult, title: str = ""):
-    """The measured timeline above the simulated one (costs fitted to the measurement, in ms), on
-    one time axis, so the bubbles can be compared by eye."""
+def plot_measured_vs_simulated(measured: Timeline, simulated: SimResult, title: str = "", clock: str = "measured"):
+    """The run's timeline above the simulated one (costs fitted to the run, in ms), on one time
+    axis, so the bubbles can be compared by eye; `clock` says what timed the run ("modelled" on
+    an emulated node)."""
     rows = len(measured.rows()) + len(simulated.timeline.rows())
     fig, (top, bottom) = plt.subplots(2, 1, figsize=(11, 1.0 + 0.45 * rows), sharex=True,
                                       height_ratios=[len(measured.rows()), len(simulated.timeline.rows())])
-    gantt(measured, ax=top, title=f"{title}, the run: {measured.makespan * 1e3:.1f} ms, "
+    gantt(measured, ax=top, title=f"{title}, the run ({clock}): {measured.makespan * 1e3:.1f} ms, "
           f"bubble {measured.bubble_fraction():.2f}")
-    gantt(simulated.timeline, ax=bottom, title=f"{title} simulated with the run's costs, free messages: "
-          f"{simulated.makespan_ms:.1f} ms, bubble {simulated.bubble_fraction:.2f}")
     top.set_xlabel("")
+    gantt(simulated.timeline, ax=bottom, title=f"{title} simulated with the run's costs, free messages: "
+          f"{simulated.makespan_ms:.1f} ms, bubble {simulated.bubble_fraction:.2f}", unit=f"ms, {clock} costs")
     fig.tight_layout()
     return fig
 
@@ -44,13 +45,13 @@ def plot_on_one_axis(timelines: Mapping[str, Timeline], unit: str = "ms"):
 
 
 def plot_bubbles(measured: Mapping, simulated: Mapping, ideal: Mapping[str, float] | None = None, ax=None,
-                 title: str = "Bubble per schedule"):
+                 title: str = "Bubble per schedule", clock: str = "measured"):
     """Per schedule: the measured bubble (median, bar from min to max of the repeats) beside the
     bubble simulated with this run's measured costs and, if given, the ideal one (equal costs).
     Values are `measure.Measured` or plain numbers."""
     if ax is None:
         _, ax = plt.subplots(figsize=(7, 3.2))
-    series = {"measured": measured, "simulated, measured costs": simulated}
+    series = {clock: measured, f"simulated, {clock} costs": simulated}
     if ideal is not None:
         series["ideal (equal costs)"] = ideal
     names = list(measured)
@@ -68,7 +69,8 @@ def plot_bubbles(measured: Mapping, simulated: Mapping, ideal: Mapping[str, floa
     ax.set_ylabel("bubble (idle fraction of compute)")
     ax.set_title(title)
     ax.grid(axis="y", alpha=0.3)
-    ax.legend(fontsize="small", title="bars: median, min-max of repeats", title_fontsize="small",
+    ax.legend(fontsize="small", title="bars: median, min-max of repeats" if clock == "measured" else None,
+              title_fontsize="small",
               loc="upper center", ncol=len(series))
     return ax
 
