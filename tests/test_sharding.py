@@ -246,7 +246,7 @@ def test_zero3_on_an_emulated_node_prefetch_hides_the_all_gathers():
 
 
 def test_emulated_batch_needs_an_emulated_node():
-    with pytest.raises(ValueError, match="emulated_batch=512 sizes the modelled compute"):
+    with pytest.raises(ValueError, match="emulated_batch=512 sizes the modelled work"):
         config(2, emulated_batch=512)
 
 
