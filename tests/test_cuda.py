@@ -11,7 +11,8 @@ import torch
 
 from pipelab import launch
 from pipelab import model_parallel as mp
-from pipelab.experiments.model_parallel import Config, Forward, hazard_report, train_step
+from pipelab.experiments.model_parallel import Config, Forward, train_step
+from pipelab.experiments.split_pipelining import hazard_report
 from pipelab.models import SplitResNet
 from pipelab.reference import reference_run
 from pipelab.streams import CudaDevice, CudaStream, Event, VirtualDevice, timeline
