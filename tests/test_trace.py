@@ -237,9 +237,9 @@ def test_the_gpu_profile_counts_its_flops_on_the_meta_device():
     notebook's `needs.gpu.flops` is the count at its gpu profile's size."""
     import nbformat
 
-    small = splitting.run_flops(ARGS, 4, 8)
-    assert splitting.run_flops(ARGS, 8, 8) == pytest.approx(2 * small, rel=1e-9)
+    model = dict(dim=ARGS.dim, n_layers=ARGS.n_layers, n_heads=ARGS.n_heads, vocab_size=ARGS.vocab_size)
+    small = splitting.run_flops({**model, "batch": 4, "seq_len": 8})
+    assert splitting.run_flops({**model, "batch": 8, "seq_len": 8}) == pytest.approx(2 * small, rel=1e-9)
     meta = nbformat.read("notebooks/09_automatic_splitting.ipynb", 4).metadata["pipelab"]
     gpu = meta["profiles"]["gpu"]
-    args = ModelArgs(dim=gpu["dim"], n_layers=gpu["n_layers"], n_heads=gpu["n_heads"], vocab_size=gpu["vocab_size"])
-    assert meta["needs"]["gpu"]["flops"] == pytest.approx(splitting.run_flops(args, gpu["batch"], gpu["seq_len"]), rel=1e-6)
+    assert meta["needs"]["gpu"]["flops"] == pytest.approx(splitting.run_flops(gpu), rel=1e-6)

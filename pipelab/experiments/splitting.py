@@ -483,8 +483,13 @@ def parse_losses(output: str) -> list[float]:
 # ---------------------------------------------------------------------------------------------
 
 
-def run_flops(args: ModelArgs, batch: int, seq_len: int) -> float:
-    """FLOPs of the lesson's run at its size, counted on the meta device (no memory): the whole
+# The notebook's parameters run_flops reads, with their defaults (the parameters cell's).
+DEFAULTS = dict(dim=32, n_layers=4, n_heads=4, vocab_size=100, batch=8, seq_len=16)
+
+
+def run_flops(params: dict) -> float:
+    """FLOPs of the lesson's run at the notebook parameters `params` (missing names take the
+    defaults), counted on the meta device (no memory): the whole
     batch's forward and backward nine times (the one-process reference and the tied model's; the
     manual split, torch's and the standalone script's GPipe steps; pipelab's tracer under GPipe,
     1F1B, ZB-H1 and, tied, 1F1B) and four forwards more (the one-process micro-batch losses, and
@@ -493,8 +498,10 @@ def run_flops(args: ModelArgs, batch: int, seq_len: int) -> float:
     how the work is cut, not how much of it there is."""
     from pipelab.emulate.cost import count, forward_backward_counts
 
+    p = {**DEFAULTS, **params}
+    args = ModelArgs(dim=p["dim"], n_layers=p["n_layers"], n_heads=p["n_heads"], vocab_size=p["vocab_size"])
     with torch.device("meta"):
         model = Transformer(args)
-    tokens = torch.zeros(batch, seq_len, dtype=torch.long, device="meta")
+    tokens = torch.zeros(p["batch"], p["seq_len"], dtype=torch.long, device="meta")
     forward, grad_input, grad_weight = forward_backward_counts(model, tokens)
     return 9 * (forward.flops + grad_input.flops + grad_weight.flops) + 4 * count(model, tokens).flops
