@@ -29,6 +29,7 @@ from pipelab.emulate import calibrate, comm  # noqa: F401 - calibrate reads "8x:
 from pipelab.emulate.clock import LogicalClock, RealClock
 from pipelab.emulate.model import seconds
 from pipelab.emulate.describe import model_table  # noqa: F401 - what every emulated lesson shows first
+from pipelab.emulate.emulated import Emulated, node_name, size_of  # noqa: F401 - what `emulate=` can say
 
 if TYPE_CHECKING:
     from pipelab.worker import RankContext
@@ -77,9 +78,10 @@ class Emulator:
 
 
 def node_of(emulate, world_size: int | None = None) -> Any:
-    """The `specs.Node` an `emulate=` argument names ("4xH100-nvlink" or a Node; None for None), a
-    name parsed once: a ValueError listing the known devices and links for a bad name, or naming a
-    node that fits when it has fewer devices than `world_size` ranks."""
+    """The `specs.Node` an `emulate=` argument names ("4xH100-nvlink", a Node or an `Emulated`; None
+    for None), a name parsed once: a ValueError listing the known devices and links for a bad name,
+    or naming a node that fits when it has fewer devices than `world_size` ranks."""
+    emulate = node_name(emulate)
     if emulate is None:
         return None
     node = _named(emulate) if isinstance(emulate, str) else _named.__wrapped__(emulate)

@@ -15,10 +15,10 @@ One file per lesson family. The algorithms these run live below (`pipelab.ddp`,
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Callable, Sequence, TypeVar
+from typing import Any, Callable, ClassVar, Mapping, Sequence, TypeVar
 
 from pipelab.checks import positive_number, ranks_fit
-from pipelab.emulate import node_of
+from pipelab.emulate import Emulated, node_name, node_of, size_of
 
 R = TypeVar("R")
 
@@ -33,12 +33,26 @@ class Config:
     world_size: int = 2
     backend: str = "auto"
     timeout: float = 120.0
-    emulate: str | None = None  # e.g. "4xH100-nvlink": run on an emulated node (`pipelab.emulate`)
+    # e.g. "4xH100-nvlink", or Emulated("4xH100-nvlink", width=8192): run on an emulated node, timing
+    # the lesson's model at its emulated size (`SIZE`'s names and defaults; `pipelab.emulate.emulated`)
+    emulate: str | Emulated | None = None
+    SIZE: ClassVar[Mapping[str, Any]] = {}
 
     @property
     def node(self):
         """The node this Config runs on (a `specs.Node`, parsed once); None on the machine's own."""
         return node_of(self.emulate)
+
+    @property
+    def node_name(self) -> str | None:
+        """The emulated node's name as given (e.g. "4xH100-nvlink"); None on the machine's own."""
+        name = node_name(self.emulate)
+        return None if name is None else str(name)
+
+    @property
+    def size(self):
+        """The size an emulated node times this lesson's model at: `SIZE`, overridden by `emulate`'s."""
+        return size_of(self.SIZE, self.emulate)
 
     def __post_init__(self) -> None:
         self.check()
@@ -53,6 +67,7 @@ class Config:
             raise ValueError(f"backend must be one of {BACKENDS}, got {self.backend!r}")
         positive_number("timeout", self.timeout, example="timeout=120", unit="seconds")
         node_of(self.emulate, self.world_size)  # a bad name lists the known devices and links
+        size_of(self.SIZE, self.emulate)  # a size the lesson does not have is named
 
 
 def run(worker: Callable[..., Any], cfg: Config, gather: Callable[[Any, Sequence[Any]], R] | None = None) -> R:
