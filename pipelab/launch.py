@@ -39,6 +39,9 @@ from pipelab.rank_failures import WorkerError, failed, failure_error
 from pipelab.worker import RankContext, hello, init_worker  # noqa: F401 - importable from here
 from pipelab.worker import ON_FINISH, ON_START, load_pickle, rank_path, run_spawned, run_under_torchrun
 
+# A rank's process: a fresh Python process, or one forked by the worker server.
+RankProcess = subprocess.Popen | worker_server.ForkedRank
+
 # Every rank started here installs what its environment asks for (an emulated node, NCCL's rule).
 if install_from_environment not in ON_START:  # once, whether imported or run as __main__
     ON_START.append(install_from_environment)
@@ -96,7 +99,7 @@ def _run_once(payload: bytes, world_size: int, backend: str, timeout: float, ctr
     """Start the ranks on a fresh port, wait for them, collect their results. Whatever happens,
     every rank's process group ends and the temp dir goes before this returns or raises."""
     workdir = tempfile.mkdtemp(prefix="pipelab-spawn-")
-    procs: list[subprocess.Popen] = []
+    procs: list[RankProcess] = []
     pumps: list[_Pump] = []
     try:
         _write_payload(payload, workdir, world_size)
@@ -190,7 +193,7 @@ def _free_port() -> int:
 
 
 def _start_worker(rank: int, world_size: int, backend: str, port: int, timeout: float,
-                  workdir: str, extra_env: dict[str, str] | None = None) -> subprocess.Popen:
+                  workdir: str, extra_env: dict[str, str] | None = None) -> RankProcess:
     # A caller's PIPELAB_NCCL_RULE=1 puts every spawn under NCCL's rule (e.g. a whole test run);
     # a node to emulate comes only from the call, checked there.
     env = {k: v for k, v in os.environ.items() if k != "PIPELAB_EMULATE"}
@@ -227,7 +230,7 @@ class _Pump:
     not when the pipe closes: a helper process that left the rank's process group (setsid) may hold
     the pipe open for ever, and must neither delay spawn's return nor print into the caller later."""
 
-    def __init__(self, proc: subprocess.Popen, rank: int):
+    def __init__(self, proc: RankProcess, rank: int):
         self.proc, self.rank = proc, rank
         self.stop = threading.Event()
         self.partial = b""
@@ -264,11 +267,11 @@ class _Pump:
                 sys.stdout.flush()
 
 
-def _pump_output(proc: subprocess.Popen, rank: int) -> _Pump:
+def _pump_output(proc: RankProcess, rank: int) -> _Pump:
     return _Pump(proc, rank)
 
 
-def _wait_for_workers(procs: list[subprocess.Popen], workdir: str, timeout: float, ctrl_c) -> None:
+def _wait_for_workers(procs: list[RankProcess], workdir: str, timeout: float, ctrl_c) -> None:
     """Block until every rank exits cleanly; raise one WorkerError on a failure or a timeout."""
     deadline = time.monotonic() + timeout
     while True:
@@ -292,14 +295,14 @@ def _wait_for_workers(procs: list[subprocess.Popen], workdir: str, timeout: floa
         ctrl_c.check()
 
 
-def _wait_for_all_exits(procs: list[subprocess.Popen], seconds: float, ctrl_c) -> None:
+def _wait_for_all_exits(procs: list[RankProcess], seconds: float, ctrl_c) -> None:
     end = time.monotonic() + seconds
     while time.monotonic() < end and any(_exit_code(p) is None for p in procs):
         time.sleep(_POLL_SECONDS)
         ctrl_c.check()
 
 
-def _exit_code(proc: subprocess.Popen) -> int | None:
+def _exit_code(proc: RankProcess) -> int | None:
     """The rank's exit code (negative: the signal that killed it), or None while it runs. Where the
     OS allows, the exited rank is not reaped yet: its pid, which names its process group, stays
     ours until `_end_all` has ended the group, so that can never hit a stranger's processes."""
@@ -314,7 +317,7 @@ def _exit_code(proc: subprocess.Popen) -> int | None:
     return info.si_status if info.si_code == os.CLD_EXITED else -info.si_status
 
 
-def _end_all(procs: list[subprocess.Popen], pumps: list[_Pump]) -> None:
+def _end_all(procs: list[RankProcess], pumps: list[_Pump]) -> None:
     """End every rank's whole process group (the rank and any helper process it started), reap the
     ranks, then let the output threads finish: their pipes close once those processes are gone."""
     for p in procs:
@@ -323,15 +326,20 @@ def _end_all(procs: list[subprocess.Popen], pumps: list[_Pump]) -> None:
         except (ProcessLookupError, PermissionError):
             pass  # the group is empty already
     for p in procs:
-        try:
-            p.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            p.kill()
+        _reap(p)
     for pump in pumps:  # the ranks are gone: print what they left in the pipes, then stop
         pump.stop.set()
     deadline = time.monotonic() + 5
     for pump in pumps:
         pump.thread.join(timeout=max(0.0, deadline - time.monotonic()))
+
+
+def _reap(proc: RankProcess) -> None:
+    """Wait for a rank whose group was killed (a fresh `Popen` or a `worker_server.ForkedRank`)."""
+    try:
+        proc.wait(timeout=10)
+    except subprocess.TimeoutExpired:
+        proc.kill()
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -149,31 +149,27 @@ def main(fd: int) -> None:
 # ---------------------------------------------------------------------------------------------
 
 
-class ForkedRank(subprocess.Popen):
-    """A rank the server forked, seen through Popen's interface (`pid`, `stdout`, `poll`, `wait`,
-    `kill`), so that spawn treats it as any rank it started."""
+class ForkedRank:
+    """A rank the server forked, with the part of Popen's interface spawn uses (`pid`, `stdout`,
+    `returncode`, `poll`, `wait`, `kill`, `send_signal`), so spawn treats it as any rank it started.
+    The rank is the server's child, not ours: the server reports and reaps it."""
 
-    def __init__(self, server: "Server", pid: int, stdout):  # noqa: D107 - no Popen.__init__: nothing to exec
+    def __init__(self, server: "Server", pid: int, stdout):
         self.server, self.pid, self.stdout = server, pid, stdout
-        self.args, self.stdin, self.stderr, self.returncode = ["pipelab rank", pid], None, None, None
-        self._child_created = False  # Popen's own clean-up has nothing to reap
-        self._waitpid_lock = threading.Lock()
-        self._sigint_wait_secs = 0.25
-        self.universal_newlines = self.text_mode = False
-        self._input = None
-        self._communication_started = False
+        self.args, self.returncode = ["pipelab rank", pid], None
 
-    def _internal_poll(self, _deadstate=None, _waitpid=None, _WNOHANG=None, _ECHILD=None):
-        # How it exited, without reaping it: its pid names its process group until the caller
-        # has ended the group (`wait` reaps, as Popen's does).
+    def poll(self) -> int | None:
+        """How it exited (None while it runs), without reaping it: its pid names its process group
+        until the caller has ended the group (`wait` reaps, as Popen's does)."""
         if self.returncode is None:
             return self.server.request({"do": "status", "pid": self.pid})["code"]
         return self.returncode
 
-    def _wait(self, timeout):
+    def wait(self, timeout: float | None = None) -> int:
+        """Wait for it to exit, then have the server reap it; `subprocess.TimeoutExpired` as Popen's."""
         deadline = None if timeout is None else time.monotonic() + timeout
         while self.returncode is None:
-            code = self._internal_poll()
+            code = self.poll()
             if code is not None:
                 self.server.request({"do": "reap", "pid": self.pid})
                 self.returncode = code
@@ -183,12 +179,15 @@ class ForkedRank(subprocess.Popen):
                 time.sleep(0.005)
         return self.returncode
 
-    def send_signal(self, sig):
+    def send_signal(self, sig: int) -> None:
         if self.returncode is None:
             try:
                 os.kill(self.pid, sig)
             except ProcessLookupError:
                 pass
+
+    def kill(self) -> None:
+        self.send_signal(signal.SIGKILL)
 
 
 class Server:

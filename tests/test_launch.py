@@ -268,17 +268,19 @@ def ctrl_c_the_caller(ctx):
 
 def test_a_second_ctrl_c_during_the_cleanup_leaves_nothing_behind(monkeypatch, tmp_path, ctrl_c_raises):
     """The first Ctrl-C stops the call; a second one lands while it ends the ranks."""
+    from pipelab import launch
+
     monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
-    real_wait = subprocess.Popen.wait
+    real_reap = launch._reap
     pressed = []
 
-    def wait_after_ctrl_c(self, *args, **kwargs):
+    def reap_after_ctrl_c(proc):
         if not pressed:
             pressed.append(True)
             os.kill(os.getpid(), signal.SIGINT)
-        return real_wait(self, *args, **kwargs)
+        return real_reap(proc)
 
-    monkeypatch.setattr(subprocess.Popen, "wait", wait_after_ctrl_c)
+    monkeypatch.setattr(launch, "_reap", reap_after_ctrl_c)
     with pytest.raises(KeyboardInterrupt):
         spawn(ctrl_c_the_caller, 1)
     assert pressed
