@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import resource
+import tempfile
 
 import cloudpickle
 import pytest
@@ -183,3 +184,29 @@ def test_a_builder_failing_on_a_rank_names_the_rank():
     with pytest.raises(WorkerError, match=r"rank 1") as err:
         pipeline.run(cfg)
     assert "build_stage(1) returned str 'stage one' (on rank 1), not an nn.Module" in str(err.value)
+
+
+def test_stage_files_left_by_a_killed_caller_go_at_the_next_save(tmp_path, monkeypatch):
+    """A caller killed by a signal cannot remove its stage folder; the next save removes folders
+    whose saving process is gone, and leaves a living process's folder alone."""
+    import subprocess
+    import sys
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    killed = subprocess.run([sys.executable, "-c", "import os, tempfile\n"
+                             f"tempfile.tempdir = {str(tmp_path)!r}\n"
+                             "from torch import nn\n"
+                             "from pipelab.pipeline.stage_source import StageFiles\n"
+                             "files = StageFiles.save([nn.Linear(2, 2)])\n"
+                             "print(files.folder, flush=True)\n"
+                             "os.kill(os.getpid(), 9)"], capture_output=True, text=True, timeout=120)
+    orphan = killed.stdout.strip()
+    assert killed.returncode == -9 and os.path.isdir(orphan)
+    mine = StageFiles.save([nn.Linear(2, 2)])
+    try:
+        assert not os.path.exists(orphan) and os.path.isdir(mine.folder)
+        other = StageFiles.save([nn.Linear(2, 2)])  # this process lives: its folders stay
+        assert os.path.isdir(mine.folder) and os.path.isdir(other.folder)
+        other.remove()
+    finally:
+        mine.remove()

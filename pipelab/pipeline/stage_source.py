@@ -100,7 +100,8 @@ class StageFiles(Sequence):
     @classmethod
     def save(cls, stages: Sequence[nn.Module]) -> "StageFiles":
         """Write each stage to its own file in a new temporary folder, removed by `remove()`."""
-        files = cls(tempfile.mkdtemp(prefix="pipelab-stages-"), len(stages))
+        _remove_orphans()
+        files = cls(tempfile.mkdtemp(prefix=f"{_PREFIX}{os.getpid()}-"), len(stages))
         files._remove = weakref.finalize(files, shutil.rmtree, files.folder, True)  # only the saving process's copy
         for s, stage in enumerate(stages):
             # torch.save writes each tensor's storage as its own record, so loading one reads it
@@ -172,3 +173,25 @@ def stage_for_rank(stages: Sequence[nn.Module], s: int, rank: int, device: torch
         module = copy.deepcopy(stages[s])
     # A stage still on meta gets its weights here, named by its place in nn.Sequential(*stages).
     return materialize(module, device, name=str(s))
+
+
+_PREFIX = "pipelab-stages-"  # then the saving process's pid
+
+
+def _remove_orphans() -> None:
+    """Delete stage folders whose saving process is gone: one killed by a signal could not."""
+    root = tempfile.gettempdir()
+    for name in os.listdir(root):
+        pid = name[len(_PREFIX):].split("-", 1)[0] if name.startswith(_PREFIX) else ""
+        if pid.isdigit() and not _alive(int(pid)):
+            shutil.rmtree(os.path.join(root, name), ignore_errors=True)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process
+        return True
+    return True
