@@ -4,12 +4,14 @@ A *watchdog* thread on each rank publishes what the rank waits on in the rendezv
 every rank that has not finished has waited `watchdog_seconds` without any progress, each raises a
 `DeadlockError` naming every stuck rank and the operation it waits on. spawn reports it as a
 `WorkerError`. (A single transfer that really takes longer than that would be misread as a
-deadlock; the lessons' messages take milliseconds.)
+deadlock; the lessons' messages take milliseconds.) On a machine busier than its cores the wait is
+stretched by its load (at most `MAX_STRETCH` times): a rank starved of CPU is slow, not stuck.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import threading
 import time
 
@@ -17,6 +19,17 @@ from pipelab.emulate.queues import Op
 
 WATCHDOG_SECONDS = 5.0  # without progress on any rank for this long, the ranks are deadlocked
 _TICK = 0.2  # how often the watchdog publishes this rank's state and looks at the others'
+_FOUND = "deadlock"  # the store key of the first report, which every rank then raises
+MAX_STRETCH = 6.0  # the most a busy machine stretches the wait
+
+
+def patience(seconds: float) -> float:
+    """`seconds` stretched by how much busier than its cores the machine is (1-minute load average)."""
+    try:
+        load, cores = os.getloadavg()[0], len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):  # no load average or affinity here (Windows, macOS)
+        return seconds
+    return seconds * min(MAX_STRETCH, max(1.0, load / max(1, cores)))
 
 
 class DeadlockError(RuntimeError):
@@ -82,10 +95,10 @@ class Watchdog:
 
     def stuck(self, states: list[dict]) -> bool:
         """Every rank finished or waiting, at least one waiting, none progressed for `seconds`."""
-        now = time.monotonic()
+        now, wait = time.monotonic(), patience(self.seconds)
         waiting = [s for s in states if s["state"] == "waiting"]
         return (bool(waiting) and all(s["state"] in ("waiting", "finished") for s in states)
-                and all(now - s["since"] > self.seconds for s in waiting))
+                and all(now - s["since"] > wait for s in waiting))
 
     def watch(self) -> None:
         while self.rule.deadlock is None:
@@ -94,19 +107,24 @@ class Watchdog:
                 self.publish()
                 if self.waiting_on is None or time.monotonic() - self.state().get("since", 0) <= self.seconds:
                     continue
+                if self.store.check([_FOUND]):  # another rank found it first: every rank says the same
+                    self.rule.deadlock = DeadlockError(self.store.get(_FOUND).decode())
+                    continue
                 first = self.everyone()
                 if not self.stuck(first):
                     continue
                 time.sleep(2 * _TICK)  # confirm: a rank that just moved on has published it by now
                 if self.everyone() == first and self.waiting_on is not None:
-                    self.rule.deadlock = DeadlockError(self.report(first))
+                    report = self.report(first)
+                    self.store.set(_FOUND, report)
+                    self.rule.deadlock = DeadlockError(report)
             except Exception:  # noqa: BLE001 - the store is gone: the run is ending
                 return
 
     def report(self, states: list[dict]) -> str:
         lines = [s["what"] if s["state"] == "waiting" else f"rank {r} has finished its function"
                  for r, s in enumerate(states)]
-        return (f"deadlock under NCCL's ordering rule: no rank made progress for {self.seconds:g} s.\n  "
+        return (f"deadlock under NCCL's ordering rule: no rank made progress for {patience(self.seconds):.3g} s.\n  "
                 + ";\n  ".join(lines) + ".\nOn GPUs this program hangs: NCCL runs the operations between two "
                 "ranks one after another in the order each rank issued them, and a send waits until its "
                 "receiver has reached the matching receive. Issue each step's matched sends and receives "
