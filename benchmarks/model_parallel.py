@@ -23,7 +23,7 @@ import argparse
 import json
 
 from pipelab import hardware
-from pipelab.emulate import anchors
+from pipelab.emulate import Emulated, anchors
 from pipelab.experiments.model_parallel import TUTORIAL_SPLITS, Config, Forward, ResNet50Pace, speedup, time_forwards
 from pipelab.measure import Measured
 from pipelab.streams import devices
@@ -36,7 +36,7 @@ def _figure(name: str, m: Measured, digits: int = 3) -> dict:
 
 def main(channels: int = 64, blocks: tuple[int, int] = (2, 2), batch: int = 64, size: int = 16,
          repeats: int = 5, expansion: int = 1, emulate: str | None = None, cut: str = "layer2") -> dict:
-    pace = ResNet50Pace.on(emulate, batch, cut)  # None: real time on what the machine has
+    pace = ResNet50Pace.on(Emulated(emulate, cut=cut) if emulate else None, batch)  # None: real time here
     devs = devices(2, pace=pace)
     cfg = Config.resnet(devs, channels=channels, blocks=tuple(blocks), batch=batch, size=size, expansion=expansion,
                         repeats=repeats)

@@ -8,6 +8,7 @@ import torch.distributed as dist
 from pipelab import experiments
 from pipelab.collectives import (AllReduceTime, MessageTime, all_reduce_sweep, fit_latency_bandwidth, ping_pong,
                                  ring_all_reduce, ring_all_reduce_time, ring_schedule, small_message_latency)
+from pipelab.emulate import Emulated
 from pipelab.experiments import collectives as lesson
 from pipelab.launch import spawn
 from pipelab.measure import Measured
@@ -215,7 +216,7 @@ def test_waiting_verdict_reads_the_sign_of_the_step_by_step_differences():
 # ---------------------------------------------------------------------------------------------
 
 EMULATED = dict(sizes_bytes=[8, 2048, 2**20, 2**21], rounds=1, trips=1, allreduce_sizes=[8, 2**20], allreduce_rounds=1,
-                matrix_size=16, steps=2, emulate="2xH100-nvlink", emulated_matrix=1024)
+                matrix_size=16, steps=2, emulate=Emulated("2xH100-nvlink", matrix=1024))
 
 
 def test_emulated_ping_pong_and_ring_follow_the_calibrated_link_model():
@@ -256,8 +257,10 @@ def test_emulated_step_lasts_the_counted_matmuls_and_the_light_rank_waits():
 
 
 def test_emulated_matrix_needs_an_emulated_node():
-    with pytest.raises(ValueError, match=r"emulated_matrix=4096 sizes the modelled work of an emulated node"):
-        lesson.Config(emulated_matrix=4096)
+    with pytest.raises(ValueError, match=r"gives a size but no node to time it"):
+        lesson.Config(emulate=Emulated(None, matrix=4096))
+    with pytest.raises(ValueError, match=r"matrix must be a whole number >= 1, got 0.5"):
+        lesson.Config(emulate=Emulated("2xH100-nvlink", matrix=0.5))
 
 
 def test_two_levels_finds_a_bimodal_latency_and_nothing_in_one_level():

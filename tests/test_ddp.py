@@ -10,6 +10,7 @@ import torch.distributed as dist
 from torch import nn
 
 from pipelab import experiments
+from pipelab.emulate import Emulated
 from pipelab.ddp import MIB, Bucket, BucketedDDP, NaiveDDP, module_bucket_plan, plan_buckets
 from pipelab.display import format_bucket_plan
 from pipelab.experiments import bucket_sweep as sweep
@@ -434,7 +435,7 @@ def emulated_config(**kwargs) -> ddp.Config:
     model = mlp([16, 16, 16, 16])  # 3 Linear layers
     x, y = batch(8, 16, 16)
     settings = dict(model=model, x=x, y=y, world_size=2, bucket_cap_mb=16 * 17 * 4 / MIB, steps=3,
-                    variants=("naive", "bucketed"), emulate="2xH100-ib-ndr", emulated_width=256, emulated_batch=512)
+                    variants=("naive", "bucketed"), emulate=Emulated("2xH100-ib-ndr", width=256, batch=512))
     return ddp.Config(**{**settings, **kwargs})
 
 
@@ -474,7 +475,7 @@ def test_emulated_ddp_matches_one_process_and_its_naive_overlap_is_exactly_zero(
     assert b[0] == pytest.approx(b[1]) and b[2] < b[0]  # the first layer computes its weights' gradient only
     from pipelab.emulate.specs import parse_node
 
-    link = parse_node(cfg.emulate).link
+    link = parse_node(cfg.node_name).link
     predicted = ddp.bucket_predictions(bucketed, 2, link.latency_s, link.bandwidth_Bps, cfg.bytes_scale)
     key, verdict, text, _ = ddp.bucket_model_verdict(bucketed, predicted, link.latency_s, link.bandwidth_Bps)
     assert verdict in ("fits", "mixed") and "more than 5 %" not in text
@@ -487,10 +488,12 @@ def test_torch_ddp_is_refused_on_an_emulated_node_with_where_to_run_it():
     with pytest.raises(ValueError, match="with_torch=False"):
         sweep.Config(**{k: v for k, v in vars(emulated_config()).items() if k not in ("variants", "bucket_cap_mb",
                         "find_unused_parameters", "layer_costs")}, caps_mb=[1])
-    with pytest.raises(ValueError, match=r"emulated_width=100 must be a whole multiple of the model's width 16"):
-        emulated_config(emulated_width=100)
-    with pytest.raises(ValueError, match=r"emulated_batch=512 sizes the modelled work of an emulated node"):
-        emulated_config(emulate=None, emulated_width=None, variants=VARIANTS)
+    with pytest.raises(ValueError, match=r"width=100 must be a whole multiple of the model's width 16"):
+        emulated_config(emulate=Emulated("2xH100-ib-ndr", width=100))
+    with pytest.raises(ValueError, match=r"gives a size but no node to time it"):
+        emulated_config(emulate=Emulated(None, batch=512), variants=VARIANTS)
+    with pytest.raises(ValueError, match=r"batch=511 does not divide evenly by world_size=2"):
+        emulated_config(emulate=Emulated("2xH100-ib-ndr", batch=511))
 
 
 def test_registration_verdict_splits_the_overlap_into_backward_and_copies():

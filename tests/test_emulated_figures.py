@@ -19,6 +19,7 @@ import torch
 from torch import nn
 
 from pipelab import experiments
+from pipelab.emulate import Emulated
 from pipelab.measure import Measured
 from pipelab.timeline import Timeline
 
@@ -78,7 +79,7 @@ def test_lesson_00_ping_pong_all_reduce_and_step():
     from pipelab.experiments import collectives as lesson
 
     cfg = lesson.Config(sizes_bytes=[8, 2048, 2**20], rounds=1, trips=1, allreduce_sizes=[8, 2**20],
-                        allreduce_rounds=1, matrix_size=16, steps=2, emulate="2xH100-nvlink", emulated_matrix=1024)
+                        allreduce_rounds=1, matrix_size=16, steps=2, emulate=Emulated("2xH100-nvlink", matrix=1024))
     pp = experiments.run(lesson.ping_pong_worker, cfg, lesson.gather_ping_pong)
     sweep = lesson.all_reduce_run(cfg, pp)
     step = experiments.run(lesson.step_worker, cfg, lesson.gather_timeline)
@@ -91,7 +92,7 @@ def test_lesson_01_ddp_buckets_and_sweep():
     from pipelab.experiments import bucket_sweep, ddp
 
     model, x, y = mlp_problem(16, 8, layers=3)
-    size = dict(emulate="2xH100-ib-ndr", emulated_width=256, emulated_batch=512)
+    size = dict(emulate=Emulated("2xH100-ib-ndr", width=256, batch=512))
     cfg = ddp.Config(model=model, x=x, y=y, world_size=2, bucket_cap_mb=16 * 17 * 4 / 2**20, steps=3,
                      variants=("naive", "bucketed"), **size)
     runs = experiments.run(ddp.worker, cfg, ddp.gather)
@@ -209,7 +210,7 @@ def test_lesson_11_zero3_prefetch():
     model = models.mlp([6, 5, 3])
     torch.manual_seed(1)
     cfg = sharding.Config(model=model, x=torch.randn(8, 6), y=torch.randn(8, 3), world_size=4, lr=1e-2, steps=3,
-                          variants=("zero3", "zero3_no_prefetch"), emulate="4xH100-nvlink4", emulated_batch=512)
+                          variants=("zero3", "zero3_no_prefetch"), emulate=Emulated("4xH100-nvlink4", batch=512))
     run = experiments.run(sharding.worker, cfg, sharding.gather)
     check("11", {**{f"{v} makespan": fig(run[v].makespan) for v in ("zero3", "zero3_no_prefetch")},
                  **{f"{v} exposed": fig(run[v].exposed_comm) for v in ("zero3", "zero3_no_prefetch")}})

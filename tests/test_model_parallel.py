@@ -574,3 +574,19 @@ def test_two_gpus_copy_on_the_destinations_stream_from_pinned_memory():
         torch.manual_seed(0)
         cfg = Config.resnet(ds, channels=4, blocks=1, batch=12, size=8)
         check_against_one_device(cfg, Forward("dual_stream", 5))
+
+
+@pytest.mark.parametrize("modelled", [True, False])
+def test_forward_time_curves_star_each_best_split_and_draw_ranges_only_when_measured(modelled):
+    import matplotlib.pyplot as plt
+
+    from pipelab.plots.model_parallel import forward_time_curves
+
+    run = _sweep_run([1.0, 1.0], {"pipelined": {4: [0.9, 0.8], 8: [0.7, 0.7]}, "dual_stream": {4: [0.6, 0.6], 8: [0.65, 0.7]}})
+    ax = forward_time_curves(run, modelled=modelled)
+    labels = [t.get_text() for t in ax.get_legend().get_texts()]
+    stars = [label for label in labels if label.startswith("best")]
+    assert "best, lesson 03: split 8 (700.0 ms" in stars[0] and "best, copy stream: split 4 (600.0 ms" in stars[1]
+    assert all(("modelled" in label) == modelled for label in stars)
+    assert any("min-max" in label for label in labels) != modelled  # a modelled time cannot vary: no range
+    plt.close("all")

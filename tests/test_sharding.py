@@ -11,6 +11,7 @@ import torch
 from torch import nn
 
 from pipelab import experiments, models
+from pipelab.emulate import Emulated
 from pipelab.experiments import sharding
 from pipelab.sharding import FlatLayout, Held, formula, ring_bytes, storage_bytes
 from pipelab.sharding.flat import layers_of
@@ -212,16 +213,20 @@ def test_other_bad_input(kw, message):
         config(kw.pop("world_size", 2), **kw)
 
 
-def test_race_alternates_ours_and_fully_shard():
-    torch.manual_seed(1)
-    cfg = sharding.RaceConfig(model=odd_model(), x=torch.randn(8, 6), y=torch.randn(8, 3), steps=2, rounds=2)
-    race = experiments.run(sharding.race_worker, cfg, sharding.race_gather)
-    assert race.variants == ("zero3", "fully_shard")
-    assert len(race.ratio.values) == 2 and all(len(race.step_time[v].values) == 4 for v in race.variants)
-    ideal = formula("zero3", cfg.psi, 2).total
-    assert all(ideal <= race.peak[v] < 3 * ideal for v in race.variants)  # shards, plus whole layers in flight
-    with pytest.raises(ValueError, match="a race needs two variants"):
-        sharding.RaceConfig(model=odd_model(), x=torch.randn(8, 6), y=torch.randn(8, 3), variants=("zero3",))
+def test_benchmark_races_ours_and_fully_shard_in_turn():
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = Path(__file__).parent.parent / "benchmarks" / "sharding.py"
+    out = subprocess.run([sys.executable, str(script), "--width", "6", "--layers", "2", "--batch", "8", "--steps", "2",
+                          "--rounds", "2"], capture_output=True, text=True, check=True).stdout
+    last = json.loads(out.strip().splitlines()[-1])
+    assert (last["ours"], last["theirs"], last["rounds"]) == ("zero3", "fully_shard", 2)
+    assert last["ratio_low"] <= last["ratio"] <= last["ratio_high"] and last["max_weight_difference"] < 1e-5
+    ideal = last["formula_bytes"]  # shards, plus whole layers in flight
+    assert all(ideal <= last[f"peak_bytes_{side}"] < 3 * ideal for side in ("ours", "theirs"))
 
 
 def _emulation_available() -> bool:
@@ -234,7 +239,7 @@ def _emulation_available() -> bool:
 
 @pytest.mark.skipif(not _emulation_available(), reason="this checkout's spawn has no emulated nodes")
 def test_zero3_on_an_emulated_node_prefetch_hides_the_all_gathers():
-    cfg = config(4, variants=("zero3", "zero3_no_prefetch"), emulate="4xH100-nvlink4", emulated_batch=512)
+    cfg = config(4, variants=("zero3", "zero3_no_prefetch"), emulate=Emulated("4xH100-nvlink4", batch=512))
     run = experiments.run(sharding.worker, cfg, sharding.gather)
     sharding.assert_same(run, sharding.reference(cfg))  # modelled time, real math
     on, off = run["zero3"], run["zero3_no_prefetch"]
@@ -246,8 +251,8 @@ def test_zero3_on_an_emulated_node_prefetch_hides_the_all_gathers():
 
 
 def test_emulated_batch_needs_an_emulated_node():
-    with pytest.raises(ValueError, match="emulated_batch=512 sizes the modelled work"):
-        config(2, emulated_batch=512)
+    with pytest.raises(ValueError, match="gives a size but no node to time it"):
+        config(2, emulate=Emulated(None, batch=512))
 
 
 # ---------------------------------------------------------------------------------------------

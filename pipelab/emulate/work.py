@@ -75,3 +75,10 @@ def layer_costs(model: nn.Module, x: torch.Tensor, scale: int, rows: int) -> Lay
     params = sum(p.numel() for p in model.parameters()) * x.element_size() * bytes_scale
     optimizer = Counts(2.0 * params / x.element_size(), 3.0 * params, len(list(model.parameters())))
     return LayerCosts(forward, backward, optimizer, bytes_scale)
+
+
+def call_table(fn, *args) -> CostTable:
+    """A table whose forward ("F") lasts what `fn(*args)` costs, counted on the meta device."""
+    from pipelab.emulate.cost import count
+
+    return CostTable({("F",): count(fn, *args)})

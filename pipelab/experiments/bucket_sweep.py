@@ -18,8 +18,7 @@ import torch
 
 from pipelab.checks import whole_number
 from pipelab.ddp import check_bucket_cap
-from pipelab.experiments.ddp import (OWN_CORES, TORCH_OWN_CORES, Training, Verdict, modelled, overlaps, shard, train_step,
-                                     wrap)
+from pipelab.experiments.ddp import TORCH_OWN_CORES, Training, Verdict, modelled, overlaps, shard, train_step, wrap
 from pipelab.measure import Measured, RankSteps, alternate, compare, compare_medians, gather_steps, ratios, time_steps
 from pipelab.timeline import Timeline
 from pipelab.worker import RankContext
@@ -49,10 +48,9 @@ class Config(Training):
 
 
 def torch_on_own_cores(cfg: Config, cap_mb: float, rounds: int | None = None, steps: int | None = None) -> Config:
-    """Ours and torch's DDP at one bucket size on this machine's own cores, in turn round after
-    round (`rounds` rounds of `steps` steps, by default `cfg`'s)."""
-    return replace(cfg, caps_mb=[cap_mb], with_torch=True, **OWN_CORES, rounds=cfg.rounds if rounds is None else rounds,
-                   steps=cfg.steps if steps is None else steps)
+    """Ours and torch's DDP at one bucket size on this machine's own cores, in turn round after round."""
+    return replace(cfg, caps_mb=[cap_mb], with_torch=True, emulate=None, rounds=rounds or cfg.rounds,
+                   steps=steps or cfg.steps)
 
 
 @dataclass
@@ -65,14 +63,13 @@ class SweepResult:
 
 
 def worker(ctx: RankContext, cfg: Config) -> SweepResult:
-    """For each bucket size, our BucketedDDP and torch's DDP on the same replica weights,
-    `cfg.steps` timed steps each, in turn (`measure.alternate`) for `cfg.rounds` rounds, so that a
-    busy machine slows both alike. Each wrapper's first step warms up (torch's DDP also rebuilds its
-    buckets after it) and is not kept."""
+    """Each bucket size's BucketedDDP (and torch's DDP) on the same weights, `cfg.steps` timed steps
+    each, in turn for `cfg.rounds` rounds (`measure.alternate`): a busy machine slows all alike.
+    Each wrapper's first step warms up (torch's DDP rebuilds its buckets after it), not kept."""
     xs = shard(cfg.x, ctx.rank, ctx.world_size).to(ctx.device)
     ys = shard(cfg.y, ctx.rank, ctx.world_size).to(ctx.device)
     kinds = ["bucketed", "torch"] if cfg.with_torch else ["bucketed"]
-    with modelled(ctx, cfg):  # on a modelled node: each layer's work at the Config's size
+    with modelled(ctx, cfg):
         wrappers = {}
         for cap in cfg.caps_mb:
             for kind in kinds:
@@ -109,7 +106,7 @@ class SweepPoint:
     timeline: Timeline = field(repr=False)  # ours, a typical step
     torch_step_time: Measured | None = None  # seconds, torch's DDP with the same bucket_cap_mb
     ratio: Measured | None = None  # ours / torch, round by round (each round runs both in turn)
-    node: object = None  # the modelled node it ran on (a specs.Node), or None: this machine
+    node: object = None  # the node that timed it, or None: this machine
 
 
 def gather(cfg: Config, results: Sequence[SweepResult]) -> list[SweepPoint]:
@@ -132,16 +129,12 @@ def _slowest_per_round(results: Sequence[SweepResult], key) -> list[float]:
     return [max(rounds) for rounds in zip(*(r.rounds[key] for r in results))]
 
 
-# ---------------------------------------------------------------------------------------------
-# What the sweep says: each returns (key, verdict, text, figures) for `pipelab.conclude`
-# ---------------------------------------------------------------------------------------------
-
 SWEEP_ENDS = ("one bucket per parameter", "one bucket for the model")
 
 
 def sweep_verdict(points: Sequence[SweepPoint]) -> Verdict:
-    """Whether each end of the sweep lost to its fastest size: by more than a whole run's noise on
-    this machine, by more than 1 % in modelled time (which repeats exactly)."""
+    """Whether each end of the sweep lost to its fastest size: beyond a whole run's noise on this
+    machine, by more than 1 % in modelled time (which repeats exactly)."""
     best = min(points, key=lambda p: p.step_time.median)
     margin = {"margin": 0.01} if points[0].node is not None else {}  # modelled: no noise beyond rounding
     slower = {name: compare_medians(p.step_time, best.step_time, **margin) == "higher"
@@ -161,8 +154,7 @@ def torch_verdict(points: Sequence[SweepPoint], bucket_cap_mb: float) -> Verdict
     """Ours against torch's DDP, round by round, at `bucket_cap_mb` (else at the fastest size)."""
     ours = next((p for p in points if p.bucket_cap_mb == bucket_cap_mb), None) or \
         min(points, key=lambda p: p.step_time.median)
-    # A direction is claimed only if every round's ratio lies beyond 10 % on one side: on 2 busy cores
-    # a round can move that much by itself.
+    # a direction only if every round lies beyond 10 % on one side: on 2 busy cores a round moves that much
     verdict = {"higher": "ours slower", "lower": "ours faster", "within noise": "within noise"}[
         compare(ours.ratio, Measured.of([0.9, 1.1]))]
     text = (f"at bucket_cap_mb={ours.bucket_cap_mb:g}, ours took {ours.ratio.median:.2f}x torch's step time: "

@@ -1,42 +1,38 @@
 """Lesson 00 from a notebook: the ping-pong, the all-reduce sweep and a compute-then-communicate
-step on real processes, and what their figures say.
+step on real processes (`pipelab.collectives`), with their parameters in one checked `Config`.
 
     cfg = collectives.Config(world_size=2, rounds=5)   # refuses bad input here
     pp = experiments.run(collectives.ping_pong_worker, cfg, collectives.gather_ping_pong)
     pipelab.conclude(*collectives.bytes_verdict(pp))
-
-The workers (`ping_pong`, `all_reduce_sweep`, `compute_then_communicate`) and the ring all-reduce
-live in `pipelab.collectives`; here they get their parameters from one checked `Config`. On a
-modelled node every message lasts what the link model gives; `own_cores(cfg)` is the same run on
-this machine's own cores.
 """
 
 from __future__ import annotations
 
 import statistics
 from dataclasses import dataclass, replace
-from typing import Sequence
+from typing import Any, ClassVar, Mapping, Sequence
 
 import torch
 
 from pipelab import experiments
-from pipelab.checks import modelled_size, whole_number
+from pipelab.checks import whole_number
 from pipelab.collectives import (AllReduceTime, MessageTime, all_reduce_sweep, compute_then_communicate,
                                  fit_latency_bandwidth, matmuls, ping_pong, ring_all_reduce_time,
                                  small_message_latency, work_of)
 from pipelab.display import human_bytes
-from pipelab.emulate import cost, table, work
+from pipelab.emulate import cost, work
 from pipelab.measure import Measured, compare
 from pipelab.timeline import Timeline
 from pipelab.worker import RankContext
 
+Verdict = tuple[str, str, str, dict]
+
 
 @dataclass(frozen=True, kw_only=True)
 class Config(experiments.Config):
-    """Lesson 00's parameters: the ping-pong's message sizes (`sizes_bytes`, each swept `rounds`
-    times with `trips` round trips), the all-reduce sweep's tensor sizes and rounds, and the
-    compute-then-communicate step (`matrix_size`, `steps`). On a modelled node the step's
-    matrix products last what they would at the size below (the math runs at `matrix_size`)."""
+    """Lesson 00's parameters: the ping-pong's message sizes (each swept `rounds` times with `trips`
+    round trips), the all-reduce sweep's tensor sizes and rounds, and the step's `matrix_size` and
+    `steps`. SIZE: the `matrix` size a modelled node times the step's products at (None: their own)."""
 
     sizes_bytes: Sequence[int] = tuple(2**k for k in range(3, 23, 2))  # 8 B ... 2 MiB
     rounds: int = 5
@@ -45,10 +41,10 @@ class Config(experiments.Config):
     allreduce_rounds: int = 3
     matrix_size: int = 256
     steps: int = 7
-    emulated_matrix: int | None = None
+    SIZE: ClassVar[Mapping[str, Any]] = {"matrix": None}
 
     def check(self) -> None:
-        super().check()  # world_size: a whole number, and not more ranks than the machine holds
+        super().check()
         if self.world_size < 2:
             raise ValueError(f"world_size={self.world_size}: a ping-pong, a ring and a collective need a peer "
                              "to talk to; use world_size=2 or more")
@@ -61,31 +57,27 @@ class Config(experiments.Config):
                 whole_number(f"each of {name}", size, example=f"{name}=[8, 1024, 2**20]")
         for name in ("rounds", "trips", "allreduce_rounds", "matrix_size", "steps"):
             whole_number(name, getattr(self, name), example=f"{name}={getattr(type(self), name)}")
-        modelled_size(self, "emulated_matrix")
+        if self.size.matrix is not None:
+            whole_number("matrix", self.size.matrix, example="matrix=4096")
 
 
 def own_cores(cfg: Config) -> Config:
     """The same parameters on this machine's own cores: nothing modelled."""
-    return replace(cfg, emulate=None, emulated_matrix=None)
-
-
-# ---------------------------------------------------------------------------------------------
-# The ping-pong: latency and bandwidth of one message
-# ---------------------------------------------------------------------------------------------
+    return replace(cfg, emulate=None)
 
 
 @dataclass
 class PingPongRun:
-    """The ping-pong's rows (one per message size), its latency (per round, over the small
-    sizes) and the bandwidth of the model `time = latency + bytes / bandwidth` fitted to them."""
+    """The ping-pong's rows (one per message size), its latency (per round, over the small sizes)
+    and the bandwidth of `time = latency + bytes / bandwidth` fitted to them."""
 
     rows: list[MessageTime]
     latency: Measured  # seconds
     bandwidth: float  # bytes per second
-    node: object = None  # the modelled node it ran on (a specs.Node), or None: this machine
+    node: object = None  # the node that timed it, or None: this machine
 
     def model(self, nbytes: float) -> float:
-        """The fitted model's one-way seconds for a message of `nbytes`: latency + bytes / bandwidth."""
+        """The fitted model's one-way seconds for a message of `nbytes`."""
         return self.latency.median + nbytes / self.bandwidth
 
     def misfit(self) -> float:
@@ -103,11 +95,10 @@ def gather_ping_pong(cfg: Config, results: Sequence[list[MessageTime] | None]) -
     return PingPongRun(rows, small_message_latency(rows), fit_latency_bandwidth(rows)[1], cfg.node)
 
 
-def bytes_verdict(pp: PingPongRun) -> tuple[str, str, str, dict]:
+def bytes_verdict(pp: PingPongRun) -> Verdict:
     """Whether the largest message's bytes, not the latency, set its time, round by round."""
     largest = pp.rows[-1]
-    # Round by round, the largest message's time over the small ones': a hiccup of the machine during
-    # one round slows both, so it mostly cancels out here.
+    # round by round: a hiccup of the machine during one round slows both, so it mostly cancels out
     times_latency = Measured.of(big / small for big, small in zip(largest.one_way.values, pp.latency.values))
     verdict = compare(times_latency, Measured.of([1.0]))
     text = (f"a {human_bytes(largest.bytes)} message took {times_latency.median:.1f}x a small message's time in "
@@ -119,7 +110,7 @@ def bytes_verdict(pp: PingPongRun) -> tuple[str, str, str, dict]:
         "times_latency": times_latency, "bandwidth_Bps": pp.bandwidth}
 
 
-def fit_verdict(pp: PingPongRun) -> tuple[str, str, str, dict]:
+def fit_verdict(pp: PingPongRun) -> Verdict:
     """How close the fitted `latency + bytes / bandwidth` comes to the rows it was fitted to."""
     misfit = pp.misfit()
     verdict = "fits" if misfit <= 0.1 else "misses"
@@ -131,11 +122,11 @@ def fit_verdict(pp: PingPongRun) -> tuple[str, str, str, dict]:
 
 
 def two_levels(values: Sequence[float], gap: float = 3.0) -> tuple[list[float], list[float]] | None:
-    """The values split in two groups where sorted neighbours differ by `gap` times or more (the
-    widest such jump), each group holding at least two; None when they form one group."""
+    """The values split in two groups (of two or more) at the widest jump between sorted
+    neighbours, if it is `gap` times or more; None when they form one group."""
     ordered = sorted(values)
-    jumps = [(b / a if a > 0 else float("inf"), i) for i, (a, b) in enumerate(zip(ordered, ordered[1:]), start=1)]
-    jumps = [(ratio, i) for ratio, i in jumps if 2 <= i <= len(ordered) - 2]
+    jumps = [(b / a if a > 0 else float("inf"), i) for i, (a, b) in enumerate(zip(ordered, ordered[1:]), start=1)
+             if 2 <= i <= len(ordered) - 2]
     if not jumps:
         return None
     ratio, at = max(jumps)
@@ -149,21 +140,19 @@ def small_messages(own: PingPongRun, small_bytes: int = 4096) -> list[float]:
 
 def own_cores_rows(modelled: PingPongRun, own: PingPongRun) -> list[dict]:
     """The ping-pong on this machine's cores beside the modelled link, and the levels its small
-    messages' times fell into on this run (a receiver still running, or one woken by the scheduler)."""
+    messages' times fell into (a receiver still running, or one woken by the scheduler)."""
     rows = [{"figure": "latency (µs)", "modelled link": f"{modelled.latency.median * 1e6:.2f}",
              "this machine's cores": f"{own.latency.scaled(1e6):.1f}"},
             {"figure": "fitted bandwidth (GB/s)", "modelled link": f"{modelled.bandwidth / 1e9:.3g}",
              "this machine's cores": f"{own.bandwidth / 1e9:.3g}"}]
-    levels = two_levels(small_messages(own))
-    for name, level in zip(("fast level", "slow level"), levels or ()):
+    for name, level in zip(("fast level", "slow level"), two_levels(small_messages(own)) or ()):
         rows.append({"figure": f"small messages, {name} (µs)", "modelled link": "-",
                      "this machine's cores": f"{len(level)} near {statistics.median(level) * 1e6:.0f}"})
     return rows
 
 
-def own_cores_verdict(modelled: PingPongRun, own: PingPongRun) -> tuple[str, str, str, dict]:
-    """The same ping-pong on this machine's own cores against the modelled link: how much slower
-    its latency and narrower its bandwidth."""
+def own_cores_verdict(modelled: PingPongRun, own: PingPongRun) -> Verdict:
+    """The ping-pong on this machine's own cores against the modelled link."""
     slower = own.latency.median / modelled.latency.median
     narrower = modelled.bandwidth / own.bandwidth
     verdict = "slower than the link" if slower > 1 and narrower > 1 else "not slower than the link"
@@ -175,18 +164,13 @@ def own_cores_verdict(modelled: PingPongRun, own: PingPongRun) -> tuple[str, str
         "bandwidth_ratio": narrower, "two_levels": two_levels(small_messages(own)) is not None}
 
 
-# ---------------------------------------------------------------------------------------------
-# The all-reduce: torch's and our ring, against the ring's cost model
-# ---------------------------------------------------------------------------------------------
-
-
 @dataclass
 class AllReduceRun:
     """The all-reduce sweep's rows (one per tensor size) and the ring model's prediction of each."""
 
     rows: list[AllReduceTime]
     predicted: list[float]  # seconds, from the ping-pong's latency and bandwidth
-    node: object = None  # the modelled node it ran on (a specs.Node), or None: this machine
+    node: object = None  # the node that timed it, or None: this machine
 
     @property
     def max_difference(self) -> float:
@@ -206,12 +190,11 @@ def all_reduce_run(cfg: Config, pp: PingPongRun) -> AllReduceRun:
                                for r in rows], cfg.node)
 
 
-def ring_model_verdict(run: AllReduceRun, tolerance: float = 0.05) -> tuple[str, str, str, dict]:
+def ring_model_verdict(run: AllReduceRun, tolerance: float = 0.05) -> Verdict:
     """The largest all-reduce against the ring model: "fits" when every round lies within
     `tolerance` of the prediction. The smallest, where only latency counts, is a figure."""
-    (big, big_predicted), (small, small_predicted) = (run.rows[-1], run.predicted[-1]), (run.rows[0], run.predicted[0])
-    big_ratio = big.torch.scaled(1 / big_predicted)  # per round: this run's time / predicted
-    small_ratio = small.torch.scaled(1 / small_predicted)
+    big, small = run.rows[-1], run.rows[0]
+    big_ratio = big.torch.scaled(1 / run.predicted[-1])  # per round: this run's time / predicted
     verdict = {"higher": "slower than the model", "lower": "faster than the model",
                "within noise": "fits"}[compare(big_ratio, Measured.of([1 - tolerance, 1 + tolerance]))]
     text = (f"the largest all-reduce took {big_ratio.median:.2f}x the ring model's prediction from the ping-pong: "
@@ -219,26 +202,16 @@ def ring_model_verdict(run: AllReduceRun, tolerance: float = 0.05) -> tuple[str,
                "faster than the model": "faster in every round, so the ping-pong underestimated the bandwidth.",
                "fits": f"within {tolerance:.0%} of it."}[verdict])
     return "00.ring_model", verdict, text, {
-        "bytes": big.bytes, "measured_s": big.torch, "predicted_s": big_predicted, "ratio": big_ratio,
-        "small_ratio": small_ratio}
-
-
-# ---------------------------------------------------------------------------------------------
-# A step on the timeline
-# ---------------------------------------------------------------------------------------------
-
-
-def step_table(rank: int, size: int) -> table.CostTable:
-    """This rank's matrix products at `size` x `size`, counted on the meta device: what its compute lasts."""
-    big = torch.empty(size, size, device="meta")
-    return table.CostTable({("F",): cost.count(matmuls, big, big, work_of(rank))})
+        "bytes": big.bytes, "measured_s": big.torch, "predicted_s": run.predicted[-1], "ratio": big_ratio,
+        "small_ratio": small.torch.scaled(1 / run.predicted[0])}
 
 
 def step_worker(ctx: RankContext, cfg: Config) -> Timeline:
-    """`compute_then_communicate` for `cfg.steps` steps of `cfg.matrix_size` matrices (on a modelled
-    node timed at the Config's modelled size, products and bytes); this rank's spans."""
-    size = cfg.emulated_matrix or cfg.matrix_size
-    with work.timed_as(ctx, step_table(ctx.rank, size), size ** 2 / cfg.matrix_size ** 2):
+    """`compute_then_communicate` for `cfg.steps` steps of `cfg.matrix_size` matrices; this rank's
+    spans (on a modelled node, products and bytes last what they would at `cfg.size.matrix`)."""
+    size = cfg.size.matrix or cfg.matrix_size
+    big = torch.empty(size, size, device="meta")
+    with work.timed_as(ctx, work.call_table(matmuls, big, big, work_of(ctx.rank)), size ** 2 / cfg.matrix_size ** 2):
         return compute_then_communicate(ctx, cfg.matrix_size, cfg.steps)
 
 
@@ -255,14 +228,13 @@ def gather_timeline(cfg: Config, results: Sequence[Timeline]) -> Timeline:
     return Timeline.merge(results)
 
 
-def waiting_verdict(timeline: Timeline) -> tuple[str, str, str, dict]:
+def waiting_verdict(timeline: Timeline) -> Verdict:
     """Whether rank 0, with the least work, waited inside the all-reduce for the busiest rank:
     step by step, how much longer its all-reduce box was than the slowest rank's."""
     fastest, slowest = 0, max(s.rank for s in timeline)
     boxes = {r: [s.duration * 1e3 for s in timeline.filter(rank=r, kind="allreduce")] for r in (fastest, slowest)}
-    # A pause of the machine during one step stretches both ranks' boxes in that step, so it cancels
-    # out in the differences; the typical step decides (the median of the differences: a sign test),
-    # "in every step" only when it holds in every step.
+    # a pause of the machine stretches both ranks' boxes in that step, so it cancels out in the
+    # differences; the typical step decides (a sign test), "every" only when every step agrees
     extra = Measured.of(a - b for a, b in zip(boxes[fastest], boxes[slowest]))
     verdict = "higher" if extra.median > 0 else "lower" if extra.median < 0 else "within noise"
     every = "every" if compare(extra, Measured.of([0.0])) == verdict else "the typical"

@@ -5,12 +5,8 @@ check it against one process, time it, and say what the figures show.
     runs = experiments.run(ddp.worker, cfg, ddp.gather)          # {"naive": DDPRun, ...}
     pipelab.conclude(*ddp.overlap_verdict(runs))
 
-The wrappers themselves (`NaiveDDP`, `BucketedDDP`) live in `pipelab.ddp`; here is the worker that
-trains with them (and with torch's `DistributedDataParallel`), its gather, and the verdicts; the
-bucket-size sweep is `pipelab.experiments.bucket_sweep`. On a modelled node the ranks train the
-small model for real while each layer lasts what it would wider, on more rows (the Config's
-sizes, counted by `work.layer_costs`); torch's DDP, whose all-reduces run in C++ out of the
-model's reach, runs on this machine's own cores (`torch_on_own_cores`).
+The wrappers (`NaiveDDP`, `BucketedDDP`) live in `pipelab.ddp`; the bucket-size sweep is
+`experiments.bucket_sweep`. On a modelled node each layer lasts what it would at `cfg.size`.
 """
 
 from __future__ import annotations
@@ -19,36 +15,33 @@ import copy
 import statistics
 from contextlib import nullcontext
 from dataclasses import dataclass, field, replace
-from typing import Callable, ContextManager, Sequence
+from typing import Any, Callable, ClassVar, ContextManager, Mapping, Sequence
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
 from pipelab import experiments
-from pipelab.checks import divides, mean_loss, modelled_size, positive_number, same_batch, trainable, whole_number
+from pipelab.checks import divides, mean_loss, positive_number, same_batch, trainable, whole_number
 from pipelab.collectives import ring_all_reduce_time
 from pipelab.ddp import Bucket, BucketedDDP, DDPBase, NaiveDDP, check_bucket_cap
 from pipelab.display import human_bytes
 from pipelab.emulate import cost, work
 from pipelab.measure import Measured, RankSteps, Steps, TimedSteps, compare, gather_steps, time_steps
-from pipelab.reference import perturb
+from pipelab.reference import Reference, perturb, reference_run
 from pipelab.timeline import Recorder, Timeline
 from pipelab.worker import RankContext
 
 VARIANTS = ("naive", "bucketed", "torch")
-
-# ---------------------------------------------------------------------------------------------
-# What a run trains, checked before any rank starts
-# ---------------------------------------------------------------------------------------------
+Verdict = tuple[str, str, str, dict]
 
 
 @dataclass(frozen=True, kw_only=True)
 class Training(experiments.Config):
     """What every data-parallel run here trains: `model` on the batch (`x`, `y`), split evenly
-    over `world_size` ranks, with a mean loss, `steps` SGD steps of `lr`. On a modelled node every
-    Linear layer is timed as wide as the width field below says (a whole multiple of the batch's
-    features), on as many rows in all as the batch field says, split over the ranks like the batch."""
+    over the ranks, with a mean loss, `steps` SGD steps of `lr`. SIZE: on a modelled node every
+    Linear layer is timed `width` wide (a whole multiple of the model's) on `batch` rows in all
+    (None: the model's own)."""
 
     model: nn.Module = field(repr=False)
     x: torch.Tensor = field(repr=False)
@@ -56,8 +49,7 @@ class Training(experiments.Config):
     loss_fn: Callable = field(default_factory=nn.MSELoss)
     lr: float = 0.1
     steps: int = 3
-    emulated_width: int | None = None
-    emulated_batch: int | None = None
+    SIZE: ClassVar[Mapping[str, Any]] = {"width": None, "batch": None}
 
     def check(self) -> None:
         super().check()
@@ -66,15 +58,16 @@ class Training(experiments.Config):
         divides("batch", same_batch(self.x, self.y), "world_size", self.world_size)  # else the average is not the batch's
         whole_number("steps", self.steps, example="steps=3")
         positive_number("lr", self.lr, example="lr=0.1")
-        modelled_size(self, "emulated_width", "emulated_batch")
-        if self.width_scale * self.x.shape[-1] != (self.emulated_width or self.x.shape[-1]):
-            raise ValueError(f"emulated_width={self.emulated_width} must be a whole multiple of the model's width "
-                             f"{self.x.shape[-1]}: every Linear layer is counted that many times wider")
-        divides("emulated_batch", self.emulated_batch or self.world_size, "world_size", self.world_size)
+        width, batch = self.size.width, self.size.batch
+        if width is not None and whole_number("width", width, example="width=4096") % self.x.shape[-1]:
+            raise ValueError(f"width={width} must be a whole multiple of the model's width {self.x.shape[-1]}: "
+                             "every Linear layer is counted that many times wider")
+        if batch is not None:
+            divides("batch", whole_number("batch", batch, example="batch=4096"), "world_size", self.world_size)
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        # Counted once here, before any rank starts (each rank would pay counting's first-use cost).
+        # counted once here, before any rank starts (each rank would pay counting's first-use cost)
         costs = None if self.node is None else work.layer_costs(self.model, self.x.chunk(self.world_size)[0],
                                                                  self.width_scale, self.rows)
         object.__setattr__(self, "layer_costs", costs)
@@ -82,12 +75,12 @@ class Training(experiments.Config):
     @property
     def rows(self) -> int:
         """Rows per rank the modelled work is counted on."""
-        return (self.emulated_batch or self.x.shape[0]) // self.world_size
+        return (self.size.batch or self.x.shape[0]) // self.world_size
 
     @property
     def width_scale(self) -> int:
         """How many times wider every Linear layer is counted on a modelled node."""
-        return (self.emulated_width or self.x.shape[-1]) // self.x.shape[-1]
+        return (self.size.width or self.x.shape[-1]) // self.x.shape[-1]
 
     @property
     def bytes_scale(self) -> float:
@@ -118,12 +111,8 @@ TORCH_OWN_CORES = ("torch's DistributedDataParallel runs its all-reduces in C++,
 
 
 def torch_on_own_cores(cfg: Config, steps: int | None = None) -> Config:
-    """torch's DDP on this machine's own cores, with `cfg`'s model, batch and bucket size, for
-    `steps` steps (default `cfg.steps`)."""
-    return replace(cfg, variants=("torch",), **OWN_CORES, steps=cfg.steps if steps is None else steps)
-
-
-OWN_CORES = dict(emulate=None, emulated_width=None, emulated_batch=None)  # nothing modelled
+    """torch's DDP on this machine's own cores, with `cfg`'s model, batch and bucket size."""
+    return replace(cfg, variants=("torch",), emulate=None, steps=cfg.steps if steps is None else steps)
 
 
 def emulated_size(cfg: Training) -> str:
@@ -139,7 +128,7 @@ DEFAULTS = dict(width=512, layers=8, batch=128, steps=6, sweep_mb=[0.001, 1, 2, 
 def run_flops(params: dict) -> float:
     """FLOPs of the lesson's run at the notebook parameters `params` (missing names take the
     notebook's defaults), counted on the meta device: every forward and backward of the MLP on
-    the whole batch, all ranks together (three variants' steps, the sweep's, the exercise's three)."""
+    the whole batch (three variants' steps, the sweep's, the exercise's three)."""
     from pipelab.models import mlp
 
     p = {**DEFAULTS, **params}
@@ -151,8 +140,8 @@ def run_flops(params: dict) -> float:
 
 
 def link_figures(cfg: Training, sizes: Sequence[int], rounds: int) -> tuple[float, float, str]:
-    """(latency s, bandwidth B/s, where from) of the link the buckets travel: the modelled link's
-    figures, or, on this machine, lesson 00's ping-pong over `sizes` run now."""
+    """(latency s, bandwidth B/s, where from) of the link the buckets travel: the modelled link's,
+    or on this machine lesson 00's ping-pong over `sizes`, run now."""
     if cfg.node is not None:
         link = cfg.node.link
         return link.latency_s, link.bandwidth_Bps, f"the modelled {link.name}"
@@ -163,19 +152,14 @@ def link_figures(cfg: Training, sizes: Sequence[int], rounds: int) -> tuple[floa
     return pp.latency.median, pp.bandwidth, "lesson 00's ping-pong on this machine, this run"
 
 
-# ---------------------------------------------------------------------------------------------
-# On each rank: a replica, its slice of the batch, one training step
-# ---------------------------------------------------------------------------------------------
-
-
 def shard(batch: torch.Tensor, rank: int, world_size: int) -> torch.Tensor:
     """This rank's equal slice of the batch: ranks take consecutive rows."""
     return batch.chunk(world_size)[rank]
 
 
 def modelled(ctx: RankContext, cfg: Training) -> ContextManager:
-    """On a modelled node, the work inside timed by `cfg.model`'s layers at the Config's size (and
-    every message at its gradients' size); elsewhere nothing changes."""
+    """On a modelled node, the work inside timed by `cfg.model`'s layers at `cfg.size` (and every
+    message at its gradients' size); elsewhere nothing changes."""
     costs = cfg.layer_costs
     return work.timed_as(ctx, costs and costs.table(), costs.bytes_scale if costs else 1.0)
 
@@ -196,11 +180,8 @@ def wrap(variant: str, module: nn.Module, bucket_cap_mb: float = 25.0, recorder:
 
 def train_step(ctx: RankContext, model: nn.Module, optimizer: torch.optim.Optimizer, x: torch.Tensor,
                y: torch.Tensor, loss_fn: Callable) -> float:
-    """One data-parallel training step on this rank's slice (forward, backward, optimizer step);
-    returns this rank's loss. Zero the gradients before it (`time_steps`' `prepare`).
-
-    Our wrappers put their own F and B spans on the timeline; torch's DDP is a black box, so for it
-    we time its forward and its whole backward (which includes waiting for its all-reduces)."""
+    """One training step on this rank's slice; returns its loss. Our wrappers record their own F
+    and B spans; torch's DDP is a black box, so its forward and whole backward are timed here."""
     black_box = isinstance(model, nn.parallel.DistributedDataParallel)
     with ctx.rec.span("F", lane="compute") if black_box else nullcontext():
         out = model(x)
@@ -213,8 +194,7 @@ def train_step(ctx: RankContext, model: nn.Module, optimizer: torch.optim.Optimi
 
 
 def replica_spread(tensors, group=None) -> float:
-    """Largest difference of any element of `tensors` (e.g. a replica's parameters) between any
-    two ranks: 0.0 means every rank holds the same values."""
+    """Largest difference of any element of `tensors` between any two ranks (0.0: all equal)."""
     flat = torch.cat([t.detach().reshape(-1) for t in tensors])
     hi, lo = flat.clone(), flat.clone()
     dist.all_reduce(hi, op=dist.ReduceOp.MAX, group=group)
@@ -224,28 +204,26 @@ def replica_spread(tensors, group=None) -> float:
 
 @dataclass
 class Result:
-    """What one rank did with one variant: its steps, and after the first (checked) step how far
-    the replicas were apart and, on rank 0, the gradients and weights."""
+    """One rank, one variant: its steps, and after the first (checked) step how far the replicas
+    were apart and, on rank 0, the gradients and weights."""
 
     variant: str
     steps: RankSteps
     spread: float = 0.0
-    grads: dict[str, torch.Tensor | None] | None = None  # rank 0 only
-    weights: dict[str, torch.Tensor] | None = None  # rank 0 only
+    grads: dict[str, torch.Tensor | None] | None = None
+    weights: dict[str, torch.Tensor] | None = None
     buckets: list[Bucket] | None = None  # BucketedDDP's plan
 
 
 def worker(ctx: RankContext, cfg: Config) -> list[Result]:
-    """Train a replica of `cfg.model` with each variant on this rank's slice of the batch; one
-    `Result` per variant.
+    """Train a replica of `cfg.model` with each variant on this rank's slice; one `Result` each.
 
-    Ranks other than 0 start from different weights, as if each had built its model with its own
-    seed: the wrapper's broadcast must make them equal. The first step is the one checked against
-    the reference (gradients, weights after the SGD step) and warms up; the others are timed."""
+    Ranks other than 0 start from other weights, as if each had seeded its own model: the wrapper's
+    broadcast must make them equal. The first step is checked and warms up; the others are timed."""
     xs = shard(cfg.x, ctx.rank, ctx.world_size).to(ctx.device)
     ys = shard(cfg.y, ctx.rank, ctx.world_size).to(ctx.device)
     results = []
-    with modelled(ctx, cfg):  # on a modelled node: each layer's work at the Config's size
+    with modelled(ctx, cfg):
         for variant in cfg.variants:
             replica = copy.deepcopy(cfg.model).to(ctx.device)
             if ctx.rank != 0:
@@ -272,9 +250,9 @@ def worker(ctx: RankContext, cfg: Config) -> list[Result]:
     return results
 
 
-# ---------------------------------------------------------------------------------------------
-# The parent side: the ranks' results, gathered
-# ---------------------------------------------------------------------------------------------
+def reference(cfg: Training) -> Reference:
+    """The first step in one process on the whole batch: its loss, gradients and weights after SGD."""
+    return reference_run(cfg.model, cfg.x, cfg.y, cfg.loss_fn, steps=1, lr=cfg.lr)
 
 
 def overlaps(timelines: Sequence[Timeline]) -> Measured:
@@ -293,7 +271,7 @@ class DDPRun(TimedSteps):
     replica_spread: float  # largest weight difference between ranks after that step
     steps: Steps | None = field(default=None, repr=False)  # the timed steps, all ranks
     buckets: list[Bucket] | None = None  # BucketedDDP's plan
-    node: object = None  # the modelled node it ran on (a specs.Node), or None: this machine
+    node: object = None  # the node that timed it, or None: this machine
 
     @property
     def name(self) -> str:
@@ -305,9 +283,8 @@ class DDPRun(TimedSteps):
         return overlaps(self.steps.timelines)
 
     def bucket_all_reduce_times(self) -> list[Measured]:
-        """Seconds from launch to arrival of each bucket's all-reduce (BucketedDDP), one figure
-        per timed step and rank. A span includes waiting for the peers to launch the same bucket
-        and for the buckets before it, not only the bytes on the wire."""
+        """Seconds from launch to arrival of each bucket's all-reduce, per timed step and rank:
+        waiting for the peers and for earlier buckets included."""
         if self.buckets is None:
             raise ValueError(f"variant {self.variant!r} has no buckets of its own; use the 'bucketed' run")
         spans = [s for tl in self.steps.timelines for s in tl.filter(kind="allreduce") if "bucket" in s.meta]
@@ -315,8 +292,8 @@ class DDPRun(TimedSteps):
 
 
 def gather(cfg: Config, results: Sequence[list[Result]]) -> dict[str, DDPRun]:
-    """Each variant's `DDPRun` from every rank's results: the mean loss, rank 0's gradients and
-    weights, the largest spread, and the steps lined up (slowest rank per step)."""
+    """Each variant's `DDPRun`: the mean loss, rank 0's gradients and weights, the largest spread,
+    and the steps lined up (slowest rank per step)."""
     runs = {}
     for variant in cfg.variants:
         ranks = [next(r for r in per_rank if r.variant == variant) for per_rank in results]
@@ -324,13 +301,6 @@ def gather(cfg: Config, results: Sequence[list[Result]]) -> dict[str, DDPRun]:
         runs[variant] = DDPRun(variant, [loss], ranks[0].grads, ranks[0].weights, max(r.spread for r in ranks),
                                gather_steps([r.steps for r in ranks]), ranks[0].buckets, cfg.node)
     return runs
-
-
-# ---------------------------------------------------------------------------------------------
-# What the measurements say: each returns (key, verdict, text, figures) for `pipelab.conclude`
-# ---------------------------------------------------------------------------------------------
-
-Verdict = tuple[str, str, str, dict]
 
 
 def overlap_estimate(buckets: Sequence[Bucket]) -> float:
@@ -341,30 +311,27 @@ def overlap_estimate(buckets: Sequence[Bucket]) -> float:
 
 def overlap_verdict(runs: dict[str, DDPRun]) -> Verdict:
     """How much of BucketedDDP's all-reduce time was hidden, against the plan's estimate."""
-    bucketed, buckets = runs["bucketed"].overlap, runs["bucketed"].buckets
-    estimate, naive = overlap_estimate(buckets), runs["naive"].overlap
+    bucketed, estimate = runs["bucketed"].overlap, overlap_estimate(runs["bucketed"].buckets)
     verdict = compare(bucketed, Measured.of([0.0]))
     against = {"lower": "below", "higher": "above", "within noise": "on both sides of"}[
         compare(bucketed, Measured.of([estimate]))]
     text = (f"BucketedDDP hid {bucketed.median:.0%} of its all-reduce time behind compute"
-            + {"higher": " in every step", "within noise": ", nothing in some steps",
-               "lower": ", impossibly"}[verdict]
+            + {"higher": " in every step", "within noise": ", nothing in some steps", "lower": ", impossibly"}[verdict]
             + f"; the steps were {against} the plan's estimate of {estimate:.0%}.")
     return ("01.overlap_of_reversed_buckets", verdict, text,
-            {"bucketed_overlap": bucketed, "naive_overlap": naive, "estimate": estimate})
+            {"bucketed_overlap": bucketed, "naive_overlap": runs["naive"].overlap, "estimate": estimate})
 
 
 def bucket_predictions(run: DDPRun, world_size: int, latency: float, bandwidth: float,
                        bytes_scale: float = 1.0) -> list[float]:
-    """Each bucket's all-reduce time, in seconds, as lesson 00's ring model predicts it, for the
-    bucket's bytes times `bytes_scale` (the modelled size over the real one)."""
+    """Each bucket's all-reduce seconds by lesson 00's ring model, at `bytes_scale` times its bytes."""
     return [ring_all_reduce_time(b.nbytes * bytes_scale, world_size, bandwidth, latency) for b in run.buckets]
 
 
 def bucket_model_verdict(run: DDPRun, predicted: Sequence[float], latency: float, bandwidth: float,
                          tolerance: float = 0.05) -> Verdict:
-    """The buckets' all-reduces against the ring model's predictions: "fits" when every bucket's
-    median lies within `tolerance` of its prediction, "mixed" when some lie above."""
+    """The buckets' all-reduces against the ring model: "fits" when every bucket's median lies
+    within `tolerance` of its prediction, "mixed" when some lie above."""
     ratio = Measured.of(m.median / p for m, p in zip(run.bucket_all_reduce_times(), predicted))  # one per bucket
     verdict = {"higher": "slower than the model", "lower": "faster than the model", "within noise": "mixed"}[
         compare(ratio, Measured.of([1.0 - tolerance, 1.0 + tolerance]))]
@@ -379,8 +346,8 @@ def bucket_model_verdict(run: DDPRun, predicted: Sequence[float], latency: float
 
 
 def overlap_parts(timeline: Timeline) -> dict[str, float]:
-    """Of the all-reduce time on `timeline`, the fractions hidden behind backward's `B` spans and
-    behind the other compute (the averages copied back into `.grad`, the forward, the optimizer)."""
+    """Of the all-reduce time, the fractions hidden behind backward's `B` spans and behind the
+    other compute (the averages copied back into `.grad`, the forward, the optimizer)."""
     comm = [s for s in timeline if s.lane == "comm"]
     backward = Timeline(comm + [s for s in timeline if s.lane != "comm" and s.kind == "B"])
     other = Timeline(comm + [s for s in timeline if s.lane != "comm" and s.kind != "B"])
@@ -388,8 +355,8 @@ def overlap_parts(timeline: Timeline) -> dict[str, float]:
 
 
 def registration_verdict(timeline: Timeline, right_order: Measured) -> Verdict:
-    """The overlap of buckets planned in the wrong order (the layers registered last-first), split
-    into what hid behind backward and what behind the copying of the averages back into `.grad`."""
+    """The overlap of buckets planned in the wrong order (layers registered last-first), split into
+    what hid behind backward and what behind copying the averages back into `.grad`."""
     parts, total = overlap_parts(timeline), timeline.overlap("compute", "comm")
     verdict = "none behind backward" if parts["backward"] == 0.0 else "some behind backward"
     text = (f"with the layers registered last-first, {total:.0%} of the all-reduce time overlapped compute "

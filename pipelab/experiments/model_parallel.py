@@ -4,10 +4,8 @@
     run = model_parallel.naive_run(cfg)
     pipelab.conclude(*model_parallel.naive_verdict(run))
 
-`check_against_one_device` checks a training step against the one-device model; `time_forwards`
-times forwards in alternating rounds (`measure.alternate`), so a load that comes and goes hits all
-alike. Lessons 03-04's sweeps are `experiments.split_pipelining`. Without two GPUs, `ResNet50Pace`
-paces the devices as the tutorial's ResNet-50 on modelled GPUs, whose figures live in emulate/.
+Lessons 03-04's sweeps are `experiments.split_pipelining`. Without two GPUs, `ResNet50Pace` paces
+the devices as the tutorial's ResNet-50 on modelled GPUs.
 """
 
 from __future__ import annotations
@@ -15,7 +13,7 @@ from __future__ import annotations
 import copy
 from dataclasses import dataclass, field
 from functools import cached_property
-from typing import Hashable, Mapping, Sequence, TypeVar
+from typing import Any, Hashable, Mapping, Sequence, TypeVar
 
 import torch
 from torch import nn
@@ -23,10 +21,10 @@ from torch import nn
 from pipelab import hardware
 from pipelab import model_parallel as mp
 from pipelab.checks import same_batch, whole_number
-from pipelab.emulate import anchors, cost, resnet50, specs
+from pipelab.emulate import anchors, cost, node_name, resnet50, size_of, specs
 from pipelab.measure import Measured, Steps, alternate, ratios
 from pipelab.models import SplitResNet
-from pipelab.reference import assert_same, exact_fp32, reference_run
+from pipelab.reference import Reference, assert_same, exact_fp32, reference_run
 from pipelab.streams import Device, Pace, timeline
 from pipelab.timeline import Timeline, now
 
@@ -36,16 +34,12 @@ ON_DEVICE_0 = ("one_device", "split_by_split")  # the whole model on device 0
 TUTORIAL_SPLITS = (1, 3, 5, 8, 10, 12, 20, 40, 60, 120)  # the split sizes the tutorial tried, and one split
 
 K = TypeVar("K", bound=Hashable)
-
-# ---------------------------------------------------------------------------------------------
-# What to run: checked when built
-# ---------------------------------------------------------------------------------------------
+Verdict = tuple[str, str, str, dict]
 
 
 @dataclass(frozen=True)
 class Forward:
-    """One forward: a `variant` of `VARIANTS` and its split size (None: the whole batch at once;
-    0 is refused, not read as "none")."""
+    """One forward: a `variant` of `VARIANTS` and its split size (None: the whole batch at once)."""
 
     variant: str
     split_size: int | None = None
@@ -63,7 +57,7 @@ class Forward:
 @dataclass(frozen=True, kw_only=True, eq=False)
 class Config:
     """What lessons 02-04 run on: `model` (halves seq1 | seq2, fc) placed on the two `devs`, the
-    batch (x, y), and how many alternating rounds each timing runs (after one warm-up round)."""
+    batch (x, y), and how many alternating rounds each timing runs."""
 
     model: nn.Module
     x: torch.Tensor
@@ -87,8 +81,7 @@ class Config:
 
     @cached_property
     def x_first(self) -> torch.Tensor:
-        """The batch on device 0, moved there once (from pinned memory on a GPU), before any timing:
-        a forward then times the devices, not a host-to-GPU copy per split."""
+        """The batch on device 0, moved there once before any timing: a forward times the devices."""
         return self.devs[0].own(self.x)
 
     def fits(self, forward: Forward) -> Forward:
@@ -100,8 +93,8 @@ class Config:
     @classmethod
     def resnet(cls, devs: Sequence[Device], *, channels: int, blocks: int | tuple[int, int], batch: int,
                size: int, expansion: int = 1, repeats: int = 3, seed: int = 0) -> "Config":
-        """The lessons' `SplitResNet(channels, blocks, expansion=expansion)`, seeded with `seed` and
-        placed on `devs`, with `batch` random images of `size` x `size` and their labels."""
+        """The lessons' `SplitResNet`, seeded with `seed` and placed on `devs`, with `batch` random
+        images of `size` x `size` and their labels."""
         pair = (blocks, blocks) if isinstance(blocks, int) and not isinstance(blocks, bool) else blocks
         if not isinstance(pair, (tuple, list)) or len(pair) != 2:
             raise ValueError(f"blocks must be a number of residual blocks per half or a pair (device 0's, "
@@ -121,14 +114,17 @@ class ResNet50Pace(resnet50.ResNet50Halves, Pace):
     after `cut`: a split of r rows lasts, on its stream, `seq1`'s or `second_half`'s forward on
     r x 120 / `real_batch` images, the whole model both, a copy the cut's activation over the link."""
 
+    SIZE: Mapping[str, Any] = {"cut": "layer2"}  # where the modelled ResNet-50 is cut (the tutorial's)
+
     def __init__(self, node, real_batch: int, cut: str = "layer2", dtype: str = "float32") -> None:
         Pace.__init__(self)
         resnet50.ResNet50Halves.__init__(self, node, real_batch, cut, dtype)
 
     @classmethod
-    def on(cls, node: str | None, real_batch: int, cut: str = "layer2") -> "ResNet50Pace | None":
-        """The pace of `node` (None where nothing is modelled: then there is no pace)."""
-        return None if node is None else cls(node, real_batch, cut)
+    def on(cls, node, real_batch: int) -> "ResNet50Pace | None":
+        """The pace of `node` (a name, or one with its size, e.g. cut="layer3"); None: nothing modelled."""
+        name, size = node_name(node), size_of(cls.SIZE, node)
+        return None if name is None else cls(name, real_batch, size.cut)
 
     def seconds(self, kind: str, fn, args: tuple) -> float:
         if kind == "copy":  # the stream's copy: (source, buffer)
@@ -162,8 +158,7 @@ def where(devs: Sequence[Device]) -> str:
 def run_flops(params: dict) -> float:
     """FLOPs of one run of lesson 02, 03 or 04 (`params["lesson"]`) at its notebook parameters
     `params` (missing names take 02's defaults), counted on the meta device: every timed forward
-    (per round: 02 two; 03 two per split size; 04 one more; a warm-up round; 03's explorer six,
-    04's race three) and every checked training step of the SplitResNet."""
+    (a warm-up round, the explorer's, the race's) and every checked training step."""
     p = {"lesson": "02", "channels": 8, "blocks": 2, "batch": 120, "size": 8, "expansion": 1, "repeats": 3, **params}
     sweep = {"02": (), "03": TUTORIAL_SPLITS, "04": (4, 8, 12, 20, 24, 30, 40, 60)}[p["lesson"]]
     sizes = len({s for s in sweep if s < p["batch"]} | {p["batch"]})
@@ -173,11 +168,6 @@ def run_flops(params: dict) -> float:
         model = SplitResNet(p["channels"], blocks, expansion=p["expansion"])
     f, i, w = cost.forward_backward_counts(model, torch.empty(p["batch"], 3, p["size"], p["size"], device="meta"))
     return (per_round * (p["repeats"] + 1) + extra) * f.flops + steps * (f.flops + i.flops + w.flops)
-
-
-# ---------------------------------------------------------------------------------------------
-# One forward, one training step, checked against the one-device model
-# ---------------------------------------------------------------------------------------------
 
 
 def forward(cfg: Config, f: Forward, model: nn.Module | None = None) -> torch.Tensor:
@@ -191,8 +181,7 @@ def forward(cfg: Config, f: Forward, model: nn.Module | None = None) -> torch.Te
 
 
 def fresh_start(devs: Sequence[Device]) -> None:
-    """Wait for the devices' queued work and clear their recorders: what follows is one run's
-    (on paced devices, from modelled time 0)."""
+    """Wait for the devices' queued work and clear their recorders (paced devices: from time 0)."""
     for d in devs:
         d.synchronize()
     for d in devs:
@@ -201,8 +190,7 @@ def fresh_start(devs: Sequence[Device]) -> None:
 
 
 def train_step(cfg: Config, f: Forward = Forward("naive")) -> tuple[torch.Tensor, Timeline]:
-    """One forward and backward of `f`; returns the loss and the timeline of the forward's kernels
-    and copies (the gradients are in the model's parameters)."""
+    """One forward and backward of `f`: the loss and the timeline of the forward's kernels and copies."""
     cfg.fits(f)
     fresh_start(cfg.devs)  # this step's spans only
     out = forward(cfg, f)
@@ -224,37 +212,33 @@ GPU_TOLERANCE = 1e-4  # float32 on GPUs against the CPU reference, TF32 off: oth
 
 
 def tolerance(devs: Sequence[Device], tol: float = 1e-5) -> float:
-    """The tolerance a check against the CPU reference uses: `tol` on CPU devices; on GPUs (TF32
-    off) at least `GPU_TOLERANCE`, since cuDNN sums in other orders than the CPU does."""
+    """`tol` on CPU devices; on GPUs (TF32 off) at least `GPU_TOLERANCE`: cuDNN sums in other orders."""
     return max(tol, GPU_TOLERANCE) if devs[0].torch_device.type == "cuda" else tol
 
 
-def check_against_one_device(cfg: Config, f: Forward, tol: float = 1e-5) -> float:
-    """Run one step of `f` and of a one-device copy of the model (same weights, same data);
-    assert the losses and every gradient match (within `tolerance(cfg.devs, tol)`, TF32 off);
-    return the loss."""
-    cfg.fits(f)
+def reference(cfg: Config) -> Reference:
+    """One training step of a one-device copy of the model, in this process on the CPU."""
     host_copy = copy.deepcopy(cfg.model).cpu()  # the halves may sit on two GPUs
-    ref = reference_run(host_copy, cfg.x.cpu(), cfg.y.cpu(), nn.functional.cross_entropy, lr=None)
+    return reference_run(host_copy, cfg.x.cpu(), cfg.y.cpu(), nn.functional.cross_entropy, lr=None)
+
+
+def check_against_one_device(cfg: Config, f: Forward, tol: float = 1e-5) -> float:
+    """Assert one step of `f` gives a one-device copy's loss and gradients (same weights and data,
+    `tolerance(cfg.devs, tol)`, TF32 off); return the loss."""
+    cfg.fits(f)
+    ref = reference(cfg)
     cfg.model.zero_grad()
     with exact_fp32():  # TF32 off: a float32 check at 1e-5 would fail on precision, not correctness
         loss, _ = train_step(cfg, f)
     grads = {name: None if p.grad is None else p.grad.cpu() for name, p in cfg.model.named_parameters()}
-    run = ModelParallelRun(str(f), [loss.item()], grads)
     tol = tolerance(cfg.devs, tol)
-    assert_same(run, ref, atol=tol, rtol=tol)
+    assert_same(ModelParallelRun(str(f), [loss.item()], grads), ref, atol=tol, rtol=tol)
     return float(loss)
-
-
-# ---------------------------------------------------------------------------------------------
-# Timing forwards in alternating rounds
-# ---------------------------------------------------------------------------------------------
 
 
 @dataclass
 class Timed:
-    """Repeats of one forward: each round's time and timeline (`steps`; its `typical` is the
-    round of median makespan), and the labels of device 0 and device 1 (where copies land)."""
+    """Repeats of one forward: each round's time and timeline, and the labels of device 0 and 1."""
 
     steps: Steps = field(repr=False)
     devices: tuple[str, str]
@@ -290,11 +274,9 @@ def speedup(before: Timed, after: Timed) -> Measured:
 
 
 def time_forwards(cfg: Config, forwards: Mapping[K, Forward]) -> dict[K, Timed]:
-    """Time forwards in alternation: each of `cfg.repeats` rounds runs every forward once, in
-    turn, after one warm-up round, so the ratio of two forwards round by round (`speedup`) sees
-    the same machine load on both sides. Only the forward is timed (on virtual devices autograd
-    runs the backward on the calling thread). On paced devices a forward's time is its modelled
-    end: every round gives the same figure, and no warm-up round is needed."""
+    """Time forwards in alternation (`measure.alternate`): each of `cfg.repeats` rounds runs every
+    forward once, after a warm-up round, so round-by-round ratios (`speedup`) see the same machine
+    load. Only the forward is timed. On paced devices a forward's time is its modelled end."""
     for f in forwards.values():
         cfg.fits(f)
     devs = list(cfg.devs)
@@ -323,22 +305,14 @@ def time_forwards(cfg: Config, forwards: Mapping[K, Forward]) -> dict[K, Timed]:
             for key in forwards}
 
 
-# ---------------------------------------------------------------------------------------------
-# Lesson 02: naive model parallel against one device
-# ---------------------------------------------------------------------------------------------
-
-Verdict = tuple[str, str, str, dict]
-
-
 @dataclass
 class NaiveRun:
-    """The naive two-device forward and the one-device forward, timed in the same rounds, on
-    `where` (in words); `pace` is the modelled node's, or None."""
+    """The naive and the one-device forward, timed in the same rounds, on `where` (in words)."""
 
     one_device: Timed
     naive: Timed
     where: str = "these devices"
-    pace: ResNet50Pace | None = None
+    pace: ResNet50Pace | None = None  # the modelled node's, or None
 
     @property
     def speedup(self) -> Measured:
@@ -359,8 +333,7 @@ def naive_run(cfg: Config) -> NaiveRun:
 
 
 def speed_verdict(ratio: Measured) -> str:
-    """'faster', 'slower' or 'within noise': the direction of a speedup (old time / new time),
-    claimed only when every round agrees, i.e. its whole min-max range lies above or below 1."""
+    """The direction of a speedup (old time / new time), claimed only when every round agrees."""
     if ratio.low > 1.0:
         return "faster"
     if ratio.high < 1.0:
@@ -369,8 +342,7 @@ def speed_verdict(ratio: Measured) -> str:
 
 
 def naive_verdict(run: NaiveRun) -> Verdict:
-    """Lesson 02: was naive model parallelism faster than one device in every round? Theory says
-    at most 1x: the halves take turns."""
+    """Lesson 02: was naive model parallelism faster than one device in every round? (Theory: no.)"""
     s = run.speedup
     verdict = "faster" if speed_verdict(s) == "faster" else "no faster"
     text = (f"on {run.where}, naive model parallelism ran at {s.median:.3f}x one device's speed: "
@@ -380,8 +352,7 @@ def naive_verdict(run: NaiveRun) -> Verdict:
 
 
 def naive_anchor_rows(run: NaiveRun) -> list[dict]:
-    """The modelled naive slowdown beside the tutorial's 4.02 s / 3.75 s, and what sets it here:
-    the activation's copy, over the node's link and over PCIe 4."""
+    """The modelled naive slowdown beside the tutorial's, and what sets it: the activation's copy."""
     pace, one = run.pace, run.one_device.seconds.median
     images = resnet50.EMULATED_BATCH  # the tutorial's whole batch crosses the cut
     nbytes, copy_s = pace.copy_bytes(images), pace.copy_seconds(images)

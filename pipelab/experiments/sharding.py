@@ -1,7 +1,6 @@
-"""Lesson 11 from a notebook: train one model with plain data parallelism, ZeRO-1, ZeRO-2 and
-ZeRO-3 (ours, from `pipelab.sharding`) and with torch's ZeroRedundancyOptimizer and FSDP2
-`fully_shard`, on real processes; check each against one process; count the bytes each rank holds
-and sends; time ZeRO-3 with prefetch on and off.
+"""Lesson 11 from a notebook: train one model with data parallelism, ZeRO-1/2/3 (ours, from
+`pipelab.sharding`), torch's ZeroRedundancyOptimizer and FSDP2 `fully_shard` on real processes;
+check each against one process; count the bytes each rank holds and sends; time ZeRO-3's prefetch.
 
     cfg = sharding.Config(model=model, x=x, y=y, world_size=2)      # refuses bad input here
     run = experiments.run(sharding.worker, cfg, sharding.gather)
@@ -13,20 +12,18 @@ from __future__ import annotations
 import copy
 import statistics
 from dataclasses import dataclass, field
-from typing import Callable, Sequence
+from typing import Any, Callable, ClassVar, Mapping, Sequence
 
 import torch
 from torch import nn
 
 from pipelab import experiments
-from pipelab.checks import divides, mean_loss, modelled_size, positive_number, same_batch, trainable, whole_number
+from pipelab.checks import divides, mean_loss, positive_number, same_batch, trainable, whole_number
 from pipelab.display import human_bytes
 from pipelab.emulate import cost, sized
-from pipelab.measure import (Measured, RankSteps, Steps, TimedSteps, alternate, compare, compare_medians, gather_steps,
-                             ratios, time_steps)
+from pipelab.measure import Measured, RankSteps, Steps, TimedSteps, compare, compare_medians, gather_steps, time_steps
 from pipelab.sharding import (OPTIMIZERS, Collectives, DataParallel, Held, Zero1, Zero2, Zero3, formula,
                               layers_of, make_optimizer)
-from pipelab.sharding.memory import PeakMeter
 from pipelab.sharding.torch_side import TorchFSDP, TorchZero1
 from pipelab.worker import RankContext
 
@@ -43,15 +40,11 @@ LABEL = {"dp": "DP (ours)", "zero1": "ZeRO-1 (ours)", "zero2": "ZeRO-2 (ours)", 
 MOMENTS = {"adam": 2, "adamw": 2, "sgd": 0}  # optimizer state values per parameter
 
 
-# ---------------------------------------------------------------------------------------------
-# The configuration: refuses what cannot run, before any rank starts
-# ---------------------------------------------------------------------------------------------
-
-
 @dataclass(frozen=True, kw_only=True)
 class Config(experiments.Config):
     """One sharding experiment. `model` is a module (every rank takes a copy) or a function that
-    builds it (every rank calls it, as real sharded training does: it must build the same weights)."""
+    builds it (every rank calls it, as real sharded training does: it must build the same weights).
+    SIZE: the per-rank `batch` a modelled node times each layer's compute at (None: the real one)."""
 
     model: nn.Module | Callable[[], nn.Module]
     x: torch.Tensor
@@ -61,7 +54,7 @@ class Config(experiments.Config):
     optimizer: str = "adam"
     lr: float = 1e-3
     steps: int = 4  # every step checked against one process; all but the first timed
-    emulated_batch: int | None = None  # the per-rank batch a modelled node's compute is modelled at
+    SIZE: ClassVar[Mapping[str, Any]] = {"batch": None}
 
     def check(self) -> None:
         super().check()
@@ -75,7 +68,8 @@ class Config(experiments.Config):
                 f"each value on its own ({', '.join(OPTIMIZERS)}). One that looks at a whole tensor or the whole "
                 f"gradient (LBFGS, Adafactor, LAMB's trust ratio, Muon) would see pieces; use optimizer='adam'")
         positive_number("lr", self.lr, example="lr=1e-3")
-        modelled_size(self, "emulated_batch")
+        if self.size.batch is not None:
+            whole_number("batch", self.size.batch, example="batch=512")
         whole_number("steps", self.steps, example="steps=4")
         divides("batch", same_batch(self.x, self.y), "world_size", self.world_size)
         mean_loss(self.loss_fn)
@@ -121,11 +115,6 @@ def layers_fit(model: nn.Module, world_size: int) -> None:
                 f"{layer.layout.numel}, or a wider layer")
 
 
-# ---------------------------------------------------------------------------------------------
-# On each rank
-# ---------------------------------------------------------------------------------------------
-
-
 def trainer(ctx: RankContext, cfg: Config, variant: str, model: nn.Module):
     """The trainer of `variant` around this rank's model."""
     ours = {"dp": DataParallel, "zero1": Zero1, "zero2": Zero2, "zero3": Zero3}
@@ -152,18 +141,11 @@ class VariantResult:
     steps: RankSteps = field(repr=False)
 
 
-@dataclass
-class Result:
-    """What one rank returns: each variant's result."""
-
-    variants: dict[str, VariantResult]
-
-
 def train(ctx: RankContext, cfg: Config, variant: str, x: torch.Tensor, y: torch.Tensor) -> VariantResult:
     """Train this rank's model with `variant` for cfg.steps steps on its slice (x, y)."""
     model = cfg.build().to(ctx.device)
     layers = [(layer.name, layer.module) for layer in layers_of(model, 1)]
-    sized.time_sharded_layers(ctx, layers, model, x, cfg.emulated_batch or x.shape[0])  # a modelled node's clock
+    sized.time_sharded_layers(ctx, layers, model, x, cfg.size.batch or x.shape[0])  # a modelled node's clock
     t = trainer(ctx, cfg, variant, model)
     comm = getattr(t, "comm", None)
 
@@ -173,25 +155,20 @@ def train(ctx: RankContext, cfg: Config, variant: str, x: torch.Tensor, y: torch
         return t.step(x, y, cfg.loss_fn)
 
     measured = time_steps(ctx, step, cfg.steps)
-    weights = t.full_parameters()
-    kinds = None if comm is None else {k: sum(m.kind == k for m in comm.messages)
-                                       for k in ("allreduce", "reducescatter", "allgather")}
-    return VariantResult(measured.results, weights if ctx.rank == 0 else None, t.held(),
-                         None if comm is None else comm.bytes_sent(),
-                         None if comm is None else float(sum(m.payload for m in comm.messages)),
-                         kinds, getattr(t, "peak_gathered", None), measured)
+    weights = t.full_parameters()  # a collective: every rank gathers, rank 0 keeps them
+    weights = weights if ctx.rank == 0 else None
+    if comm is None:
+        return VariantResult(measured.results, weights, t.held(), None, None, None, None, measured)
+    kinds = {k: sum(m.kind == k for m in comm.messages) for k in ("allreduce", "reducescatter", "allgather")}
+    return VariantResult(measured.results, weights, t.held(), comm.bytes_sent(),
+                         float(sum(m.payload for m in comm.messages)), kinds, getattr(t, "peak_gathered", None), measured)
 
 
-def worker(ctx: RankContext, cfg: Config) -> Result:
-    """Worker: every variant in turn, each on this rank's equal slice of the batch."""
+def worker(ctx: RankContext, cfg: Config) -> dict[str, VariantResult]:
+    """Every variant in turn, each on this rank's equal slice of the batch."""
     x = cfg.x.chunk(ctx.world_size)[ctx.rank].to(ctx.device)
     y = cfg.y.chunk(ctx.world_size)[ctx.rank].to(ctx.device)
-    return Result({v: train(ctx, cfg, v, x, y) for v in cfg.variants})
-
-
-# ---------------------------------------------------------------------------------------------
-# The parent side: gather, the reference, the tables
-# ---------------------------------------------------------------------------------------------
+    return {v: train(ctx, cfg, v, x, y) for v in cfg.variants}
 
 
 @dataclass
@@ -239,7 +216,7 @@ class Run:
     psi: int
     moments: int  # optimizer state values per parameter (Adam: 2)
     variants: dict[str, VariantRun]
-    emulate: str | None = None  # the node it ran on (modelled time), or None: this machine
+    node: str | None = None  # the node that timed it (modelled time), or None: this machine
 
     def __getitem__(self, variant: str) -> VariantRun:
         return self.variants[variant]
@@ -247,25 +224,23 @@ class Run:
     @property
     def modelled(self) -> bool:
         """Whether its times are modelled (they repeat exactly) rather than measured."""
-        return self.emulate is not None
+        return self.node is not None
 
     def formula(self, variant: str) -> Held:
         return formula(STAGE[variant], self.psi, self.world_size, state_bytes=4 * self.moments)
 
 
-def gather(cfg: Config, results: Sequence[Result]) -> Run:
+def gather(cfg: Config, results: Sequence[dict[str, VariantResult]]) -> Run:
     variants = {}
     for v in cfg.variants:
-        per_rank = [r.variants[v] for r in results]
-        first = per_rank[0]
-        ours = first.sent is not None
-        variants[v] = VariantRun(
-            v, [statistics.mean(step) for step in zip(*(r.losses for r in per_rank))], first.weights,
-            [r.held for r in per_rank], [r.sent for r in per_rank] if ours else None,
-            [r.payload for r in per_rank] if ours else None, first.messages,
-            [r.peak_gathered for r in per_rank] if first.peak_gathered is not None else None,
-            gather_steps([r.steps for r in per_rank]))
-    return Run(cfg.world_size, cfg.psi, MOMENTS[cfg.optimizer], variants, cfg.emulate)
+        ranks = [r[v] for r in results]
+
+        def each(name: str) -> list | None:
+            return None if getattr(ranks[0], name) is None else [getattr(r, name) for r in ranks]
+        variants[v] = VariantRun(v, [statistics.mean(step) for step in zip(*(r.losses for r in ranks))],
+                                 ranks[0].weights, each("held"), each("sent"), each("payload"), ranks[0].messages,
+                                 each("peak_gathered"), gather_steps([r.steps for r in ranks]))
+    return Run(cfg.world_size, cfg.psi, MOMENTS[cfg.optimizer], variants, cfg.node_name)
 
 
 @dataclass
@@ -347,11 +322,6 @@ def fit_rows(psi: float, world_size: int, device_bytes: float, param_bytes: floa
     return rows
 
 
-# ---------------------------------------------------------------------------------------------
-# Verdicts: the sentences the notebook concludes, computed from the run
-# ---------------------------------------------------------------------------------------------
-
-
 def prefetch_rows(run: Run) -> list[dict]:
     """ZeRO-3 with prefetch and without: step (first to last span), communication no compute hid,
     and the most whole-layer parameter bytes held at once."""
@@ -362,95 +332,21 @@ def prefetch_rows(run: Run) -> list[dict]:
             for name, r in (("prefetch", run["zero3"]), ("no prefetch", run["zero3_no_prefetch"]))]
 
 
-def prefetch_verdict(run: Run) -> tuple:
-    """What prefetching did to ZeRO-3's step and its exposed communication, and what it cost in
-    memory. Modelled time repeats exactly, so any difference is real; measured
-    time moves from run to run, so a direction only beyond that noise."""
+def prefetch_verdict(run: Run) -> tuple[str, str, str, dict]:
+    """What prefetching did to ZeRO-3's step and exposed communication, and what it cost in memory.
+    Modelled time repeats exactly, so any difference is real; measured time only beyond its noise."""
     on, off = run["zero3"], run["zero3_no_prefetch"]
     differ = compare if run.modelled else compare_medians
     step, exposed = differ(on.makespan, off.makespan), differ(on.exposed_comm, off.exposed_comm)
     peak_on, peak_off = max(on.peak_gathered), max(off.peak_gathered)
     where = "on the emulated node (modelled)" if run.modelled else "on this machine (measured)"
     held = "more" if peak_on > peak_off else "as many" if peak_on == peak_off else "fewer"
-    said = {"lower": "lower", "higher": "higher", "within noise": "within noise"}[step]
     text = (f"{where}, ZeRO-3's step took {on.makespan.median * 1e3:.3g} ms with prefetch and "
-            f"{off.makespan.median * 1e3:.3g} ms without ({said}), holding {held} whole-layer parameters at once")
+            f"{off.makespan.median * 1e3:.3g} ms without ({step}), holding {held} whole-layer parameters at once")
     return ("11.prefetch", f"step {step}; exposed communication {exposed}", text,
             dict(step_ms_prefetch=on.makespan.scaled(1e3), step_ms_no_prefetch=off.makespan.scaled(1e3),
                  exposed_ms_prefetch=on.exposed_comm.scaled(1e3), exposed_ms_no_prefetch=off.exposed_comm.scaled(1e3),
                  peak_gathered_prefetch=peak_on, peak_gathered_no_prefetch=peak_off))
-
-
-# ---------------------------------------------------------------------------------------------
-# Ours against torch's, in turn (benchmarks/sharding.py)
-# ---------------------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True, kw_only=True)
-class RaceConfig(Config):
-    """Two variants trained in turn in one set of processes, `steps` timed steps each per round."""
-
-    variants: tuple[str, ...] = ("zero3", "fully_shard")
-    rounds: int = 5
-
-    def check(self) -> None:
-        super().check()
-        whole_number("rounds", self.rounds, example="rounds=5")
-        if len(self.variants) != 2:
-            raise ValueError(f"a race needs two variants, got {self.variants!r}; e.g. ('zero3', 'fully_shard')")
-
-
-@dataclass
-class RaceResult:
-    """One rank: each variant's median step per round (seconds) and its sampled peak bytes."""
-
-    rounds: dict[str, list[float]]
-    seconds: dict[str, list[float]]
-    peak: dict[str, float]
-
-
-def race_worker(ctx: RankContext, cfg: RaceConfig) -> RaceResult:
-    """Worker: both variants built side by side, a warm-up step each, then `rounds` rounds of
-    `steps` timed steps of each in turn (`measure.alternate`), so a load that comes and goes hits
-    both alike; a `PeakMeter` samples each one's bytes at every layer boundary."""
-    x = cfg.x.chunk(ctx.world_size)[ctx.rank].to(ctx.device)
-    y = cfg.y.chunk(ctx.world_size)[ctx.rank].to(ctx.device)
-    trainers = {v: trainer(ctx, cfg, v, cfg.build().to(ctx.device)) for v in cfg.variants}
-    meters = {v: PeakMeter(t.model, t.optimizer, getattr(t, "full", ())) for v, t in trainers.items()}
-    seconds: dict[str, list[float]] = {v: [] for v in cfg.variants}
-
-    def step(v: str) -> float:
-        loss = trainers[v].step(x, y, cfg.loss_fn)
-        meters[v].sample()  # after the step too: gradients and optimizer state all there
-        return loss
-
-    def one_round(v: str) -> float:
-        got = time_steps(ctx, lambda i: step(v), cfg.steps, warmup=0)
-        seconds[v] += got.seconds
-        return statistics.median(got.seconds)
-
-    per_round = alternate({v: (lambda v=v: one_round(v)) for v in cfg.variants}, cfg.rounds, warmup=1)
-    for v in cfg.variants:
-        seconds[v] = seconds[v][-cfg.rounds * cfg.steps:]  # the warm-up round's steps go
-    return RaceResult(per_round, seconds, {v: m.peak for v, m in meters.items()})
-
-
-@dataclass
-class Race:
-    """Ours against torch's: step times, the per-round ratio, and peak bytes per rank."""
-
-    variants: tuple[str, str]
-    step_time: dict[str, Measured]  # seconds, every timed step (the slowest rank's)
-    ratio: Measured  # first / second, one per round (each round's median steps, slowest rank)
-    peak: dict[str, float]  # bytes, the fullest rank
-
-
-def race_gather(cfg: RaceConfig, results: Sequence[RaceResult]) -> Race:
-    a, b = cfg.variants
-    slowest = {v: [max(r) for r in zip(*(res.rounds[v] for res in results))] for v in cfg.variants}
-    steps = {v: Measured.of(max(s) for s in zip(*(res.seconds[v] for res in results))) for v in cfg.variants}
-    return Race((a, b), steps, ratios(slowest[a], slowest[b]), {v: max(r.peak[v] for r in results)
-                                                                for v in cfg.variants})
 
 
 def run_flops(params: dict) -> float:

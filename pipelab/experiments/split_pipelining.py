@@ -3,10 +3,8 @@
     run = split_pipelining.split_sweep(cfg, split_sizes=(1, 4, 16, 64), variants=("pipelined",))
     pipelab.conclude(*split_pipelining.curve_verdict(run))
 
-`cfg` is `experiments.model_parallel`'s Config (the model on two devices and a batch); every
-forward of a sweep is timed in the same alternating rounds (`model_parallel.time_forwards`)
-against one one-device baseline, so speedups are round-by-round ratios. Tables carry the figures
-behind each one-sentence conclusion.
+`cfg` is `experiments.model_parallel`'s Config; every forward of a sweep is timed in the same
+alternating rounds against one one-device baseline, so speedups are round-by-round ratios.
 """
 
 from __future__ import annotations
@@ -33,8 +31,8 @@ from pipelab.timeline import Timeline
 
 @dataclass
 class SplitSweep:
-    """One variant over the split sizes: each size's `Timed`, its speedup over the one-device
-    forward on the whole batch (round by round), and the split size of highest median speedup."""
+    """One variant over the split sizes: each size's `Timed`, its speedup over one device (round by
+    round), and the split size of highest median speedup."""
 
     variant: str
     timed: dict[int, Timed]
@@ -49,8 +47,7 @@ class SplitSweep:
 
 @dataclass
 class SweepRun:
-    """Split variants over split sizes, all timed in the same alternating rounds against one
-    one-device baseline. `sweep_run[variant]` is that variant's `SplitSweep`."""
+    """Split variants over split sizes against one one-device baseline; `run[variant]` is a `SplitSweep`."""
 
     one_device: Timed
     sweeps: dict[str, SplitSweep]
@@ -84,10 +81,9 @@ class SweepRun:
 
 def split_sweep(cfg: Config, split_sizes: Sequence[int],
                 variants: Sequence[str] = ("pipelined", "dual_stream")) -> SweepRun:
-    """Forward times of the split `variants` over `split_sizes` against one one-device baseline
-    (the whole batch at once), all timed in the same alternating rounds (`time_forwards`). One
-    device split by split with one split IS the baseline: that entry is the baseline's own rounds
-    (1.00x), not a second measurement of the same forward."""
+    """Forward times of the split `variants` over `split_sizes` against one one-device baseline, all
+    in the same alternating rounds (`time_forwards`). Split by split with one split IS the baseline:
+    that entry is the baseline's own rounds, not a second measurement of the same forward."""
     bad = [v for v in variants if v not in SPLIT_VARIANTS]
     if bad or not variants:
         raise ValueError(f"variants={list(variants)!r}: a split sweep runs some of {', '.join(SPLIT_VARIANTS)}")
@@ -108,8 +104,7 @@ def split_sweep(cfg: Config, split_sizes: Sequence[int],
 
 
 def curve_verdict(run: SweepRun, variant: str = "pipelined") -> Verdict:
-    """Lesson 03: the shape of the speedup curve. An end of the curve lost to the best split only
-    where it was slower than the best split in every round."""
+    """Lesson 03: the curve's shape; an end lost to the best split only if slower in every round."""
     sweep, sizes = run[variant], run.split_sizes
     best, small, large = sweep.best_split, sizes[0], sizes[-1]
 
@@ -127,7 +122,7 @@ def curve_verdict(run: SweepRun, variant: str = "pipelined") -> Verdict:
 
 def bound_verdict(run: SweepRun) -> Verdict:
     """Lesson 03: what the overlap itself bought (pipelined over split by split) against the bound
-    2k/(k+1), at the split where it beat the bound in every round, else at the best split."""
+    2k/(k+1), where it beat the bound in every round, else at the best split."""
     piped, by_split = run["pipelined"], run["split_by_split"]
     gain_above = [s for s in run.split_sizes if run.overlap_gain(s).low > run.bound(s)]  # in every round
     s = max(gain_above, key=lambda s: run.overlap_gain(s).median) if gain_above else piped.best_split
@@ -141,9 +136,8 @@ def bound_verdict(run: SweepRun) -> Verdict:
 
 
 def anchor_rows(run: SweepRun, slower_node: str = "2xT4") -> list[dict]:
-    """The tutorial's published speedups beside this run's at the same split sizes and the best
-    split of each; on a modelled node, the launches' share of a split at the tutorial's best and
-    what the same formulas give on a slower card (its data sheet)."""
+    """The tutorial's published speedups beside this run's; on a modelled node also the launches'
+    share of a split of 12 and the best split the same formulas give on a slower card."""
     piped, here = run["pipelined"], f"here ({run.where})"
     rows = []
     for split, key in ((20, "tutorial_pipeline_split20_speedup"), (12, "tutorial_pipeline_split12_speedup")):
@@ -165,8 +159,7 @@ def anchor_rows(run: SweepRun, slower_node: str = "2xT4") -> list[dict]:
 
 
 def anchor_verdict(run: SweepRun) -> Verdict:
-    """Lesson 03: the sweep's best split beside the tutorial's (12, +54%); the table beside it
-    (`anchor_rows`) says why they may differ: the tutorial times training steps on older GPUs."""
+    """Lesson 03: the sweep's best split beside the tutorial's (12); `anchor_rows` says why they may differ."""
     piped, published_best = run["pipelined"], 12
     best = piped.best_split
     verdict = "same best split" if best == published_best else "other best split"
@@ -177,8 +170,7 @@ def anchor_verdict(run: SweepRun) -> Verdict:
 
 
 def cores_rows(modelled: SweepRun, cores: SweepRun) -> list[dict]:
-    """The sweep on this machine's cores, size by size: pipelined and split by split over one
-    device, what the overlap bought, and the modelled pipelined speedup at the same size."""
+    """The sweep on this machine's cores, size by size, beside the modelled pipelined speedup."""
     return [{"split size": s, "pipelined": f"{cores['pipelined'].speedup[s]:.2f}",
              "split by split": f"{cores['split_by_split'].speedup[s]:.2f}",
              "pipelined over split by split": f"{cores.overlap_gain(s):.2f}",
@@ -202,15 +194,14 @@ def cores_verdict(modelled: SweepRun, cores: SweepRun) -> Verdict:
 
 
 def copy_stream_speedup(run: SweepRun) -> Measured:
-    """Lesson 04: the copy stream's best split over lesson 03's best split (copies in the compute
-    stream), round by round."""
+    """Lesson 04: the copy stream's best split over lesson 03's best split, round by round."""
     before, after = run["pipelined"], run["dual_stream"]
     return speedup(before.timed[before.best_split], after.timed[after.best_split])
 
 
 def split_costs(timed: Timed) -> dict[str, float]:
-    """Per-split costs (s) read off the median round of a pipelined or dual-stream forward: the
-    median duration of device 0's forward boxes, of the copies to device 1, and of device 1's."""
+    """Per-split seconds read off the median round: the median of device 0's forward boxes, of the
+    copies to device 1, and of device 1's forward boxes."""
     tl, (d0, d1) = timed.typical, timed.devices
 
     def median_duration(spans) -> float:
@@ -221,16 +212,15 @@ def split_costs(timed: Timed) -> dict[str, float]:
 
 
 def simulated_forwards(costs: dict[str, float], splits: int) -> dict[str, float]:
-    """The forward times (s) that `model_parallel.pipeline_time` predicts from per-split `costs`
-    when every stream has hardware of its own (a GPU's copy engine): pipelined, the copy is a
-    stage of device 1's compute; dual stream, it is a stage of its own."""
+    """The forward seconds `model_parallel.pipeline_time` predicts from per-split `costs` when every
+    stream has hardware of its own: pipelined, the copy is part of device 1's stage; dual stream,
+    a stage of its own."""
     a, c, b = costs["device 0"], costs["copy"], costs["device 1"]
     return {"pipelined": mp.pipeline_time([a, c + b], splits), "dual_stream": mp.pipeline_time([a, c, b], splits)}
 
 
 def copy_stream_rows(run: SweepRun) -> list[dict]:
-    """Lesson 03's best split's per-split costs (its median round) and the forward the pipeline
-    formulas give from them, with the copy in the compute stream and on a copy engine."""
+    """Lesson 03's best split's per-split costs and the forwards the pipeline formulas give from them."""
     best03 = run["pipelined"].best_split
     costs = split_costs(run["pipelined"].timed[best03])
     sim = simulated_forwards(costs, run.splits(best03))
@@ -241,9 +231,8 @@ def copy_stream_rows(run: SweepRun) -> list[dict]:
 
 
 def copy_stream_verdict(run: SweepRun) -> Verdict:
-    """Lesson 04: was the copy stream faster than lesson 03's best split? A direction only when
-    every round agrees and the median is beyond a whole run's noise (`compare_medians`; modelled
-    time has none); beside it, what the pipeline formulas give with this run's per-split costs."""
+    """Lesson 04: was the copy stream faster than lesson 03's best split? A direction only when every
+    round agrees and (on a real clock) the median is beyond a whole run's noise (`compare_medians`)."""
     gain = copy_stream_speedup(run)
     every_round = speed_verdict(gain)
     agree = {"faster": "higher", "slower": "lower"}.get(every_round) == compare_medians(gain, Measured.of([1.0]))
@@ -258,15 +247,10 @@ def copy_stream_verdict(run: SweepRun) -> Verdict:
                                               "simulated_speedup": sim["pipelined"] / sim["dual_stream"]})
 
 
-# ---------------------------------------------------------------------------------------------
-# Lesson 04: the race, where it can be seen
-# ---------------------------------------------------------------------------------------------
-
-
 @dataclass
 class HazardRun:
-    """One dual-stream forward checked two ways: the splits whose output differs from the
-    one-device model's, and the splits whose compute started before their copy landed."""
+    """One dual-stream forward checked two ways: splits whose output differs from one device's, and
+    splits whose compute started before their copy landed."""
 
     splits: int
     wrong_splits: list[int]
@@ -282,12 +266,9 @@ class HazardRun:
 
 
 def hazard_report(cfg: Config, split_size: int, use_events: bool = True, late_producer: bool = False) -> HazardRun:
-    """Run the dual-stream forward once, with or without events, and check it against the
-    one-device model and on the timeline (`model_parallel.raw_hazards`).
-
-    `late_producer` holds device 0 until device 1 has run every split, as if device 0 were
-    still busy with earlier work: without events every read then comes before its copy, by
-    construction rather than by chance."""
+    """Run the dual-stream forward once, with or without events, and check it against one device
+    and on the timeline (`raw_hazards`). `late_producer` holds device 0 until device 1 has run every
+    split: without events every read then comes before its copy, by construction, not by chance."""
     cfg.fits(Forward("dual_stream", split_size))
     if late_producer and use_events:
         raise ValueError("late_producer=True with use_events=True: device 1 would wait for device 0, "

@@ -75,3 +75,24 @@ def hazard_gantt(timeline: Timeline, rank: int | str, hazards: Sequence[int], ax
     labels = [*(t.get_text() for t in kinds.get_texts()), "read before its copy landed"]
     ax.legend(handles, labels, title="kind", loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize="small")
     return ax
+
+
+def forward_time_curves(run, modelled: bool = False, ax=None):
+    """Lesson 04: forward time against split size with the copies in device 1's compute stream
+    (lesson 03) and on a copy stream of their own (a `split_pipelining.SweepRun`), each curve's
+    best split starred. Modelled times repeat exactly: drawn as plain numbers, not as ranges."""
+    sweeps = {"lesson 03": run["pipelined"], "copy stream": run["dual_stream"]}
+    labels = {"lesson 03": "copy in the compute stream (lesson 03)", "copy stream": "copy stream (lesson 04)"}
+    clock = ", modelled" if modelled else ""
+    ax = measured_curves({labels[k]: {s: m.median * 1e3 if modelled else m.scaled(1e3) for s, m in sweep.seconds.items()}
+                          for k, sweep in sweeps.items()}, ax, ylabel=f"forward time (ms{clock})",
+                         title="forward time against split size" + (" on the emulated node" if modelled else ""))
+    for i, (name, sweep) in enumerate(sweeps.items()):
+        best = sweep.best_split
+        ms = sweep.seconds[best].median * 1e3
+        ax.plot(best * (1.0 + 0.04 * i), ms, "*", color=f"C{i}", markeredgecolor="black", markersize=14, zorder=5,
+                label=f"best, {name}: split {best} ({ms:.1f} ms{clock})")
+    ax.set_xticks(run.split_sizes, [str(s) for s in run.split_sizes], minor=False)
+    ax.minorticks_off()
+    ax.legend(fontsize="small")
+    return ax

@@ -52,7 +52,7 @@ def plot_prefetch(run: "Run", axes=None, unit: str = "ms", ranks: Sequence[int] 
         rows = sum(len(tl.rows()) for tl in timelines.values())
         _, axes = plt.subplots(2, 1, figsize=(11, 0.55 * rows + 2.5), sharex=True)
     longest = max(tl.makespan for tl in timelines.values()) * 1e3
-    where = f"emulated {run.emulate}" if run.emulate else "this machine"
+    where = f"emulated {run.node}" if run.node else "this machine"
     for ax, (variant, name) in zip(axes, steps.items()):
         tl = timelines[variant]
         gantt(tl, ax=ax, label_mb=False, unit=unit, title=f"ZeRO-3 on {run.world_size} ranks ({where}), {name}: "
