@@ -59,7 +59,7 @@ def main(channels: int = 64, blocks: tuple[int, int] = (2, 2), batch: int = 64, 
     print(f"{'variant':<26}{'forward ms':>24}{'speedup':>22}")
     for name, key in [("one device", "one_device"), ("naive (2 devices)", "naive"),
                       *((f"{v} split={s}", (v, s)) for v in ("pipelined", "dual_stream") for s in sizes)]:
-        ms = format(runs[key].seconds.scaled(1e3), ".1f")
+        ms = format(runs[key].step_time.scaled(1e3), ".1f")
         print(f"{name:<26}{ms:>24}{format(gain[key], '.2f'):>22}")
     print(f"copy stream's best (split {best_dual}) over pipelined's best (split {best}): {dual_over_best:.2f}x")
     print(f"copies take {copy_share.scaled(100):.0f} % of device 1's compute stream when pipelined (split {best}); "
@@ -74,7 +74,7 @@ def main(channels: int = 64, blocks: tuple[int, int] = (2, 2), batch: int = 64, 
               f"split 20 {published['published_split20_speedup']}x, split 12 {published['published_split12_speedup']}x")
     return {"device": f"emulated {pace.node}" if pace is not None else devs[0].name.split(":")[0], "repeats": repeats,
             **published,
-            **_figure("one_device_ms", base.seconds.scaled(1e3), 2),
+            **_figure("one_device_ms", base.step_time.scaled(1e3), 2),
             **_figure("naive_speedup", gain["naive"]), "best_split": best,
             **_figure("best_split_speedup", gain[("pipelined", best)]),
             "dual_stream_split": best_dual, **_figure("dual_stream_speedup", gain[("dual_stream", best_dual)]),

@@ -47,7 +47,7 @@ def split_size_explorer(cfg: Config, run: SweepRun, variant: str = "pipelined") 
         runs = time_forwards(cfg, {"one": Forward("one_device"), "split": Forward(variant, split_size)})
         gain = speedup(runs["one"], runs["split"])
         fig, (ax_t, ax_s) = plt.subplots(1, 2, figsize=(13, 3.2), gridspec_kw={"width_ratios": [2, 1]})
-        plots.gantt(runs["split"].typical, ax=ax_t,
+        plots.gantt(runs["split"].timeline, ax=ax_t,
                     title=f"{variant} forward, split_size={split_size}: median of {cfg.repeats} runs")
         speedup_curve(sweep, ax=ax_s, batch=cfg.batch, this_run=(split_size, gain))
         show_in(out, fig, f"split_size={split_size}: speedup {gain:.2f}x (median, min-max of {cfg.repeats} runs)")

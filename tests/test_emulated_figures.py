@@ -122,9 +122,9 @@ def test_lessons_02_to_04_resnet_halves_on_paced_devices():
             naive = ex.naive_run(cfg)
             variants = ("pipelined", "dual_stream") if lesson == "04" else ("split_by_split", "pipelined")
             sweep = split_pipelining.split_sweep(cfg, [1, 3, 6, 12], variants)
-            out[lesson] = {"one device": fig(naive.one_device.seconds), "naive": fig(naive.naive.seconds),
-                           **{f"{v} {s}": fig(t.seconds) for v in variants for s, t in sweep[v].timed.items()},
-                           **{f"{v} timeline": timeline(sweep[v].timed[sweep[v].best_split].typical) for v in variants}}
+            out[lesson] = {"one device": fig(naive.one_device.step_time), "naive": fig(naive.naive.step_time),
+                           **{f"{v} {s}": fig(t.step_time) for v in variants for s, t in sweep[v].timed.items()},
+                           **{f"{v} timeline": timeline(sweep[v].timed[sweep[v].best_split].timeline) for v in variants}}
         finally:
             ds.close()
     check("02-04", out)

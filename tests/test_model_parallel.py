@@ -131,7 +131,7 @@ def test_hazard_report_with_a_late_producer_sees_every_read_too_early(devs):
 
 def test_pipelined_copies_never_race(devs):
     timed = _timed(_cfg("resnet", devs, repeats=1), Forward("pipelined", 4))
-    assert mp.raw_hazards(timed.typical, "cpu:1") == []  # copy and compute share one in-order stream
+    assert mp.raw_hazards(timed.timeline, "cpu:1") == []  # copy and compute share one in-order stream
     assert timed.overlap.values == (0.0,) and 0 < timed.copy_share.median < 1  # the copies sit in compute
 
 
@@ -170,7 +170,7 @@ def test_time_forwards_alternates_and_keeps_every_round(devs, monkeypatch):
     runs = time_forwards(cfg, {"a": Forward("pipelined", 3), "b": Forward("pipelined", 6)})
     assert calls == [3, 6] * 4  # one warm-up round, then three rounds, A B A B ...
     for r in runs.values():
-        assert len(r.seconds.values) == len(r.timelines) == 3 and r.devices == ("cpu:0", "cpu:1")
+        assert len(r.step_time.values) == len(r.steps.timelines) == 3 and r.devices == ("cpu:0", "cpu:1")
     with pytest.raises(ValueError, match="variant='sideways'"):
         Forward("sideways", 3)
 
@@ -180,17 +180,17 @@ def test_typical_is_the_round_of_median_makespan():
 
     rounds = [Timeline([Span("cpu:0", "compute", "F", 0.0, t)]) for t in (0.3, 0.1, 0.5, 0.2)]
     timed = Timed(Steps([0.3, 0.1, 0.5, 0.2], rounds), ("cpu:0", "cpu:1"))
-    assert timed.typical is rounds[3] and timed.seconds.values == (0.3, 0.1, 0.5, 0.2)  # 0.2: the lower middle
+    assert timed.timeline is rounds[3] and timed.step_time.values == (0.3, 0.1, 0.5, 0.2)  # 0.2: the lower middle
 
 
 def test_split_sweep_speedups_are_round_by_round_ratios(devs):
     run = split_sweep(_cfg("toy", devs, repeats=2), [3, 12], ("split_by_split", "pipelined"))
     piped, by_split = run["pipelined"], run["split_by_split"]
-    base = run.one_device.seconds.values  # one baseline for both variants
+    base = run.one_device.step_time.values  # one baseline for both variants
     for s in (3, 12):
-        assert piped.speedup[s].values == pytest.approx([b / t for b, t in zip(base, piped.timed[s].seconds.values)])
-        assert piped.seconds[s] == piped.timed[s].seconds
-        gain = [b / p for b, p in zip(by_split.timed[s].seconds.values, piped.timed[s].seconds.values)]
+        assert piped.speedup[s].values == pytest.approx([b / t for b, t in zip(base, piped.timed[s].step_time.values)])
+        assert piped.seconds[s] == piped.timed[s].step_time
+        gain = [b / p for b, p in zip(by_split.timed[s].step_time.values, piped.timed[s].step_time.values)]
         assert run.overlap_gain(s).values == pytest.approx(gain)
     assert piped.best_split == max((3, 12), key=lambda s: piped.speedup[s].median)
     assert run.splits(3) == 4 and run.bound(12) == 1.0
@@ -218,7 +218,7 @@ def test_simulated_forwards_hide_the_copy_on_its_own_stream():
 def test_split_costs_reads_the_median_boxes(devs):
     timed = _timed(_cfg("wide", devs, repeats=1), Forward("dual_stream", 4))
     costs = split_costs(timed)
-    copies = sorted(s.duration for s in timed.typical.filter(rank="cpu:1", kind="copy"))
+    copies = sorted(s.duration for s in timed.timeline.filter(rank="cpu:1", kind="copy"))
     assert len(copies) == 3 and costs["copy"] == copies[1]
     assert costs["device 0"] > 0 and costs["device 1"] > 0
 
@@ -503,7 +503,7 @@ def test_emulated_naive_is_slower_by_the_copy_and_prints_the_figures_it_is_compu
     ex, pace, cfg = emulated
     run = ex.naive_run(cfg)
     copy_s = pace.copy_seconds(12 * pace.images_per_row)
-    assert run.naive.seconds.median - run.one_device.seconds.median == pytest.approx(copy_s)
+    assert run.naive.step_time.median - run.one_device.step_time.median == pytest.approx(copy_s)
     rows = run.rounds()
     assert len(rows) == 2 and float(rows[0]["one device / naive"]) == pytest.approx(run.speedup.median, abs=1e-3)
     key, verdict, text, figures = ex.naive_verdict(run)

@@ -22,7 +22,7 @@ from pipelab import hardware
 from pipelab import model_parallel as mp
 from pipelab.checks import same_batch, whole_number
 from pipelab.emulate import anchors, cost, node_name, resnet50, size_of, specs
-from pipelab.measure import Measured, Steps, alternate, ratios
+from pipelab.measure import Measured, Steps, TimedSteps, alternate, ratios
 from pipelab.models import SplitResNet
 from pipelab.reference import Reference, assert_same, exact_fp32, reference_run
 from pipelab.streams import Device, Pace, timeline
@@ -237,40 +237,29 @@ def check_against_one_device(cfg: Config, f: Forward, tol: float = 1e-5) -> floa
 
 
 @dataclass
-class Timed:
-    """Repeats of one forward: each round's time and timeline, and the labels of device 0 and 1."""
+class Timed(TimedSteps):
+    """Repeats of one forward (`steps`: each round's time and timeline; `step_time` and `timeline`,
+    the typical round, as every run has them), and the labels of device 0 and 1."""
 
     steps: Steps = field(repr=False)
     devices: tuple[str, str]
-
-    @property
-    def seconds(self) -> Measured:
-        return self.steps.step_time
-
-    @property
-    def timelines(self) -> list[Timeline]:
-        return self.steps.timelines
-
-    @property
-    def typical(self) -> Timeline:
-        return self.steps.typical
 
     @property
     def copy_share(self) -> Measured:
         """Per round: the share of device 1's compute stream that its copies took."""
         d1 = self.devices[1]
         return Measured.of(tl.filter(kind="copy").busy_time(d1, "compute") / (tl.busy_time(d1, "compute") or 1.0)
-                           for tl in self.timelines)
+                           for tl in self.steps.timelines)
 
     @property
     def overlap(self) -> Measured:
         """Per round: the fraction of the copy time hidden behind computation on device 1."""
-        return Measured.of(tl.overlap("compute", "copy", rank=self.devices[1]) for tl in self.timelines)
+        return Measured.of(tl.overlap("compute", "copy", rank=self.devices[1]) for tl in self.steps.timelines)
 
 
 def speedup(before: Timed, after: Timed) -> Measured:
     """How many times faster `after` ran than `before`: round-by-round ratios of their times."""
-    return ratios(before.seconds.values, after.seconds.values)
+    return ratios(before.step_time.values, after.step_time.values)
 
 
 def time_forwards(cfg: Config, forwards: Mapping[K, Forward]) -> dict[K, Timed]:
@@ -323,7 +312,7 @@ class NaiveRun:
         """Per round: both times and their ratio, the figures `speedup` is computed from."""
         return [{"round": i + 1, "one device (ms)": f"{a * 1e3:.2f}", "naive (ms)": f"{b * 1e3:.2f}",
                  "one device / naive": f"{a / b:.3f}"}
-                for i, (a, b) in enumerate(zip(self.one_device.seconds.values, self.naive.seconds.values))]
+                for i, (a, b) in enumerate(zip(self.one_device.step_time.values, self.naive.step_time.values))]
 
 
 def naive_run(cfg: Config) -> NaiveRun:
@@ -353,7 +342,7 @@ def naive_verdict(run: NaiveRun) -> Verdict:
 
 def naive_anchor_rows(run: NaiveRun) -> list[dict]:
     """The modelled naive slowdown beside the tutorial's, and what sets it: the activation's copy."""
-    pace, one = run.pace, run.one_device.seconds.median
+    pace, one = run.pace, run.one_device.step_time.median
     images = resnet50.EMULATED_BATCH  # the tutorial's whole batch crosses the cut
     nbytes, copy_s = pace.copy_bytes(images), pace.copy_seconds(images)
     pcie = pace.copy_seconds(images, specs.LINKS["pcie4"])

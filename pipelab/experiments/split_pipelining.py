@@ -42,7 +42,7 @@ class SplitSweep:
     @property
     def seconds(self) -> dict[int, Measured]:
         """Forward time per split size."""
-        return {s: t.seconds for s, t in self.timed.items()}
+        return {s: t.step_time for s, t in self.timed.items()}
 
 
 @dataclass
@@ -64,7 +64,7 @@ class SweepRun:
 
     @property
     def repeats(self) -> int:
-        return len(self.one_device.seconds.values)
+        return len(self.one_device.step_time.values)
 
     def splits(self, split_size: int) -> int:
         """How many splits `split_size` cuts the batch into (the last may be smaller)."""
@@ -202,7 +202,7 @@ def copy_stream_speedup(run: SweepRun) -> Measured:
 def split_costs(timed: Timed) -> dict[str, float]:
     """Per-split seconds read off the median round: the median of device 0's forward boxes, of the
     copies to device 1, and of device 1's forward boxes."""
-    tl, (d0, d1) = timed.typical, timed.devices
+    tl, (d0, d1) = timed.timeline, timed.devices
 
     def median_duration(spans) -> float:
         return statistics.median(s.duration for s in spans) if len(spans) else 0.0
