@@ -1,6 +1,7 @@
-"""Every exercise's checker held against the wrong and right answers of tests/exercise_answers.py,
-each run REPEATS times: a wrong answer must fail every time with the words that name its mistake,
-the solution and a differently written right answer must pass every time.
+"""Every exercise's checker held against the wrong and right answers of tests/exercise_answers.py
+(lessons 14-17: of the test modules its ELSEWHERE names), each run REPEATS times: a wrong answer
+must fail every time with the words that name its mistake, the solution and a differently written
+right answer must pass every time.
 
     python benchmarks/exercise_sweep.py [REPEATS] [EXERCISE ...]
 
@@ -16,6 +17,8 @@ import time
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))
 
+import importlib  # noqa: E402
+
 import exercise_answers as answers  # noqa: E402
 
 from pipelab import exercises  # noqa: E402
@@ -26,6 +29,10 @@ def main(argv: list[str]) -> int:
     only = [a for a in argv if not a.isdigit()]
     cases = [(name, fn, words, False) for name, fn, words in answers.WRONG]
     cases += [(name, fn, [], True) for name, fn in answers.RIGHT]
+    for name, module in answers.ELSEWHERE.items():  # lessons 14-17 keep theirs beside their tests
+        held = importlib.import_module(module)
+        cases += [(name, fn, [words] if isinstance(words, str) else list(words), False) for fn, words in held.WRONG_ANSWERS]
+        cases += [(name, fn, [], True) for fn in held.RIGHT_ANSWERS]
     cases += [(name, exercises.solution(name), [], True) for name in exercises.EXERCISES]
     if only:  # in the order asked
         cases = sorted((c for c in cases if c[0] in only), key=lambda c: only.index(c[0]))

@@ -197,6 +197,24 @@ def pipelined_one_mb(model, x, devs, split_size):
     return torch.cat([o.result() for o in outs])
 
 
+def pipelined_chunks_not_splits(model, x, devs, split_size):
+    s0, s1 = devs[0].stream("compute"), devs[1].stream("compute")
+    outs = []
+    for i, xs in enumerate(x.chunk(split_size)):
+        h = s0.submit(model.seq1, devs[0].own(xs), kind="F", mb=i)
+        outs.append(s1.submit(second_half, model, s1.copy(h, mb=i), kind="F", mb=i))
+    return torch.cat([o.result() for o in outs])
+
+
+def pipelined_no_copy(model, x, devs, split_size):
+    s0, s1 = devs[0].stream("compute"), devs[1].stream("compute")
+    outs = []
+    for i, xs in enumerate(x.split(split_size)):
+        h = s0.submit(model.seq1, devs[0].own(xs), kind="F", mb=i)
+        outs.append(s1.submit(second_half, model, h.result(), kind="F", mb=i))
+    return torch.cat([o.result() for o in outs])
+
+
 def pipelined_two_loops(model, x, devs, split_size):  # right: all of device 0 first, then device 1
     s0, s1 = devs[0].stream("compute"), devs[1].stream("compute")
     firsts = [s0.submit(model.seq1, devs[0].own(xs), kind="F", mb=i) for i, xs in enumerate(x.split(split_size))]
@@ -313,6 +331,17 @@ def backward_ignores_grad_output(output, grad_output, num_microbatches):
         (output.sum() / num_microbatches).backward()
 
 
+def backward_divides_received_gradient(output, grad_output, num_microbatches):
+    if grad_output is None:
+        output.backward()
+    else:
+        output.backward(grad_output / num_microbatches)
+
+
+def backward_never_divided(output, grad_output, num_microbatches):
+    output.backward(grad_output)
+
+
 def backward_with_ones(output, grad_output, num_microbatches):  # right: the 1/m as the seed gradient
     seed = torch.full_like(output, 1 / num_microbatches) if grad_output is None else grad_output
     torch.autograd.backward([output], [seed])
@@ -411,6 +440,34 @@ def loop_backward_before_forward(rank, num_microbatches, stage, send, recv):
             stage.forward(mb, recv("activation", mb))
 
 
+def loop_receives_before_sending(rank, num_microbatches, stage, send, recv):
+    if rank == 0:
+        for mb in range(num_microbatches):
+            h = stage.forward(mb)
+            g = recv("gradient", mb)
+            send("activation", mb, h)
+            stage.backward(mb, g)
+    else:
+        for mb in range(num_microbatches):
+            stage.forward(mb, recv("activation", mb))
+            send("gradient", mb, stage.backward(mb))
+
+
+def loop_both_sides_reordered(rank, num_microbatches, stage, send, recv):
+    if rank == 0:
+        send("activation", 0, stage.forward(0))
+        for mb in range(num_microbatches):
+            h = stage.forward(mb + 1) if mb + 1 < num_microbatches else None
+            stage.backward(mb, recv("gradient", mb))
+            if h is not None:
+                send("activation", mb + 1, h)
+    else:  # rank 1 "reordered" too: every activation first, then the gradients
+        for mb in range(num_microbatches):
+            stage.forward(mb, recv("activation", mb))
+        for mb in range(num_microbatches):
+            send("gradient", mb, stage.backward(mb))
+
+
 def loop_one_at_a_time(rank, num_microbatches, stage, send, recv):  # right: no overlap, no deadlock
     for mb in range(num_microbatches):
         if rank == 0:
@@ -458,6 +515,18 @@ def partition_greedy_average(weights, num_stages):
     while len(bounds) < num_stages:
         bounds.append(len(weights) - num_stages + len(bounds))
     return bounds + [len(weights)]
+
+
+def partition_stage_sizes(weights, num_stages):  # the sizes of the best stages, not their boundaries
+    best = min(itertools.combinations(range(1, len(weights)), num_stages - 1),
+               key=lambda cut: _spread(weights, [0, *cut, len(weights)]))
+    bounds = [0, *best, len(weights)]
+    return [b - a for a, b in zip(bounds[:-1], bounds[1:])]
+
+
+def _spread(weights, bounds):
+    sums = [sum(weights[a:b]) for a, b in zip(bounds[:-1], bounds[1:])]
+    return max(sums) - min(sums)
 
 
 def partition_brute_force(weights, num_stages):  # right: try every cut
@@ -525,6 +594,10 @@ def split_container(model):
     return "blocks"
 
 
+def split_returns_module(model):
+    return model.head
+
+
 def split_by_trying(model):  # right: try every cut, count each side's parameters
     names = [n for n, m in model.named_modules() if n and not list(m.children())]
     sizes = [sum(p.numel() for p in dict(model.named_modules())[n].parameters()) for n in names]
@@ -555,6 +628,15 @@ def perplexity_pops_input(mb_losses, mb_tokens):
 
 def perplexity_base2(mb_losses, mb_tokens):
     return 2 ** (sum(l * n for l, n in zip(mb_losses, mb_tokens)) / sum(mb_tokens))
+
+
+def perplexity_exp_then_average(mb_losses, mb_tokens):
+    return sum(n * math.exp(l) for l, n in zip(mb_losses, mb_tokens)) / sum(mb_tokens)
+
+
+def perplexity_drops_short_last(mb_losses, mb_tokens):
+    full = [(l, n) for l, n in zip(mb_losses, mb_tokens) if n == max(mb_tokens)]
+    return math.exp(sum(l * n for l, n in full) / sum(n for _, n in full))
 
 
 def perplexity_geometric(mb_losses, mb_tokens):  # right: a product of per-micro-batch perplexities
@@ -687,6 +769,31 @@ def split_backward_w_returns(output, x, weights, grad_output):
     return x_grad, lambda: torch.autograd.grad(output, weights, grad_output)
 
 
+def split_backward_w_ignores_grad_output(output, x, weights, grad_output):
+    (x_grad,) = torch.autograd.grad(output, [x], grad_output, retain_graph=True)
+    def weight_step():
+        for w, g in zip(weights, torch.autograd.grad(output.sum(), weights)):
+            w.grad += g
+    return x_grad, weight_step
+
+
+def split_backward_i_ignores_grad_output(output, x, weights, grad_output):
+    (x_grad,) = torch.autograd.grad(output.sum(), [x], retain_graph=True)
+    def weight_step():
+        for w, g in zip(weights, torch.autograd.grad(output, weights, grad_output)):
+            w.grad += g
+    return x_grad, weight_step
+
+
+def split_backward_w_adds_to_copy(output, x, weights, grad_output):
+    (x_grad,) = torch.autograd.grad(output, [x], grad_output, retain_graph=True)
+    def weight_step():
+        for w, g in zip(weights, torch.autograd.grad(output, weights, grad_output)):
+            total = w.grad.clone()
+            total += g
+    return x_grad, weight_step
+
+
 def split_backward_inputs_argument(output, x, weights, grad_output):  # right: backward(inputs=...)
     output.backward(grad_output, inputs=[x], retain_graph=True)
     return x.grad.clone(), lambda: output.backward(grad_output, inputs=list(weights))
@@ -700,7 +807,7 @@ WRONG = [
     ("00_broadcast", broadcast_isend_never_waited, ["never waited", "isend to rank"]),
     ("00_broadcast", broadcast_into_new_tensor, ["in a new tensor", "`tensor` itself was not filled"]),
     ("00_broadcast", broadcast_from_rank0, ["acted as the source", "use the `src` argument"]),
-    ("00_broadcast", broadcast_irecv_read_before_wait, ["holds [0.0, 0.0, 0.0]", "still holds zeros"]),
+    ("00_broadcast", broadcast_irecv_read_before_wait, ["still holds zeros", "another buffer", "after the receive's wait()"]),
     ("01_ddp_average", average_on_temporary, ["temporary", "parameter 0.weight"]),
     ("01_ddp_average", average_async_never_waited, ["never waited", "all_reduce"]),
     ("01_ddp_average", average_flat_offset_stuck, ["layout", "advance the offset"]),
@@ -716,6 +823,8 @@ WRONG = [
     ("03_split_forward", pipelined_each_waited, ["waited for before the next was submitted"]),
     ("03_split_forward", pipelined_reversed, ["reverse order", "order mistake"]),
     ("03_split_forward", pipelined_one_mb, ["ran 1 split(s)"]),
+    ("03_split_forward", pipelined_chunks_not_splits, ["ran 4 split(s)", "x.split(split_size)"]),
+    ("03_split_forward", pipelined_no_copy, ["copy it first with stream.copy"]),
     ("04_event_wait", dual_stream_without_event, ["read-after-write race"]),
     ("04_event_wait", dual_stream_event_before_copy, ["read-after-write race"]),
     ("04_event_wait", dual_stream_waits_on_copy_stream, ["read-after-write race"]),
@@ -728,6 +837,8 @@ WRONG = [
     ("06_accumulation", backward_multiplied, ["16.00x the reference", "wrong scale"]),
     ("06_accumulation", backward_autograd_grad, ["no gradient at all flowed"]),
     ("06_accumulation", backward_ignores_grad_output, ["differs from the reference by up to", "with the gradient it received"]),
+    ("06_accumulation", backward_divides_received_gradient, ["rank 1 (stage 1)", "4.00x the reference"]),
+    ("06_accumulation", backward_never_divided, ["4.00x the reference", "divide each by num_microbatches"]),
     ("07_few_microbatches", one_f_one_b_accepting_anything, ["rank 0 accepted 2 micro-batch(es) on 4 ranks"]),
     ("07_few_microbatches", one_f_one_b_refused_on_rank0_only, ["rank 1 accepted", "every rank must raise"]),
     ("07_few_microbatches", one_f_one_b_off_by_one, ["refused 4 micro-batches on 4 ranks", "that is enough"]),
@@ -737,11 +848,14 @@ WRONG = [
     ("07_send_recv_order", loop_gradients_received_reversed, ["pair up in the order they are posted"]),
     ("07_send_recv_order", loop_last_gradient_never_received, ["never posts (it has finished)"]),
     ("07_send_recv_order", loop_backward_before_forward, ["backward of micro-batch 0 before its forward"]),
+    ("07_send_recv_order", loop_receives_before_sending, ["ranks 0 and 1 wait on each other", "receive gradient 0"]),
+    ("07_send_recv_order", loop_both_sides_reordered, ["wait on each other", "receive activation 1"]),
     ("08_partition", partition_by_layer_count, ["equal numbers of layers", "parameters, not layers"]),
     ("08_partition", partition_lightest_heaviest, ["heaviest stage is as light as it can be", "heaviest-minus-lightest"]),
     ("08_partition", partition_empty_stage, ["is empty"]),
     ("08_partition", partition_sorted_in_place, ["changed its input weights in place"]),
     ("08_partition", partition_greedy_average, ["heaviest minus lightest", "where the best split's is"]),
+    ("08_partition", partition_stage_sizes, ["increasing boundaries from 0 to"]),
     ("08_tied_weights", tied_grads_averaged, ["0.50x the reference", "SUM of the stages' parts"]),
     ("08_tied_weights", tied_grads_world_group, ["wrong group", "every rank"]),
     ("08_tied_weights", tied_grads_on_temporary, ["temporary"]),
@@ -751,11 +865,14 @@ WRONG = [
     ("09_split_point", split_before_head, ["the stages hold", "the best cut's heaviest stage holds"]),
     ("09_split_point", split_before_embed, ["would hold nothing"]),
     ("09_split_point", split_container, ["is not a submodule"]),
+    ("09_split_point", split_returns_module, ["returned a module", "not its name"]),
     ("10_perplexity", perplexity_mean_of_means, ["mean loss", "weight each loss by its tokens ([24, 24, 12])"]),
     ("10_perplexity", perplexity_no_exp, ["perplexity is its exp"]),
     ("10_perplexity", perplexity_divided_twice, ["divided by the token count twice"]),
     ("10_perplexity", perplexity_pops_input, ["changed its input mb_losses in place"]),
-    ("10_perplexity", perplexity_base2, ["your perplexity is"]),
+    ("10_perplexity", perplexity_base2, ["2 to the loss per token", "exp"]),
+    ("10_perplexity", perplexity_exp_then_average, ["mean of the micro-batches' perplexities", "then exp"]),
+    ("10_perplexity", perplexity_drops_short_last, ["micro-batch 2 (12 tokens) is left out"]),
     ("11_zero2_shard", shard_by_all_reduce, ["called all_reduce", "one reduce-scatter"]),
     ("11_zero2_shard", shard_interleaved, ["interleaved layout"]),
     ("11_zero2_shard", shard_summed_not_averaged, ["2.00x the reference", "divide by the world size"]),
@@ -772,6 +889,9 @@ WRONG = [
     ("13_split_backward", split_backward_overwrites, ["overwrote"]),
     ("13_split_backward", split_backward_w_recomputes_input, ["computed the input's gradient again"]),
     ("13_split_backward", split_backward_w_returns, ["unchanged", "missing part"]),
+    ("13_split_backward", split_backward_w_ignores_grad_output, ["after W", "seed of ones", "grad_output"]),
+    ("13_split_backward", split_backward_i_ignores_grad_output, ["the input's gradient", "seed of ones"]),
+    ("13_split_backward", split_backward_w_adds_to_copy, ["is unchanged", "missing part"]),
 ]
 
 # (exercise, a right answer written differently from its solution)

@@ -149,12 +149,48 @@ def dispatch_even_split(rows, expert, experts_per_rank):
     return out
 
 
+def dispatch_split_sizes_swapped(rows, expert, experts_per_rank):
+    world = dist.get_world_size()
+    order = torch.argsort(expert, stable=True)
+    send = torch.bincount(expert // experts_per_rank, minlength=world)
+    recv = torch.empty_like(send)
+    dist.all_to_all_single(recv, send)
+    out = rows.new_empty(int(recv.sum()), rows.shape[1])
+    dist.all_to_all_single(out, rows[order], send.tolist(), recv.tolist())
+    return out
+
+
+def dispatch_async_never_waited(rows, expert, experts_per_rank):
+    world = dist.get_world_size()
+    order = torch.argsort(expert, stable=True)
+    send = torch.bincount(expert // experts_per_rank, minlength=world)
+    recv = torch.empty_like(send)
+    dist.all_to_all_single(recv, send)
+    out = rows.new_empty(int(recv.sum()), rows.shape[1])
+    dist.all_to_all_single(out, rows[order], recv.tolist(), send.tolist(), async_op=True)
+    return out
+
+
+def dispatch_returns_sorted_rows(rows, expert, experts_per_rank):
+    world = dist.get_world_size()
+    order = torch.argsort(expert, stable=True)
+    send = torch.bincount(expert // experts_per_rank, minlength=world)
+    recv = torch.empty_like(send)
+    dist.all_to_all_single(recv, send)
+    out = rows.new_empty(int(recv.sum()), rows.shape[1])
+    dist.all_to_all_single(out, rows[order], recv.tolist(), send.tolist())
+    return rows[order]
+
+
 RIGHT_ANSWERS = [dispatch_gathering_every_count]
 WRONG_ANSWERS = [
     (dispatch_unsorted, ["row(s) of other ranks' experts", "sort the rows by expert"]),
     (dispatch_round_robin, ["consecutive blocks", "not e % world_size"]),
     (dispatch_without_counts, ["exchange the counts"]),
     (dispatch_even_split, ["an even split", "[6, 6]", "exchanged first"]),
+    (dispatch_split_sizes_swapped, ["input_split_sizes [", "add up to", "(output, input, output_split_sizes, input_split_sizes)"]),
+    (dispatch_async_never_waited, ["never waited", "all_to_all_single"]),
+    (dispatch_returns_sorted_rows, ["returned its own 12 rows", "the ones it sends"]),
 ]
 
 

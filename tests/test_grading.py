@@ -60,6 +60,7 @@ def test_a_class_with_a_broken_and_an_empty_notebook(tmp_path, monkeypatch, caps
                       ("cyd", "05_grid_groups"): "error", ("cyd", "10_perplexity"): "error",
                       ("dan", "05_grid_groups"): "missing", ("dan", "10_perplexity"): "missing"}
     assert "cyd.ipynb could not be read" in rows[("cyd", "10_perplexity")]["message"]
+    assert "dan.ipynb has no cell that defines an exercise's function" in rows[("dan", "05_grid_groups")]["message"]
     assert "weight each loss by its tokens" in rows[("bob", "10_perplexity")]["message"]
     totals = {s: (float(rows[(s, "TOTAL")]["points"]), float(rows[(s, "TOTAL")]["max_points"])) for s in "ada bob cyd dan".split()}
     assert totals == {"ada": (4, 4), "bob": (0, 4), "cyd": (0, 4), "dan": (0, 4)}

@@ -180,6 +180,18 @@ def test_the_exercise_passes_its_solution_and_another_correct_answer():
     assert exercises.check_loss_scale_update(update_written_otherwise, quiet=True).passed
 
 
+def forgets_to_halve(scale, good_steps, found_inf, growth_interval):
+    if found_inf:
+        return scale, 0
+    return (scale * 2, 0) if good_steps + 1 == growth_interval else (scale, good_steps + 1)
+
+
+def skips_the_step_count_on_growth(scale, good_steps, found_inf, growth_interval):
+    if found_inf:
+        return scale / 2, 0
+    return (scale * 2, 0) if good_steps + 1 == growth_interval else (scale * 1.0, good_steps)
+
+
 RIGHT_ANSWERS = [update_written_otherwise]
 WRONG_ANSWERS = [
     (doubles_on_overflow, "you doubled the scale"),
@@ -187,6 +199,8 @@ WRONG_ANSWERS = [
     (grows_one_step_late, "you grow one step late"),
     (never_resets_after_growth, "reset it to 0"),
     (returns_the_scale_only, "return the pair"),
+    (forgets_to_halve, "turned scale 1024 into 1024: halve it"),
+    (skips_the_step_count_on_growth, "left the count at 1: count it"),
 ]
 
 

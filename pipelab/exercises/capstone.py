@@ -55,6 +55,9 @@ def check_split_point(my_split_point) -> str:
     if set(model.state_dict()) != set(kept) or any(not torch.equal(v, kept[k]) for k, v in model.state_dict().items()):
         raise Wrong("your function changed the model it was given (its parameters or submodules): only read it")
     names = [name for name, _ in model.named_modules() if name and name != "blocks"]
+    if isinstance(point, nn.Module):
+        raise Wrong(f"you returned a module ({type(point).__name__}), not its name: return the name "
+                    f"model.named_modules() gives it, one of {names}")
     if point not in names:
         raise Wrong(f"{point!r} is not a submodule of the model; the candidates are {names}")
     if point == names[0]:
@@ -127,7 +130,17 @@ def check_perplexity(my_perplexity) -> str:
                                              "it is divided by the token count twice",
         math.exp(sum(losses)): "the losses are summed but never divided: average them per token",
         sum(l * n for l, n in zip(losses, tokens)) / sum(tokens): "that is the loss per token; perplexity is its exp",
+        2 ** (sum(l * n for l, n in zip(losses, tokens)) / sum(tokens)):
+            "that is 2 to the loss per token: the loss is in nats (natural log), so perplexity is exp of it",
+        sum(math.exp(l) * n for l, n in zip(losses, tokens)) / sum(tokens):
+            "the token-weighted mean of the micro-batches' perplexities: average the losses per token first, "
+            "then exp (the exp of a mean is not the mean of the exps)",
     }
+    for left_out in range(len(losses)):  # a micro-batch dropped, e.g. the shorter last one
+        kept = [(l, n) for i, (l, n) in enumerate(zip(losses, tokens)) if i != left_out]
+        wrong.setdefault(math.exp(sum(l * n for l, n in kept) / sum(n for _, n in kept)),
+                         f"micro-batch {left_out} ({tokens[left_out]} tokens) is left out: every micro-batch counts")
+    shown = ", ".join(f"{loss:.3f}" for loss in losses)  # where no known mistake fits: what it should be
     why = next((text for value, text in wrong.items() if math.isclose(got, value, rel_tol=1e-4)),
-               "weight each micro-batch's loss by its tokens, divide by all tokens, then exp")
+               f"it is exp(sum of loss x tokens / all {sum(tokens)} tokens) for the losses [{shown}] and tokens {tokens}")
     raise Wrong(f"your perplexity is {got:.4g}, the batch's is {want:.4g}: {why}")

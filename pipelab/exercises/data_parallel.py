@@ -32,7 +32,7 @@ def _broadcast_rank(ctx: RankContext, fn, src: int) -> dict:
     out, rec = student_call(ctx, fn, ctx, tensor, src, refuse=_only_p2p)
     return {"tensor": tensor.tolist(), "out": out.tolist() if isinstance(out, torch.Tensor) else None,
             "received": [c.peer for c in rec.calls if c.op in ("recv", "irecv")],
-            "sent": [c.peer for c in rec.calls if c.op in ("send", "isend")]}
+            "sent": [c.peer for c in rec.calls if c.op in ("send", "isend")], "into_tensor": rec.touched(tensor)}
 
 
 @checker("00_broadcast")
@@ -55,7 +55,9 @@ def check_broadcast(my_broadcast) -> str:
         elif not got["received"]:
             why = "this rank posted no receive at all"
         elif got["tensor"] == [0.0] * 3:
-            why = f"it received from rank(s) {got['received']}, but its tensor still holds zeros"
+            why = f"it received from rank(s) {got['received']}, but its tensor still holds zeros" + (
+                "" if got["into_tensor"] else ": the receive went into another buffer, so `tensor` got only what that "
+                "buffer held when it was copied; receive into `tensor` itself, or copy after the receive's wait()")
         else:
             why = f"it received from rank(s) {got['received']}"
         raise Wrong(f"rank {rank} holds {got['tensor']} where a broadcast from rank {BROADCAST_SRC} of "

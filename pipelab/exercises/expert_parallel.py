@@ -6,7 +6,7 @@ from contextlib import contextmanager
 
 import torch
 
-from pipelab.exercises.core import Wrong, call, checker, on_ranks
+from pipelab.exercises.core import Wrong, checker, on_ranks, student_call
 from pipelab.worker import RankContext
 
 EP_RANKS = 2
@@ -38,8 +38,8 @@ def expected_arrivals(rank: int) -> torch.Tensor:
 
 def _dispatch_rank(ctx: RankContext, fn):
     rows, expert = dispatch_case(ctx.rank)
-    with _split_sizes_checked():
-        got = call(fn, rows.clone(), expert.clone(), EXPERTS_PER_RANK)
+    with _split_sizes_checked():  # inside the recorder, which fails a request never waited for
+        got, _ = student_call(ctx, fn, rows.clone(), expert.clone(), EXPERTS_PER_RANK)
     return got.clone() if isinstance(got, torch.Tensor) else got
 
 
@@ -56,6 +56,11 @@ def _split_sizes_checked():
         n = dist.get_world_size(group)
         expects = list(output_split_sizes) if output_split_sizes else [output.shape[0] // n] * n
         sends = list(input_split_sizes) if input_split_sizes else [input.shape[0] // n] * n
+        if sum(sends) != input.shape[0] or sum(expects) != output.shape[0]:
+            raise Wrong(f"rank {dist.get_rank()}'s input_split_sizes {sends} add up to {sum(sends)} for an input of "
+                        f"{input.shape[0]} rows, its output_split_sizes {expects} to {sum(expects)} for an output of "
+                        f"{output.shape[0]}: the order is (output, input, output_split_sizes, input_split_sizes), "
+                        "the counts this rank receives before the counts it sends")
         everyone = [None] * n
         dist.all_gather_object(everyone, (expects, sends), group=group)
         for r, (want, _) in enumerate(everyone):
@@ -96,6 +101,9 @@ def _explain(rank: int, got: torch.Tensor, want: torch.Tensor) -> None:
                     f"({want.shape[0]}, {want.shape[1]})")
     experts = got[:, 1].long()
     local = experts // EXPERTS_PER_RANK == rank
+    if got.shape[0] == len(EXPERT_OF_ROW[rank]) and bool((got[:, 0] == rank).all()):
+        raise Wrong(f"rank {rank} returned its own {got.shape[0]} rows, the ones it sends: return the output "
+                    "all_to_all_single filled, the rows the other ranks sent this one")
     per_source = [int((got[:, 0] == s).sum()) for s in range(EP_RANKS)]
     sent = [int((want[:, 0] == s).sum()) for s in range(EP_RANKS)]
     even = len(EXPERT_OF_ROW[0]) // EP_RANKS

@@ -226,14 +226,18 @@ def grade_folder(folder: str, timeout: float = 600.0, progress=None) -> list[Row
             mine[exercise] = ("pass" if passed else "fail", message)
         if problem:
             mine.setdefault(f"file:{os.path.relpath(path, folder)}", ("error", problem))
-    exercises = sorted({e for mine in graded.values() for e in mine if not e.startswith("file:")} | set(points))
+        elif not results:  # an empty or unanswered notebook: its missing rows name it
+            mine.setdefault(f"none:{os.path.relpath(path, folder)}", ("missing", f"{os.path.relpath(path, folder)} "
+                                                                       "has no cell that defines an exercise's function"))
+    exercises = sorted({e for mine in graded.values() for e in mine if ":" not in e} | set(points))
     rows = []
     for student, mine in graded.items():
         errors = [message for key, (_, message) in mine.items() if key.startswith("file:")]
+        empty = [message for key, (_, message) in mine.items() if key.startswith("none:")]
         for exercise in exercises:
             top = points.get(exercise, DEFAULT_POINTS)
-            status, message = mine.get(exercise, ("error" if errors else "missing",
-                                                  "; ".join(errors) if errors else "no cell defines this exercise's function"))
+            status, message = mine.get(exercise, ("error" if errors else "missing", "; ".join(errors or empty)
+                                                  or "no cell defines this exercise's function"))
             rows.append(Row(student, exercise, status, top if status == "pass" else 0.0, top, message))
     return rows
 

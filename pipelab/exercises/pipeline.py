@@ -315,6 +315,16 @@ def split_backward_case():
     return stage, torch.randn(5, 6), torch.randn(5, 4)
 
 
+FROM_GRAD_OUTPUT = "start from grad_output, the gradient the next stage sent back (autograd.grad(output, ..., grad_output))"
+
+
+def _seeded_by_ones(stage, x) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """The input's and weights' gradients of output.sum(): what an answer that drops grad_output gets."""
+    x = x.detach().requires_grad_()
+    grads = torch.autograd.grad(stage(x).sum(), [x, *stage.parameters()])
+    return grads[0], {n: g for (n, _), g in zip(stage.named_parameters(), grads[1:])}
+
+
 @checker("13_split_backward")
 def check_split_backward(my_split_backward) -> str:
     """`my_split_backward(output, x, weights, grad_output)` -> (the input's gradient, a function W
@@ -330,6 +340,7 @@ def check_split_backward(my_split_backward) -> str:
     for n, p in stage.named_parameters():
         p.grad = earlier[n].clone()
     x = x.detach().requires_grad_()
+    ones_x, ones = _seeded_by_ones(stage, x)
     x_kept = x.detach().clone()
     input_grads = []  # every time autograd computes the input's gradient
     x.register_hook(lambda g: input_grads.append(1))
@@ -344,6 +355,8 @@ def check_split_backward(my_split_backward) -> str:
             raise Wrong(f"after I, {n}'s .grad " + ("was set to None" if p.grad is None else "changed")
                         + ": I computes only the input's gradient; the weights' wait for W")
     if not isinstance(x_grad, torch.Tensor) or not same(x_grad, want_x):
+        if isinstance(x_grad, torch.Tensor) and same(x_grad, ones_x):
+            raise Wrong("the input's gradient is that of output.sum() (a seed of ones): " + FROM_GRAD_OUTPUT)
         got = how_far(x_grad, want_x) if isinstance(x_grad, torch.Tensor) else f"is {x_grad!r}"
         raise Wrong(f"the input's gradient {got}")
     computed, x_grad_kept = len(input_grads), None if x.grad is None else x.grad.clone()
@@ -365,5 +378,7 @@ def check_split_backward(my_split_backward) -> str:
                         "micro-batches had accumulated there; add to .grad, as backward does")
         if same(p.grad, earlier[name]):
             raise Wrong(f"after W, {name}'s .grad is unchanged: W computed nothing into .grad (a missing part)")
+        if same(p.grad - earlier[name], ones[name]):
+            raise Wrong(f"after W, {name}'s .grad gained the gradient of output.sum() (a seed of ones): " + FROM_GRAD_OUTPUT)
         raise Wrong(f"after W, {name}'s .grad less what was there before {how_far(p.grad - earlier[name], want[name])}")
     return "I gave the input's gradient alone, W then added the weights' to .grad: both equal one full backward's"
