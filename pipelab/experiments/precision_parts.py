@@ -127,11 +127,13 @@ def recompute_times(size: BlockSize, node: str = NODE) -> list[dict]:
     rows = []
     for mode in MODES:
         work = base if again[mode] is None else base + again[mode]
-        rows.append({"recomputation": mode, "FLOPs": float(f"{work.flops:.3g}"),
+        rows.append({"recomputation": mode, "FLOPs": work.flops,
                      "modelled step (ms)": modelled_seconds(work, "bf16", node) * 1e3})
     for row in rows:
+        row["FLOPs vs none"] = round(row["FLOPs"] / rows[0]["FLOPs"] - 1, 4)
         row["overhead vs none"] = round(row["modelled step (ms)"] / rows[0]["modelled step (ms)"] - 1, 4)
-        row["modelled step (ms)"] = float(f"{row['modelled step (ms)']:.3g}")
+    for row in rows:
+        row["FLOPs"], row["modelled step (ms)"] = f"{row['FLOPs']:.3g}", float(f"{row['modelled step (ms)']:.3g}")
     return rows
 
 
