@@ -21,6 +21,9 @@ def test_every_variant_equals_one_process(world_size):
     key, verdict, text, figures = cpx.same_as_one_process(run)
     assert verdict == "same", text
     assert all(v.difference < cpx.TOLERANCE for v in run.variants.values())
+    # the output and each of the three gradients checked on its own (torch's: the output only)
+    assert all(list(v.differences) == (["output"] if n == "torch" else ["output", "dQ", "dK", "dV"])
+               for n, v in run.variants.items())
     assert cpx.bytes_verdict(run)[1] == "as the formulas count", cpx.bytes_table(run)
     assert cpx.memory_verdict(run)[1] == "1/n of one process", cpx.memory_verdict(run)[2]
     assert set(run.timelines["zigzag"].ranks) == set(range(world_size))

@@ -122,6 +122,8 @@ def test_bf16_all_reduce_halves_the_bytes():
     results = run(pp.allreduce_worker, acfg)
     key, verdict, text, figures = pp.allreduce_verdict(results, acfg)
     assert figures["ratio"] == 0.5 and 0 < figures["error_bf16"] < 2 ** -7, text
+    # counted per call as a ring all-reduce sends: 2 (n-1)/n of the tensor, 4 then 2 bytes a value
+    assert (results[0].bytes_fp32, results[0].bytes_bf16) == (2 * 1 / 2 * 1024 * 4, 2 * 1 / 2 * 1024 * 2)
 
 
 def test_bad_input_is_refused_before_ranks_start():

@@ -138,9 +138,14 @@ def worker(ctx: RankContext, cfg: Config) -> Result:
 @dataclass
 class VariantRun:
     name: str
-    difference: float  # largest difference from one process: output, dQ, dK, dV (output only for torch's)
+    differences: dict[str, float]  # per tensor, largest difference from one process: output, dQ, dK, dV
     sent: dict[str, int]  # bytes rank 0 sent: "forward", "backward"
     activation_bytes: int  # rank 0's
+
+    @property
+    def difference(self) -> float:
+        """The largest of `differences`."""
+        return max(self.differences.values())
 
 
 @dataclass
@@ -179,7 +184,8 @@ def gather(cfg: Config, results: list[Result]) -> ContextParallelRun:
         layout = layout_of(name, n)
         got = [layout.unshard([r.output for r in per_rank])]
         got += [layout.unshard([r.grads[i] for r in per_rank]) for i in range(len(per_rank[0].grads))]
-        diff = max(float((a - b).abs().max()) for a, b in zip(got, want[VARIANTS[name][2]]))
+        diff = {t: float((a - b).abs().max())  # torch's: the output only
+                for t, a, b in zip(("output", "dQ", "dK", "dV"), got, want[VARIANTS[name][2]])}
         sent = {d: sum(b for (_, dd), b in per_rank[0].sent.items() if dd == d) for d in ("forward", "backward")}
         variants[name] = VariantRun(name, diff, sent, per_rank[0].activation_bytes)
     step_time = {name: Measured.of([max(s) for s in zip(*(r.seconds[name] for r in results))])

@@ -165,8 +165,8 @@ def curves_verdict(runs: dict[str, Curve], rtol: float) -> tuple:
     gaps, equal = agreement(runs), bitwise_equal_steps(runs)
     worst = max(gaps, key=gaps.get)
     within = gaps[worst] <= rtol
-    text = (f"Every half-precision curve stays within {gaps[worst]:.1%} of fp32's loss ({worst} the farthest), "
-            f"{'inside' if within else 'outside'} the {rtol:.0%} tolerance.")
+    text = (f"Every half-precision curve stays within {gaps[worst]:.1%} of fp32's loss after as many updates ({worst} "
+            f"the farthest), {'inside' if within else 'outside'} the {rtol:.0%} tolerance.")
     return "16.curves", "within tolerance" if within else "outside tolerance", text, \
         dict(worst_gap=gaps[worst], rtol=rtol, bit_equal_steps=max(equal.values()))
 

@@ -9,7 +9,6 @@ from dataclasses import dataclass
 from types import SimpleNamespace
 
 import torch
-import torch.distributed as dist
 
 from pipelab import experiments
 from pipelab.checks import whole_number
@@ -19,7 +18,7 @@ from pipelab.experiments.expert_parallel import one_thread
 from pipelab.experiments.tensor_parallel import korthikanti_bytes, parameter_storages, saved_activation_bytes
 from pipelab.precision import (FORMATS, DelayedScaling, MODES, RecomputedBlock, amax, attention_core, dequantize,
                                fp8_matmul, quantize, rounding_effect, scale_for)
-from pipelab.sharding import ring_bytes
+from pipelab.sharding import Collectives
 from pipelab.transformer import Block
 from pipelab.worker import RankContext
 
@@ -127,11 +126,13 @@ def recompute_times(size: BlockSize, node: str = NODE) -> list[dict]:
     rows = []
     for mode in MODES:
         work = base if again[mode] is None else base + again[mode]
-        rows.append({"recomputation": mode, "FLOPs": float(f"{work.flops:.3g}"),
+        rows.append({"recomputation": mode, "FLOPs": work.flops,
                      "modelled step (ms)": modelled_seconds(work, "bf16", node) * 1e3})
     for row in rows:
+        row["FLOPs vs none"] = round(row["FLOPs"] / rows[0]["FLOPs"] - 1, 4)
         row["overhead vs none"] = round(row["modelled step (ms)"] / rows[0]["modelled step (ms)"] - 1, 4)
-        row["modelled step (ms)"] = float(f"{row['modelled step (ms)']:.3g}")
+    for row in rows:
+        row["FLOPs"], row["modelled step (ms)"] = f"{row['FLOPs']:.3g}", float(f"{row['modelled step (ms)']:.3g}")
     return rows
 
 
@@ -238,14 +239,16 @@ class AllReduceConfig(experiments.Config):
 
 
 def allreduce_worker(ctx: RankContext, cfg: AllReduceConfig) -> AllReduced:
-    """Worker: all-reduce (sum) this rank's gradient in fp32, and again cast to bf16."""
+    """Worker: all-reduce (sum) this rank's gradient in fp32, and again cast to bf16, each call's
+    bytes counted by lesson 11's `Collectives` (what a ring all-reduce sends of the tensor handed over)."""
     g = gradient_of_rank(ctx.rank, cfg.numel)
     full, half = g.clone(), g.bfloat16()
-    dist.all_reduce(full)
-    dist.all_reduce(half)
-    n = ctx.world_size
-    return AllReduced(full, half.float(), ring_bytes("allreduce", full.numel() * full.element_size(), n),
-                      ring_bytes("allreduce", half.numel() * half.element_size(), n))
+    sent = []
+    for tensor in (full, half):
+        comm = Collectives(ctx.rec)
+        comm.all_reduce(tensor)
+        sent.append(comm.bytes_sent())
+    return AllReduced(full, half.float(), *sent)
 
 
 def allreduce_verdict(results: list[AllReduced], cfg: AllReduceConfig) -> tuple:
