@@ -108,6 +108,10 @@ def figures() -> dict[str, float]:
         out[f"06 throughput m=4 over m=1, {node} {dtype}"] = (out.pop(f"_{node} gpipe 4 samples")
                                                             / out.pop(f"_{node} gpipe 1 samples"))
         out.pop(f"_{node} gpipe 8 samples"), out.pop(f"_{node} 1f1b 8 samples")
+    from pipelab.experiments.capstone import Config, one_device_tokens_per_second
+
+    out["10 tokens/s of one H100, the tutorial's LM at 4096 wide, 8 layers, 33,278 words, bf16"] = (
+        one_device_tokens_per_second(Config(emulate="4xH100-nvlink"), 33278))
     out["15 expert forward, 8192 tokens, Mixtral size, 1 x H100 (us)"] = 1e6 * moe.expert_seconds("forward", 8192, 4096, 14336, "2xH100-nvlink")
     out["15 all-to-all of 8192 x 4096 bf16 tokens, 2 x H100 NVLink (us)"] = 1e6 * moe.all_to_all_seconds(8192 * 4096 * 2, "2xH100-nvlink")
     return out
