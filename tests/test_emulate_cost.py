@@ -184,7 +184,7 @@ def test_parse_node():
 
 
 @pytest.mark.parametrize("name, message", [
-    ("4xB200-nvlink", "known devices: .*h100"),
+    ("4xMI300X-nvlink", "known devices: .*h100"),
     ("H100-nvlink", "COUNTxDEVICE-LINK"),
     ("0xH100", "COUNTxDEVICE-LINK"),
     ("2xH100-token-ring", "known links: .*nvlink4"),

@@ -156,6 +156,9 @@ NVLINK3 = Fabric(2.970e-6, 23.50e9, 5.894e-6, 216.0e9, source="a100_allreduce_nc
 # those tables never time the ring at a size where its latency shows).
 NVLINK4 = Fabric(3.792e-6, 46.73e9, NVLINK3.simple_step_s, 367.6e9, 42.11e-6, 247.2e9,
                  source="h200_allreduce_bench, h200_collectives_16g")
+# fitting.fit_fabric on the calibrate rows of b200_allreduce_1node (NCCL's choice on 8 x B200, NVLS
+# not told apart from the ring there: the NVLS pair is what fits the table, not a measured NVLS rate).
+NVLINK5 = Fabric(4.933e-6, 99.83e9, 7.645e-6, 780.3e9, 45.63e-6, 125.7e9, source="b200_allreduce_1node")
 # No measured table: NCCL's cost model puts PCIe's per-step latency at 5.7 us against NVLink's 3.4
 # (src/graph/tuning.cc, hwLat), so the NVLink 3 steps scaled by 5.7/3.4; the bandwidth is the data
 # sheet's at the efficiency NCCL's ring reaches on NVLink 4 (367.6 of 450 GB/s).
@@ -177,8 +180,12 @@ def _network(per_card_Bps: float) -> Fabric:
                          "latency: NCCL's cost model")
 
 
+# fitting.fit_fabric on the calibrate rows of b200_allreduce_4node_efa, with NVLink 5 inside the
+# machines: one protocol, a per-step cost (network and NCCL's proxy) and the bandwidth per card.
+EFA = Fabric(87.88e-6, 42.00e9, 87.88e-6, 42.00e9, source="b200_allreduce_4node_efa")
+
 FABRICS: dict[str, Fabric] = {
-    "nvlink4": NVLINK4, "nvlink3": NVLINK3,
+    "nvlink5": NVLINK5, "nvlink4": NVLINK4, "nvlink3": NVLINK3, "efa": EFA,
     "pcie3": _pcie(16e9), "pcie4": _pcie(32e9), "pcie5": _pcie(64e9),
     "ib-ndr": _network(47e9), "100gbe": _network(12.5e9 * 47 / 50),
 }

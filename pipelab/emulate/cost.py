@@ -21,6 +21,7 @@
 from __future__ import annotations
 
 import copy
+import os
 from dataclasses import dataclass, field
 
 import torch
@@ -43,6 +44,19 @@ EFFICIENCY = 0.5
 # time, so a stream of tiny operators is bound by launches, not by the GPU. An estimate, not a
 # data-sheet figure.
 LAUNCH_OVERHEAD_S = 5e-6
+# PIPELAB_EMULATE_MODEL=datasheet (in the environment of every rank) plays the model the emulator
+# had before it was calibrated: the flat roofline above for every kernel, and the latency-bandwidth
+# formulas below for every link. Only for before/after comparisons
+# (`benchmarks/calibration_before_after.py`); the lessons use the calibrated model.
+MODEL_ENV = "PIPELAB_EMULATE_MODEL"
+
+
+def datasheet_model() -> bool:
+    """True where the environment asks for the pre-calibration (data-sheet) model."""
+    value = os.environ.get(MODEL_ENV, "calibrated")
+    if value not in ("calibrated", "datasheet"):
+        raise ValueError(f"{MODEL_ENV}={value!r}: use 'calibrated' (the default) or 'datasheet'")
+    return value == "datasheet"
 
 
 @dataclass(frozen=True)
@@ -212,6 +226,8 @@ def compute_seconds(counts: Counts, device: Device, dtype="float32", efficiency:
     the measured floor). With `efficiency`: the flat roofline, the
     longer of FLOPs over dense FLOP/s and bytes over bandwidth, divided by `efficiency`, plus
     `launch_overhead_s` (default 5 us) per operator."""
+    if efficiency is None and datasheet_model():
+        efficiency = EFFICIENCY
     if efficiency is None:
         if launch_overhead_s is not None and launch_overhead_s < 0:
             raise ValueError(f"launch_overhead_s must be >= 0 seconds, got {launch_overhead_s!r}; e.g. 5e-6")
@@ -268,7 +284,7 @@ def message_seconds(nbytes: float, link: Link) -> float:
     kind (`calibrated.message_seconds`), or latency + bytes / bandwidth for a link without one."""
     if nbytes < 0:
         raise ValueError(f"nbytes must be >= 0, got {nbytes!r}")
-    seconds = calibrated.message_seconds(nbytes, link)
+    seconds = None if datasheet_model() else calibrated.message_seconds(nbytes, link)
     return link.latency_s + nbytes / link.bandwidth_Bps if seconds is None else seconds
 
 
@@ -296,7 +312,7 @@ def collective_seconds(kind: str, nbytes: float, ranks: int, link: Link) -> floa
     n, latency, bandwidth = ranks, link.latency_s, link.bandwidth_Bps
     if n == 1:
         return 0.0
-    seconds = calibrated.collective_seconds(kind, nbytes, n, link)
+    seconds = None if datasheet_model() else calibrated.collective_seconds(kind, nbytes, n, link)
     if seconds is not None:
         return seconds
     if kind == "all_reduce":

@@ -120,6 +120,13 @@ H200_SHEET = ("NVIDIA H200 Tensor Core GPU data sheet (H200 SXM column), "
 P40_SHEET = ("NVIDIA Tesla P40 data sheet, https://images.nvidia.com/content/pdf/tesla/"
              "184427-Tesla-P40-Datasheet-NV-Final-Letter-Web.pdf")
 L40S_SHEET = "NVIDIA L40S GPU data sheet, https://www.nvidia.com/en-us/data-center/l40s/"
+B200_SHEET = ("NVIDIA DGX B200 data sheet (8 x B200: FP8 72 PFLOPS, FP16/BF16 36 PFLOPS, TF32 18 PFLOPS "
+              "'with sparsity', FP32 600 TFLOPS; 1,440 GB HBM3e at 64 TB/s; NVLink 5 14.4 TB/s in all), "
+              "https://resources.nvidia.com/en-us-dgx-systems/dgx-b200-datasheet")
+ADA_WHITEPAPER = ("NVIDIA Ada GPU Architecture whitepaper, appendix table of the GeForce RTX 4090, "
+                  "https://images.nvidia.com/aem-dam/Solutions/geforce/ada/nvidia-ada-gpu-architecture.pdf")
+EFA_DOC = ("AWS EC2 P6-B200 instances: 8 x 400 Gb/s EFA v4 network interfaces, one per GPU, "
+           "https://aws.amazon.com/ec2/instance-types/p6/")
 ETHERNET_STD = "IEEE 802.3ba/802.3bj 100 Gb/s Ethernet (100 Gb/s per direction), https://standards.ieee.org/ieee/802.3/"
 
 LINKS: dict[str, Link] = {
@@ -128,6 +135,9 @@ LINKS: dict[str, Link] = {
                     "estimate, " + NCCL_TUNING + ": NVLink 3.4 us"),
     "nvlink3": Link("NVLink 3", 3.4e-6, 600 * GB / 2,
                     A100_SHEET + ": NVLink 600 GB/s (both directions, so 300 GB/s each way)",
+                    "estimate, " + NCCL_TUNING + ": NVLink 3.4 us"),
+    "nvlink5": Link("NVLink 5", 3.4e-6, 1800 * GB / 2,
+                    B200_SHEET + ": NVLink 1.8 TB/s per GPU (both directions, so 900 GB/s each way)",
                     "estimate, " + NCCL_TUNING + ": NVLink 3.4 us"),
     "pcie3": Link("PCIe 3 x16", 5.7e-6, 32 * GB / 2,
                   T4_SHEET + ": x16 PCIe Gen3, 32 GB/s (both directions, so 16 GB/s each way)",
@@ -140,6 +150,8 @@ LINKS: dict[str, Link] = {
                   "estimate, " + NCCL_TUNING + ": PCI 5.7 us"),
     "ib-ndr": Link("InfiniBand NDR 400G", 14e-6, 400e9 / 8, NDR_SHEET + ": 400 Gb/s = 50 GB/s each way",
                    "estimate, " + NCCL_TUNING + ": network 14 us"),
+    "efa": Link("AWS EFA v4 400G", 14e-6, 400e9 / 8, EFA_DOC + ": 400 Gb/s = 50 GB/s each way",
+                "estimate, " + NCCL_TUNING + ": network 14 us"),
     "100gbe": Link("100 GbE", 14e-6, 100e9 / 8, ETHERNET_STD + ": 100 Gb/s = 12.5 GB/s each way",
                    "estimate, " + NCCL_TUNING + ": network 14 us, which assumes RDMA (RoCE); over "
                    "plain TCP sockets a message takes longer"),
@@ -215,6 +227,23 @@ DEVICES: dict[str, Device] = {
         memory_bandwidth=864 * GB, memory_bytes=48 * GB,  # 864 GB/s, 48 GB GDDR6
         source=L40S_SHEET, nvlink=None, pcie="pcie4",
         notes="a PCIe card without NVLink; tensor-core rates are half the 'with sparsity' figures"),
+    "b200": Device(
+        "NVIDIA B200",
+        # Data sheet (DGX B200, 8 GPUs): the per-GPU eighth, tensor-core rates half the 'with sparsity' ones.
+        {"float32": 600 / 8 * TERA, "tf32": 18000 / 16 * TERA, "bfloat16": 36000 / 16 * TERA,
+         "float16": 36000 / 16 * TERA, "float8": 72000 / 16 * TERA},
+        memory_bandwidth=8e12, memory_bytes=180 * GB,  # 64 TB/s and 1,440 GB over 8 GPUs
+        source=B200_SHEET, nvlink="nvlink5", pcie="pcie5",
+        notes="rates are the DGX B200's over its 8 GPUs; no matrix-product table measured: the H100's fit"),
+    "rtx4090": Device(
+        "NVIDIA GeForce RTX 4090",
+        # Whitepaper: FP32 82.6 TFLOPS; tensor TF32 82.6, FP16/BF16 165.2 and FP8 330.3 TFLOPS dense
+        # with FP32 accumulate (the GeForce rate; twice that 'with sparsity').
+        {"float32": 82.6 * TERA, "tf32": 82.6 * TERA, "bfloat16": 165.2 * TERA, "float16": 165.2 * TERA,
+         "float8": 330.3 * TERA},
+        memory_bandwidth=1008 * GB, memory_bytes=24 * GB,  # 1,008 GB/s, 24 GB GDDR6X
+        source=ADA_WHITEPAPER, nvlink=None, pcie="pcie4",
+        notes="a PCIe 4 card without NVLink; no matrix-product table measured: the L4's fit"),
     "p40": Device(
         "NVIDIA Tesla P40",
         # Data sheet: single precision 12 TFLOPS ("up to", boost clock); Pascal: no tensor cores.
@@ -225,9 +254,10 @@ DEVICES: dict[str, Device] = {
 }
 
 DEVICE_ALIASES = {"h100-sxm": "h100", "a100-80gb": "a100", "a100-sxm": "a100", "h200-sxm": "h200",
-                  "a100-40gb-sxm": "a100-40gb", "l40": "l40s"}
+                  "a100-40gb-sxm": "a100-40gb", "l40": "l40s",
+                  "4090": "rtx4090"}
 
 # Devices without a measured table of their own borrow the fit of a device that has one:
 # the H200 is the H100's compute (stas00's MAMF table: "H200 is the same"); the other A100s are
 # the A100; the L40S, T4 and P40, PCIe cards, borrow the L4's, the one PCIe card measured.
-EFFICIENCY_FROM = {"h200": "h100", "a100-40gb": "a100", "l40s": "l4", "t4": "l4", "p40": "l4"}
+EFFICIENCY_FROM = {"h200": "h100", "b200": "h100", "rtx4090": "l4", "a100-40gb": "a100", "l40s": "l4", "t4": "l4", "p40": "l4"}

@@ -10,6 +10,7 @@ and the median error, over all rows and over the held-out (`check`) rows alone.
 
 from __future__ import annotations
 
+import re
 import statistics
 from dataclasses import replace
 
@@ -71,4 +72,10 @@ def summary(rows: list[dict]) -> dict:
     return {"all": stats(rows), "check": stats([r for r in rows if r["use"] == "check"]),
             "calibrate": stats([r for r in rows if r["use"] == "calibrate"]),
             "tables": len({r["table"] for r in rows}),
-            "hardware": sorted({r["hardware"].split("x", 1)[-1].split("-nvlink")[0].lower() for r in rows})}
+            "hardware": sorted({_device(r["hardware"]) for r in rows})}
+
+
+def _device(hardware: str) -> str:
+    """The device a row ran on: "4x8xB200-efa" -> "b200"; a kernel row's device key as it is."""
+    name = re.sub(r"^(\d+x)+", "", hardware).lower()
+    return name.rsplit("-", 1)[0] if name != hardware.lower() and "-" in name else name

@@ -1,0 +1,162 @@
+"""The lessons' headline modelled figures and published anchors, before and after calibration.
+
+Each figure is computed twice with the same code at the lesson's emulated size: once with the
+data-sheet model the emulator had before it was calibrated (PIPELAB_EMULATE_MODEL=datasheet: every
+kernel at a flat 50 % of the sheet's peak plus 5 us, every message latency + bytes / the sheet's
+bandwidth, collectives as ring formulas over it) and once with the calibrated model the lessons use
+(`pipelab.emulate.calibrated`). Lesson 06's stage also stands beside the same stage timed on a
+real H100 (`pipelab/emulate/calibrations/h100-sxm-2026-11-27-measured.json`). Anchors are emulated on the published hardware where it is known
+and modelled (torchgpipe's Tesla P40s); where it is not (the tutorial's unnamed GPUs), on the
+lesson's node and on two other cards. Pipeline figures come from lesson 07's simulator, which plays
+the emulated ranks' costs (`benchmarks/emulation.py` holds the two within 1.4 %), not from runs.
+
+    python benchmarks/calibration_before_after.py            # a markdown table, then one JSON line
+
+Nothing here is timed on this machine: every figure is modelled. Last line: one JSON object.
+"""
+
+import json
+import os
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from pipelab.emulate import anchors, cost, moe, resnet50, seconds
+from pipelab.pipeline.schedules import make_schedule
+from pipelab.pipeline.simulate import Costs, simulate
+
+TUTORIAL_SPLITS = (1, 3, 5, 8, 10, 12, 20, 40, 60)
+# Lesson 06's stage timed on a real H100 with CUDA events (the calibration's companion file).
+GPU_RUN = json.loads((Path(cost.__file__).parent / "calibrations" / "h100-sxm-2026-11-27-measured.json").read_text())
+
+
+def tutorial(node: str) -> dict:
+    """Lessons 02-04 at the tutorial's size: one device over naive model parallel (the tutorial's
+    3.75/4.02 s), the pipelined speedups at split sizes 20 and 12 and the best split."""
+    halves = resnet50.ResNet50Halves(node, resnet50.EMULATED_BATCH)
+    a, c, b = halves.split_seconds(resnet50.EMULATED_BATCH)
+    speedups = resnet50.modelled_speedups(node, "layer2", TUTORIAL_SPLITS)
+    best = max(speedups, key=speedups.get)
+    return {"one over naive": (a + b) / (a + c + b), "split 20": speedups[20], "split 12": speedups[12],
+            "best split": best, "best": speedups[best]}
+
+
+def pipeline(node: str, schedule: str, m: int, width: int = 8192, rows: int = 4096, layers: int = 8,
+             dtype: str = "bfloat16") -> dict:
+    """Lessons 06-07's MLP (`layers` Linear layers of `width`, `rows` per micro-batch) in two stages
+    on `node`, played by the simulator with the emulated stage and message costs."""
+    from pipelab.emulate.pipe import EmulatedPipe
+    from pipelab.models import mlp
+    from pipelab.pipeline.partition import split_model
+
+    with torch.device("meta"):
+        stages = split_model(mlp([width] * (layers + 1)), 2)
+        x = torch.empty(rows, width)
+    pipe = EmulatedPipe.of(stages, x, nn.MSELoss(), node, dtype, "adam", expected=2)
+    run = simulate(make_schedule(schedule, 2, m, 1), Costs(transfer=pipe.message_ms(), per_stage=pipe.stage_ms()))
+    return {"step_ms": run.makespan_ms, "bubble": run.bubble_fraction, "samples_per_s": m * rows / run.makespan_ms * 1e3}
+
+
+def stage_on_h100(row: dict) -> tuple[str, float, float]:
+    """A measured row of lesson 06's stage: its name, and the modelled forward and step (ms) on an H100."""
+    from pipelab.emulate.specs import DEVICES
+
+    with torch.device("meta"):
+        layers = []
+        for i in range(row["layers"]):
+            layers.append(nn.Linear(row["width"], row["width"]))
+            if not (row["last_stage_relu_dropped"] and i == row["layers"] - 1):
+                layers.append(nn.ReLU())
+        x = torch.empty(row["rows"], row["width"])
+    t = cost.stage_seconds(nn.Sequential(*layers), x, DEVICES["h100"], row["dtype"])
+    name = (f"06 stage {row['layers']} x Linear({row['width']}){'' if row['last_stage_relu_dropped'] else ' + ReLU'}, "
+            f"{row['rows']} rows {row['dtype']}, 1 x H100")
+    return name, 1e3 * t["F"], 1e3 * (t["F"] + t["B"])
+
+
+MEASURED_ON_H100 = {}
+for _row in GPU_RUN["rows"]:
+    if _row["width"] >= 4096:
+        _name = stage_on_h100(_row)[0]
+        MEASURED_ON_H100[f"{_name}: forward (ms)"] = 1e3 * _row["F_s"]
+        MEASURED_ON_H100[f"{_name}: forward + backward (ms)"] = 1e3 * _row["FB_s"]
+
+
+def figures() -> dict[str, float]:
+    """Every figure of the table under the model the environment selects."""
+    out = {}
+    for row in GPU_RUN["rows"]:
+        if row["width"] >= 4096:
+            name, forward, step = stage_on_h100(row)
+            out[f"{name}: forward (ms)"], out[f"{name}: forward + backward (ms)"] = forward, step
+    out["00 all-reduce 1 MiB, 2 x H100 NVLink (us)"] = 1e6 * seconds("all_reduce", nbytes=2**20, node="2xH100-nvlink")
+    out["00 one-way 1 MiB message, 2 x H100 NVLink (us)"] = 1e6 * seconds("send", nbytes=2**20, node="2xH100-nvlink")
+    out["00 all-reduce 58 MB, 8 x H100 NVLink (us)"] = 1e6 * seconds("all_reduce", nbytes=58e6, node="8xH100-nvlink")
+    out["01 all-reduce of a 25 MB bucket, 2 x H100 over IB NDR (us)"] = 1e6 * seconds(
+        "all_reduce", nbytes=25 * 2**20, node="2xH100-ib-ndr")
+    out["01 all-reduce 1 GB, 2 x 8 H100 over IB NDR (ms)"] = 1e3 * seconds("all_reduce", nbytes=1e9, node="2x8xH100")
+    for node in ("2xH100-nvlink", "2xH100-pcie4", "2xA100-nvlink", "2xT4"):
+        for key, value in tutorial(node).items():
+            out[f"02-04 tutorial ResNet-50 {key}, {node}"] = value
+    for node, dtype in (("2xH100-nvlink", "bfloat16"), ("2xP40-pcie3", "float32")):
+        for schedule, m in (("gpipe", 1), ("gpipe", 4), ("gpipe", 8), ("1f1b", 8)):
+            run = pipeline(node, schedule, m, dtype=dtype)
+            out[f"06-07 {schedule} m={m} step (ms), {node} {dtype}"] = run["step_ms"]
+            out[f"06-07 {schedule} m={m} bubble, {node} {dtype}"] = run["bubble"]
+            out[f"_{node} {schedule} {m} samples"] = run["samples_per_s"]
+        out[f"06 throughput m=4 over m=1, {node} {dtype}"] = (out.pop(f"_{node} gpipe 4 samples")
+                                                            / out.pop(f"_{node} gpipe 1 samples"))
+        out.pop(f"_{node} gpipe 8 samples"), out.pop(f"_{node} 1f1b 8 samples")
+    from pipelab.experiments.capstone import Config, one_device_tokens_per_second
+
+    out["10 tokens/s of one H100, the tutorial's LM at 4096 wide, 8 layers, 33,278 words, bf16"] = (
+        one_device_tokens_per_second(Config(emulate="4xH100-nvlink"), 33278))
+    out["15 expert forward, 8192 tokens, Mixtral size, 1 x H100 (us)"] = 1e6 * moe.expert_seconds("forward", 8192, 4096, 14336, "2xH100-nvlink")
+    out["15 all-to-all of 8192 x 4096 bf16 tokens, 2 x H100 NVLink (us)"] = 1e6 * moe.all_to_all_seconds(8192 * 4096 * 2, "2xH100-nvlink")
+    return out
+
+
+def both() -> tuple[dict, dict]:
+    """The figures with the data-sheet model, then with the calibrated one."""
+    runs = {}
+    for model in ("datasheet", "calibrated"):
+        os.environ[cost.MODEL_ENV] = model
+        runs[model] = figures()
+    os.environ.pop(cost.MODEL_ENV)
+    return runs["datasheet"], runs["calibrated"]
+
+
+PUBLISHED = {
+    "02-04 tutorial ResNet-50 one over naive": anchors.anchor("tutorial_single_gpu_s").value / anchors.anchor("tutorial_naive_mp_s").value,
+    "02-04 tutorial ResNet-50 split 20": anchors.anchor("tutorial_pipeline_split20_speedup").value,
+    "02-04 tutorial ResNet-50 split 12": anchors.anchor("tutorial_pipeline_split12_speedup").value,
+    "02-04 tutorial ResNet-50 best split": 12,
+    "06 throughput m=4 over m=1": anchors.anchor("torchgpipe_amoebanet_n2_m4").value,
+    "06-07 gpipe m=8 bubble": anchors.gpipe_bubble(2, 8),
+}
+
+
+def published(key: str) -> str:
+    """The published figure a row stands beside, or the one measured on an H100 (marked), if any."""
+    if key in MEASURED_ON_H100:
+        return f"{MEASURED_ON_H100[key]:.4g} (measured, H100 {GPU_RUN['date']})"
+    for prefix, value in PUBLISHED.items():
+        if key.startswith(prefix):
+            return f"{value:.3g}"
+    return ""
+
+
+def main() -> None:
+    before, after = both()
+    print("| figure (modelled) | published (or measured on a GPU) | data-sheet model (before) | calibrated (after) | after / before |")
+    print("| --- | --- | --- | --- | --- |")
+    for key in before:
+        ratio = after[key] / before[key] if before[key] else float("nan")
+        print(f"| {key} | {published(key)} | {before[key]:.4g} | {after[key]:.4g} | {ratio:.2f} |")
+    print(json.dumps({"figures": len(before), "before": {k: round(v, 6) for k, v in before.items()},
+                      "after": {k: round(v, 6) for k, v in after.items()}}))
+
+
+if __name__ == "__main__":
+    main()
