@@ -15,6 +15,7 @@ from pipelab.emulate import Emulated
 from pipelab.emulate.widened import stage_inputs, widen
 from pipelab.experiments import grid as grid_experiment
 from pipelab.experiments import hybrid as hybrid_experiment
+from pipelab.experiments import layouts as layouts_experiment
 from pipelab.experiments.grid import Layout, hidden_behind_pipeline, layouts_of
 from pipelab.experiments.hybrid import allreduce_overlap, copy_overlap, device_concurrency, hidden_share, shares
 from pipelab.hybrid import ModelParallelReplica, check_grid, gpu_path, grid_place, last_backwards, pipeline_processes
@@ -361,15 +362,15 @@ def test_the_groups_verdict_reads_the_topology(capsys):
 
 def test_predicted_step_of_a_layout():
     assert layouts_of(2, 2, 4) == (Layout(4, 1, 4), Layout(2, 2, 4), Layout(1, 4, 1))
-    assert grid_experiment.ideal_fraction(Layout(4, 1, 4)) == pytest.approx(7 / 16)
-    assert grid_experiment.ideal_fraction(Layout(2, 2, 4)) == pytest.approx(5 / 16)
-    assert grid_experiment.ideal_fraction(Layout(1, 4, 1)) == pytest.approx(1 / 4)
+    assert layouts_experiment.ideal_fraction(Layout(4, 1, 4)) == pytest.approx(7 / 16)
+    assert layouts_experiment.ideal_fraction(Layout(2, 2, 4)) == pytest.approx(5 / 16)
+    assert layouts_experiment.ideal_fraction(Layout(1, 4, 1)) == pytest.approx(1 / 4)
     # fewer devices than processes: a bubble is filled by another process's work
-    assert grid_experiment.predicted_seconds(Layout(4, 1, 4), 1.0, devices=2) == pytest.approx(0.5)
-    assert grid_experiment.predicted_seconds(Layout(4, 1, 4), 1.0, devices=4) == pytest.approx(7 / 16)
+    assert layouts_experiment.predicted_seconds(Layout(4, 1, 4), 1.0, devices=2) == pytest.approx(0.5)
+    assert layouts_experiment.predicted_seconds(Layout(4, 1, 4), 1.0, devices=4) == pytest.approx(7 / 16)
     model = models.mlp([4, 4])  # 20 parameters, 80 bytes of gradients
-    assert grid_experiment.allreduce_bytes(Layout(1, 4, 1), model) == pytest.approx(120)
-    assert grid_experiment.allreduce_bytes(Layout(4, 1, 1), model) == 0
+    assert layouts_experiment.allreduce_bytes(Layout(1, 4, 1), model) == pytest.approx(120)
+    assert layouts_experiment.allreduce_bytes(Layout(4, 1, 1), model) == 0
 
 
 # ---------------------------------------------------------------------------------------------
@@ -413,7 +414,7 @@ def test_the_emulated_prediction_is_the_device_model_s_forward_and_backward():
 
     model, x, y = mlp_problem(batch=8, width=4)
     cfg = grid_config(model, x, y, num_microbatches=2, emulate=Emulated("4xH100-nvlink", scale=16))
-    prediction = grid_experiment.predict(cfg)
+    prediction = layouts_experiment.predict(cfg)
     big = widen(model, 16)
     seconds = stage_seconds(big, torch.empty(128, 64, device="meta"), parse_node("4xH100-nvlink").device, "bfloat16")
     assert prediction.one_device == pytest.approx(seconds["F"] + seconds["B"])
@@ -467,7 +468,7 @@ def test_an_emulated_grid_computes_what_one_process_does_and_lasts_what_the_mode
 
 def test_the_emulated_grid_s_verdicts_are_computed_from_the_models(emulated_runs, capsys):
     runs, cfg = emulated_runs
-    prediction = grid_experiment.predict(cfg)
+    prediction = layouts_experiment.predict(cfg)
     grid = runs[1]
     for other, key in ((runs[0], "05.grid_vs_one_pipeline"), (runs[2], "05.grid_vs_data_parallel")):
         ratio = grid.step_time.median / other.step_time.median
@@ -476,10 +477,10 @@ def test_the_emulated_grid_s_verdicts_are_computed_from_the_models(emulated_runs
         assert "modelled on the emulated node" in got[2]
     key, verdict, text, _ = grid_experiment.overlap_verdict(grid)
     assert verdict in ("as simulated", "lower", "higher") and "modelled on the emulated node" in text
-    assert grid_experiment.layouts_vs_prediction(runs, prediction)[1] in ("slower than predicted", "not all slower")
-    outlook = grid_experiment.gpu_outlook(runs, prediction)
-    assert f"{grid_experiment.order(runs)[0]} came first (modelled" in outlook
-    rows = grid_experiment.layouts_table(cfg, runs, prediction)
+    assert layouts_experiment.layouts_vs_prediction(runs, prediction)[1] in ("slower than predicted", "not all slower")
+    outlook = layouts_experiment.gpu_outlook(runs, prediction)
+    assert f"{layouts_experiment.order(runs)[0]} came first (modelled" in outlook
+    rows = layouts_experiment.layouts_table(cfg, runs, prediction)
     assert rows[0]["all-reduce per process"] == "0 B" and rows[2]["all-reduce per process"] != "0 B"
 
 
@@ -487,10 +488,10 @@ def test_the_contrast_with_this_machine_s_cores_names_both_orders(emulated_runs,
     runs, _ = emulated_runs
     slower = [replace(r, node=None, steps=Steps([s * f for s in r.steps.seconds], r.steps.timelines))
               for r, f in zip(runs, (1.0, 5.0, 2.0))]  # the grid slowest, as time-slicing can make it
-    assert grid_experiment.cores_contrast(slower, runs, cores=2)[1] == "cores shared"  # 4 processes on 2 cores
-    assert grid_experiment.order(slower) != grid_experiment.order(runs)
-    assert grid_experiment.cores_contrast(slower, runs, cores=4)[1] == "different order"
-    rows = grid_experiment.cores_rows(slower, runs)
+    assert layouts_experiment.cores_contrast(slower, runs, cores=2)[1] == "cores shared"  # 4 processes on 2 cores
+    assert layouts_experiment.order(slower) != layouts_experiment.order(runs)
+    assert layouts_experiment.cores_contrast(slower, runs, cores=4)[1] == "different order"
+    rows = layouts_experiment.cores_rows(slower, runs)
     assert [r["layout"] for r in rows] == [r.name for r in runs]
 
 

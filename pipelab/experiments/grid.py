@@ -3,10 +3,11 @@
     cfg = grid.Config(model=models.mlp([512] * 9), x=x, y=y, layouts=grid.layouts_of(2, 2, 4))  # checked here
     runs = experiments.run(grid.worker, cfg, grid.gather)  # one GridRun per layout
 
-The processes start once and run every layout in alternating rounds, so a busy machine slows them
-all alike. In each, a process finds its place with `hybrid.grid_place`, cuts its stages with
-`split_model`, takes its replica's share of the batch and trains with `hybrid.run_grid_step`.
-On an emulated node its clock times the same layers `scale` times wider (`emulate.widened`).
+The processes start once and run the layouts in alternating rounds, so a busy machine slows them all
+alike. In each, a process finds its place (`hybrid.grid_place`), cuts its stages (`split_model`),
+takes its replica's share of the batch and trains (`hybrid.run_grid_step`). On an emulated node its
+clock times the same layers `scale` times wider (`emulate.widened`). Part 4, the layouts beside their
+prediction and beside this machine's cores, is `experiments.layouts`, read through this module.
 """
 
 from __future__ import annotations
@@ -22,14 +23,13 @@ from torch import nn
 from pipelab import experiments, hardware
 from pipelab.build import materialize, name_modules
 from pipelab.checks import divisors, mean_loss, positive_number, same_batch, whole_number
-from pipelab.display import human_bytes
 from pipelab.emulate.widened import Widened, widen
 from pipelab.experiments.hybrid import REPLICA_VARIANTS, hidden_share, is_compute
-from pipelab.hardware import synchronize
+from pipelab.experiments.layouts import Verdict, clock
+from pipelab.experiments.layouts import (cores_contrast, cores_rows, gpu_outlook, layouts_table,  # noqa: F401 - part 4,
+                                         layouts_vs_prediction, predict)  # read as the notebook's lesson_parts
 from pipelab.hybrid import check_grid, grid_place, microbatch_losses, run_grid_step
-from pipelab.measure import Measured, RankSteps, Steps, TimedSteps, alternate, best_of, compare, gather_steps, \
-    ratios, time_steps
-from pipelab.models import trainable_parameters
+from pipelab.measure import Measured, RankSteps, Steps, TimedSteps, alternate, compare, gather_steps, ratios, time_steps
 from pipelab.pipeline.p2p import message_specs
 from pipelab.pipeline.partition import split_model
 from pipelab.pipeline.schedules import make_schedule
@@ -38,9 +38,6 @@ from pipelab.pipeline.topology import ProcessTopology
 from pipelab.reference import Reference, reference_run
 from pipelab.timeline import Span, Timeline
 from pipelab.worker import RankContext
-
-Verdict = tuple[str, str, str, dict]  # (key, verdict, text, figures): a cell calls pipelab.conclude(*it)
-
 
 @dataclass(frozen=True)
 class Layout:
@@ -67,9 +64,8 @@ def layouts_of(pipe: int, data: int, num_microbatches: int) -> tuple[Layout, ...
 
 @dataclass(frozen=True, kw_only=True)
 class Config(experiments.Config):
-    """`model` (an nn.Sequential) trained on (x, y) in each of `layouts` on the same processes
-    (`world_size` is the first layout's pipe x data): a checked warm-up step, then `rounds` x `steps`
-    timed SGD steps per layout, alternating round by round; the pipelines run `schedule`."""
+    """`model` (an nn.Sequential) trained on (x, y) in each of `layouts` on the same `world_size` processes
+    (pipe x data): a checked warm-up step, then `rounds` x `steps` timed SGD steps, layouts alternating."""
 
     model: nn.Sequential
     x: torch.Tensor
@@ -184,30 +180,25 @@ class LayoutTrainer:
         return {self.names[id(p)]: (p.grad if grad else p).detach().cpu().clone()
                 for m in self.modules.values() for p in m.parameters()}
 
-    def result(self, steps: RankSteps) -> Result:
-        return Result(steps, self.first_grads, self.tensors(grad=False), self.pipeline, self.replica,
-                      sorted(self.modules))
-
 
 def worker(ctx: RankContext, cfg: Config) -> list[Result]:
-    """Worker: every layout in `cfg.rounds` alternating rounds of `cfg.steps` timed steps (one
-    `Result` per layout); each layout's very first step is checked and warms up."""
+    """Worker: every layout in `cfg.rounds` alternating rounds of `cfg.steps` timed steps (one `Result`
+    per layout); each layout's very first step is checked and warms up."""
     trainers = [LayoutTrainer(ctx, cfg, layout) for layout in cfg.layouts]
     measured = [RankSteps([], [], []) for _ in trainers]
 
-    def one_round(i: int) -> Callable[[], float]:
+    def one_round(trainer: LayoutTrainer, got: RankSteps) -> Callable[[], float]:
         def run() -> float:
-            trainer, got = trainers[i], measured[i]
             warmup = 0 if got.results else 1
             this = time_steps(ctx, trainer.step, cfg.steps + warmup, prepare=trainer.zero_grad, warmup=warmup)
-            got.results.extend(this.results)
-            got.seconds.extend(this.seconds)
-            got.timelines.extend(this.timelines)
+            for mine, new in ((got.results, this.results), (got.seconds, this.seconds), (got.timelines, this.timelines)):
+                mine.extend(new)
             return statistics.median(this.seconds)
         return run
 
-    alternate({i: one_round(i) for i in range(len(trainers))}, cfg.rounds, warmup=0)  # A B C A B C ...
-    return [trainer.result(got) for trainer, got in zip(trainers, measured)]
+    alternate({i: one_round(t, m) for i, (t, m) in enumerate(zip(trainers, measured))}, cfg.rounds, warmup=0)  # A B C A B C
+    return [Result(got, t.first_grads, t.tensors(grad=False), t.pipeline, t.replica, sorted(t.modules))
+            for t, got in zip(trainers, measured)]
 
 
 # --- the parent side --------------------------------------------------------------------------
@@ -255,8 +246,8 @@ class GridRun(TimedSteps):
         return {stage: statistics.median(d) for stage, d in sorted(per_stage.items())}
 
     def simulated_overlap(self) -> float:
-        """`overlap` on independent devices: the schedule simulated with this run's per-stage costs,
-        each stage's all-reduce launched when its gradients are final, hidden while the pipeline computes."""
+        """`overlap` on independent devices: the schedule simulated with this run's per-stage costs, each
+        stage's all-reduce launched when its gradients are final, hidden while the pipeline computes."""
         sim = simulate(self.layout.schedule(self.schedule), Costs.from_timeline(self.timeline, per_stage=True)).timeline
         end, hidden, total = max(s.end for s in sim), 0.0, 0.0
         for stage, flight in self.flights().items():
@@ -278,10 +269,8 @@ class GridRun(TimedSteps):
 
 
 def in_flight(tl: Timeline) -> list[Span]:
-    """Each all-reduce from the moment the last copy of its stage launched it to its arrival
-    (before that, the early copies only wait for their peers)."""
-    spans = tl.filter(kind="allreduce").spans
-    last_launch: dict = {}
+    """Each all-reduce from the last launch among its stage's copies (the early ones only wait) to its arrival."""
+    spans, last_launch = tl.filter(kind="allreduce").spans, {}
     for s in spans:
         last_launch[s.meta.get("stage")] = max(last_launch.get(s.meta.get("stage"), s.start), s.start)
     return [replace(s, start=min(last_launch[s.meta.get("stage")], s.end)) for s in spans]
@@ -299,119 +288,21 @@ def launched_after_last_backward(run: GridRun) -> bool:
                for tl in run.steps.timelines for a in tl.filter(kind="allreduce"))
 
 
-def _spread(weights: list[dict[str, torch.Tensor]]) -> float:
-    """Largest difference between two processes' copies of the same weight."""
-    first: dict[str, torch.Tensor] = {}
-    return max([(w - first.setdefault(n, w)).abs().max().item() for held in weights for n, w in held.items()],
-               default=0.0)
-
-
-def gather_layout(cfg: Config, layout: Layout, mine: Sequence[Result]) -> GridRun:
-    """One layout's `GridRun` from every process's `Result` (by rank)."""
-    last = sorted((r for r in mine if r.steps.results[0] is not None), key=lambda r: r.replica)  # one per pipeline
-    mb_losses = [[loss for r in last for loss in r.steps.results[i]] for i in range(len(last[0].steps.results))]
-    weights = [r.weights for r in mine]
-    return GridRun(layout, cfg.schedule, [statistics.mean(step) for step in mb_losses], mb_losses,
-                   [r.grads for r in mine], weights, _spread(weights), gather_steps([r.steps for r in mine]),
-                   [list(p) for p in sorted({tuple(r.pipeline) for r in mine})], [r.stages for r in mine],
-                   cfg.rounds, cfg.node_name)
-
-
 def gather(cfg: Config, results: Sequence[list[Result]]) -> list[GridRun]:
-    """One `GridRun` per layout, in `cfg.layouts`' order."""
-    return [gather_layout(cfg, layout, [r[i] for r in results]) for i, layout in enumerate(cfg.layouts)]
-
-
-# --- predicted: the layouts on independent devices --------------------------------------------
-
-
-def ideal_fraction(layout: Layout) -> float:
-    """A layout's step on pipe x data devices as a fraction of the whole model's step on one, messages
-    left out: each does 1/(p d) of the work, and m micro-batches through p stages take m + p - 1 slots
-    for m slots of work (the bubble): (m + p - 1) / (m p d)."""
-    m, p = layout.num_microbatches, layout.pipe
-    return (m + p - 1) / (m * p * layout.data)
-
-
-def predicted_seconds(layout: Layout, one_device: float, devices: int) -> float:
-    """A layout's step (s) when its processes share `devices` devices: no faster than its ideal
-    pipeline, nor than the whole work spread over the devices (a bubble is another process's work)."""
-    return one_device * max(ideal_fraction(layout), 1 / min(devices, layout.pipe * layout.data))
-
-
-def allreduce_bytes(layout: Layout, model: nn.Module, element_size: int | None = None) -> float:
-    """Bytes each process sends per step in its all-reduce: a ring sends 2 (d-1)/d times the
-    gradients of its 1/pipe of the model."""
-    grads = sum(p.numel() * (element_size or p.element_size()) for _, p in trainable_parameters(model))
-    return 2 * (layout.data - 1) / layout.data * grads / layout.pipe
-
-
-def one_device_seconds(model: nn.Module, x: torch.Tensor, y: torch.Tensor, loss_fn: Callable | None = None,
-                       repeats: int = 3, device: str = "cpu") -> float:
-    """Fastest of `repeats` forwards and backwards of the whole model on the whole batch, on one
-    thread (as each worker runs) or one GPU: the unit of `predicted_seconds`."""
-    loss_fn = loss_fn if loss_fn is not None else nn.MSELoss()
-    model, x, y = copy.deepcopy(model).to(device), x.to(device), y.to(device)
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        def step() -> None:
-            loss_fn(model(x), y).backward()
-            synchronize(device)
-        return best_of({"step": step}, repeats, prepare=lambda: model.zero_grad(set_to_none=True))["step"][0]
-    finally:
-        torch.set_num_threads(threads)
-
-
-@dataclass
-class Prediction:
-    """The layouts' compute-only steps from one step of the whole model (`one_device`, s): timed here,
-    or the device model's on the node (`modelled`)."""
-
-    one_device: float
-    device: str  # "cpu", "cuda", or the node's device (e.g. "H100 SXM")
-    here: int  # the devices this machine's processes share (on a node: one per process)
-    world: int  # the processes
-    modelled: bool = False
-
-    def seconds(self, layout: Layout, devices: int | None = None) -> float:
-        """The layout's predicted step (s) on `devices` devices (default: this machine's)."""
-        return predicted_seconds(layout, self.one_device, devices or self.here)
-
-    @property
-    def gpu_label(self) -> str:
-        return (f"predicted, {self.world} x {self.device} (device model)" if self.modelled
-                else f"predicted, {self.world} GPUs")
-
-    def ms(self, runs: Sequence[GridRun]) -> dict[str, dict[str, float]]:
-        """The predictions (ms) by label, then layout: on one GPU per process, and (not on a node,
-        which has one per process) on this machine's cores or GPUs."""
-        gpu = {self.gpu_label: {r.name: self.seconds(r.layout, self.world) * 1e3 for r in runs}}
-        if self.modelled:
-            return gpu
-        here = f"predicted, {self.here} {'GPUs' if self.device == 'cuda' else 'cores'} (this machine)"
-        return {here: {r.name: self.seconds(r.layout) * 1e3 for r in runs}, **gpu}
-
-
-def predict(cfg: Config) -> Prediction:
-    """The whole model's step on one device: the node's device model at the widened size, or timed
-    here (one GPU if every process has one, else one CPU thread)."""
-    if cfg.node is not None:
-        one = cfg.widened.step_seconds(cfg.model, *cfg.x.shape)
-        return Prediction(one, cfg.node.device.name, cfg.world_size, cfg.world_size, modelled=True)
-    device = "cuda" if hardware.gpu_count() >= cfg.world_size else "cpu"
-    one = one_device_seconds(cfg.model, cfg.x, cfg.y, cfg.loss_fn, device=device)
-    return Prediction(one, device, cfg.world_size if device == "cuda" else hardware.cpu_cores(), cfg.world_size)
-
-
-def layouts_table(cfg: Config, runs: Sequence[GridRun], prediction: Prediction) -> list[dict]:
-    """One row per layout: its bubble, its all-reduce bytes, both predictions and the step it took."""
-    predicted = prediction.ms(runs)
-    model, size = (widen(cfg.model, cfg.size.scale), cfg.widened.element_size) if cfg.node else (cfg.model, None)
-    return [{"layout": r.name, "bubble (p-1)/(m+p-1)": round((r.layout.pipe - 1) / (r.layout.num_microbatches + r.layout.pipe - 1), 3),
-             "all-reduce per process": human_bytes(allreduce_bytes(r.layout, model, size)),
-             **{label: round(per[r.name], 1) for label, per in predicted.items()},
-             "step (ms), modelled" if r.node else "step (ms)": f"{r.step_time.scaled(1e3):.1f}"} for r in runs]
+    """One `GridRun` per layout, in `cfg.layouts`' order, from every process's `Result`s (by rank)."""
+    runs = []
+    for i, layout in enumerate(cfg.layouts):
+        mine = [r[i] for r in results]
+        last = sorted((r for r in mine if r.steps.results[0] is not None), key=lambda r: r.replica)  # one per pipeline
+        mb_losses = [[loss for r in last for loss in r.steps.results[k]] for k in range(len(last[0].steps.results))]
+        first: dict[str, torch.Tensor] = {}  # each weight's first copy: how far the others are from it
+        spread = max([(w - first.setdefault(n, w)).abs().max().item() for r in mine for n, w in r.weights.items()],
+                     default=0.0)
+        runs.append(GridRun(layout, cfg.schedule, [statistics.mean(step) for step in mb_losses], mb_losses,
+                            [r.grads for r in mine], [r.weights for r in mine], spread,
+                            gather_steps([r.steps for r in mine]), [list(p) for p in sorted({tuple(r.pipeline) for r in mine})],
+                            [r.stages for r in mine], cfg.rounds, cfg.node_name))
+    return runs
 
 
 # --- verdicts ---------------------------------------------------------------------------------
@@ -422,31 +313,24 @@ def groups_verdict(topology: ProcessTopology) -> Verdict:
     pipe, data = topology.get_dim("pipe"), topology.get_dim("data")
     predicted = ([[p * data + d for d in range(data)] for p in range(pipe)],
                  [[p * data + d for p in range(pipe)] for d in range(data)])
-    same = (topology.get_axis_comm_lists("data"), topology.get_axis_comm_lists("pipe")) == predicted
-    verdict = "as predicted" if same else "not as predicted"
+    verdict = ("as predicted" if (topology.get_axis_comm_lists("data"), topology.get_axis_comm_lists("pipe")) == predicted
+               else "not as predicted")
     return ("05.grid_groups", verdict, f"the data groups and pipelines are {verdict} by the data-fastest numbering.",
             dict(data_groups=str(predicted[0]), pipelines=str(predicted[1])))
 
 
-def clock(run: GridRun) -> str:
-    """How the run's times came about."""
-    return " (modelled on the emulated node)" if run.node else " (measured)"
-
-
 def overlap_verdict(run: GridRun) -> Verdict:
     """How much all-reduce time hid behind compute, against the schedule simulated with this run's costs."""
-    overlap, simulated = run.overlap, run.simulated_overlap()
-    world = run.layout.pipe * run.layout.data
-    if run.node is None and hardware.gpu_count() < world and hardware.cpu_cores() < world:
-        verdict = "too few cores"  # a process 'still computing' may have been waiting for a core
-    elif run.node is not None:  # a logical clock: every step alike
+    overlap, simulated, world = run.overlap, run.simulated_overlap(), run.layout.pipe * run.layout.data
+    if run.node is not None:  # a logical clock: every step alike
         gap = overlap.median - simulated
         verdict = "as simulated" if abs(gap) <= 0.05 else "lower" if gap < 0 else "higher"
+    elif hardware.gpu_count() < world and hardware.cpu_cores() < world:
+        verdict = "too few cores"  # a process 'still computing' may have been waiting for a core
     else:
         verdict = compare(overlap, Measured.of([simulated]))
-    return ("05.grid_hidden", verdict,
-            f"{overlap.median:.0%} of the all-reduce time hid behind compute{clock(run)}; the simulation with one "
-            f"device per process hides {simulated:.0%}: {verdict}.",
+    return ("05.grid_hidden", verdict, f"{overlap.median:.0%} of the all-reduce time hid behind compute{clock(run)}; "
+            f"the simulation with one device per process hides {simulated:.0%}: {verdict}.",
             dict(hidden=overlap, simulated=simulated, flights_s=str(run.flights())))
 
 
@@ -457,60 +341,11 @@ def round_verdict(per_round: Measured) -> str:
 
 def grid_vs(runs: Sequence[GridRun], other: GridRun) -> Verdict:
     """How the grid's step compares with `other` layout's, round by round (the layouts alternated)."""
-    grid_run = runs[1]
-    per_round = ratios(grid_run.round_times, other.round_times)
+    per_round = ratios(runs[1].round_times, other.round_times)
     verdict = round_verdict(per_round)
-    key = "05.grid_vs_one_pipeline" if other.layout.data == 1 else "05.grid_vs_data_parallel"
-    return (key, verdict, f"the grid's step took {per_round.median:.2f} times as long as {other.name}'s"
-            f"{clock(grid_run)}: {verdict}, over {len(per_round.values)} rounds.",
-            dict(ratio=per_round, grid=grid_run.step_time, other=other.step_time))
-
-
-def layouts_vs_prediction(runs: Sequence[GridRun], prediction: Prediction) -> Verdict:
-    """Whether every layout's every timed step took longer than its compute-only prediction."""
-    over = {r.name: r.step_time.median / prediction.seconds(r.layout) for r in runs}
-    slower = all(compare(r.step_time, Measured.of([prediction.seconds(r.layout)])) == "higher" for r in runs)
-    verdict = "slower than predicted" if slower else "not all slower"
-    return ("05.layouts_vs_prediction", verdict,
-            f"every layout ran at least {min(over.values()):.2f} times its compute-only prediction: "
-            + ("messages, all-reduces and overheads cost the rest." if slower else "some came within it."),
-            {n.split(" (")[0].replace(" ", "_"): v for n, v in over.items()})
-
-
-def gpu_outlook(runs: Sequence[GridRun], prediction: Prediction) -> str:
-    """Which layout the compute-only predictions put first, and which the run put first."""
-    gpu = prediction.ms(runs)[prediction.gpu_label]
-    first = min(gpu, key=gpu.get)
-    return (f"Compute alone puts {first} first on {prediction.world} devices; with every message and all-reduce "
-            f"{order(runs)[0]} came first{clock(runs[0])}.")
-
-
-def order(runs: Sequence[GridRun]) -> list[str]:
-    """The layouts' names, fastest median step first."""
-    return [r.name for r in sorted(runs, key=lambda r: r.step_time.median)]
-
-
-def cores_rows(on_cores: Sequence[GridRun], modelled: Sequence[GridRun]) -> list[dict]:
-    """Each layout's median step on the node and on this machine's cores, side by side."""
-    return [{"layout": e.name, f"step ms, modelled ({e.node}, widened size)": round(e.step_time.median * 1e3, 1),
-             "step ms, measured (this machine's cores, small size)": f"{c.step_time.scaled(1e3):.1f}"}
-            for e, c in zip(modelled, on_cores)]
-
-
-def cores_contrast(on_cores: Sequence[GridRun], modelled: Sequence[GridRun], cores: int | None = None) -> Verdict:
-    """Whether this machine's own cores order the layouts as the node does, and why not."""
-    cores = cores or hardware.cpu_cores()
-    world = on_cores[0].layout.pipe * on_cores[0].layout.data
-    same = order(on_cores) == order(modelled)
-    if world > cores:
-        verdict = "cores shared"
-        text = (f"here {world} processes share {cores} cores, so a process's bubble is another's compute: "
-                "messages, overheads and load order the layouts, not the bubbles.")
-    else:
-        verdict = "same order" if same else "different order"
-        text = ("each process had a core of its own, and the layouts came in "
-                + ("the same order as" if same else "another order than") + " on the modelled node.")
-    return ("05.cores_contrast", verdict, text, dict(same_order=same, cores=cores))
+    return ("05.grid_vs_one_pipeline" if other.layout.data == 1 else "05.grid_vs_data_parallel", verdict,
+            f"the grid's step took {per_round.median:.2f} times as long as {other.name}'s{clock(runs[1])}: {verdict}, "
+            f"over {len(per_round.values)} rounds.", dict(ratio=per_round, grid=runs[1].step_time, other=other.step_time))
 
 
 # --- a profile's work, counted ----------------------------------------------------------------
@@ -521,9 +356,9 @@ DEFAULTS = dict(width=512, layers_per_half=2, batch=128, steps=5, grid_width=128
 
 
 def run_flops(params: dict) -> float:
-    """FLOPs of lesson 05 at the notebook parameters `params` (missing names: `DEFAULTS`), counted on
-    the meta device: parts 1-2's two-half MLP (2 wrappers, with and without splits, and the reference)
-    and parts 3-4's three layouts (runs and references, warm-up included, and the prediction's 3 steps)."""
+    """FLOPs of lesson 05 at the notebook parameters `params` (missing names: `DEFAULTS`), counted on the meta
+    device: parts 1-2's two-half MLP (2 wrappers, with and without splits, and the reference) and parts 3-4's
+    three layouts (runs and references, warm-up included, and the prediction's 3 steps)."""
     from pipelab.emulate.cost import step_flops
     from pipelab.models import SplitMLP, mlp
 

@@ -62,8 +62,8 @@ class Config(experiments.Config):
         for name in ("pipe", "data", "tensor", "emsize", "nhead", "nhid", "nlayers", "seq_len", "batch",
                      "num_microbatches", "steps", "max_lines"):
             whole_number(name, getattr(self, name))
-        for name in self.SIZE:
-            whole_number(name, getattr(self.size, name))
+        for name, value in vars(self.size).items():
+            whole_number(name, value)
         if self.pipe * self.data * self.tensor != self.world_size:
             raise ValueError(f"a grid of pipe={self.pipe} x data={self.data} x tensor={self.tensor} holds "
                              f"{self.pipe * self.data * self.tensor} processes, not world_size={self.world_size}; "
@@ -98,7 +98,6 @@ class Result:
     rank: int
     coord: tuple[int, int, int]  # (pipe, data, model)
     losses: list[float]  # per step, the mean of this pipeline's micro-batch losses (last stage only)
-    tensor_bytes: int  # what this process's tensor-parallel collectives sent, all steps
     timeline: Timeline = field(repr=False)  # the last step
 
 
@@ -135,7 +134,7 @@ def worker(ctx: RankContext, cfg: Config) -> Result:
         optimizer.step()
         mb = microbatch_losses(runner)
         losses.append(sum(mb) / len(mb) if mb else float("nan"))
-    return Result(ctx.rank, (coord.pipe, coord.data, coord.model), losses, tp.meter.total_bytes(), ctx.rec.timeline())
+    return Result(ctx.rank, (coord.pipe, coord.data, coord.model), losses, ctx.rec.timeline())
 
 
 def big_stage(cfg: Config, ntoken: int, stage: int) -> tuple[torch.nn.Module, torch.Tensor]:
@@ -182,6 +181,7 @@ def run(cfg: Config) -> GridRun:
 
 
 def gather(cfg: Config, results: list[Result]) -> GridRun:
+    """The processes' results beside the same steps in this process."""
     return GridRun(cfg, results, reference(cfg))
 
 
@@ -201,6 +201,7 @@ def reference(cfg: Config) -> list[float]:
 
 
 def same_losses(run: GridRun, tolerance: float = 1e-5) -> tuple[str, str, str, dict]:
+    """Whether the grid's losses are one process's."""
     grid, one = run.losses, run.one_process_losses
     worst = max(abs(a - b) for a, b in zip(grid, one))
     verdict = "same" if worst <= tolerance else "different"

@@ -77,9 +77,7 @@ def device_concurrency(tl: Timeline) -> float:
     return both / either if either > 0 else 0.0
 
 
-# ---------------------------------------------------------------------------------------------
-# What a run is: checked when built
-# ---------------------------------------------------------------------------------------------
+# --- what a run is: checked when built ---------------------------------------------------------
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -1,10 +1,9 @@
-"""Lesson 12 from a notebook: one GPT block cut across a tensor-parallel group, ours and torch's.
+"""Lesson 12, parts 1-3: one GPT block cut across a tensor-parallel group, ours and torch's.
 
-Each rank runs every variant of the block (tensor parallel, sequence parallel with and without
-re-gathering, and torch's `parallelize_module` with and without `SequenceParallel`) on the same
-weights and data, then returns its outputs and gradients, the bytes its collectives sent and the
-bytes its forward kept for backward. `gather` checks every variant against the unsplit block run in
-this process and builds the `TensorParallelRun` the lesson reads.
+Each rank runs every variant (tensor parallel, sequence parallel with and without re-gathering, and
+torch's `parallelize_module` with and without `SequenceParallel`) on the same weights and data, and
+returns its outputs, gradients, the bytes its collectives sent and the bytes its forward kept for
+backward; `gather` checks every variant against `reference(cfg)`, the unsplit block in this process.
 """
 
 from __future__ import annotations
@@ -94,9 +93,7 @@ def parameter_storages(module: nn.Module) -> set[int]:
     return {_storage(p).data_ptr() for p in module.parameters()}
 
 
-# ---------------------------------------------------------------------------------------------
-# On each rank
-# ---------------------------------------------------------------------------------------------
+# --- on each rank ------------------------------------------------------------------------------
 
 
 @dataclass
@@ -180,9 +177,7 @@ def _grads_as_ours(variant: str, block: nn.Module) -> dict[str, torch.Tensor]:
     return grads
 
 
-# ---------------------------------------------------------------------------------------------
-# The parent side
-# ---------------------------------------------------------------------------------------------
+# --- the parent side ---------------------------------------------------------------------------
 
 
 @dataclass
@@ -249,9 +244,7 @@ def _difference(name, cfg, rank, got: VariantResult, y_ref, dx_ref, grads_block)
     return float(max(diffs))
 
 
-# ---------------------------------------------------------------------------------------------
-# Activation memory: Korthikanti et al. (2022) beside what the ranks kept
-# ---------------------------------------------------------------------------------------------
+# --- activation memory: Korthikanti et al. (2022) beside what the ranks kept -------------------
 
 
 def korthikanti_bytes(cfg: Config, sequence_parallel: bool, tensor_parallel: int | None = None) -> float:
@@ -290,14 +283,13 @@ def memory_table(run: TensorParallelRun) -> list[dict]:
             for name, kept, sp in rows]
 
 
-# ---------------------------------------------------------------------------------------------
-# Verdicts
-# ---------------------------------------------------------------------------------------------
+# --- verdicts ----------------------------------------------------------------------------------
 
 TOLERANCE = 1e-4  # float32 sums in another order: far above rounding, far below a wrong shard
 
 
 def same_as_one_process(run: TensorParallelRun) -> tuple[str, str, str, dict]:
+    """Whether every variant gave the unsplit block's outputs and gradients."""
     worst = max(v.difference for v in run.variants.values())
     verdict = "same" if worst <= TOLERANCE else "different"
     text = (f"all {len(run.variants)} variants gave the unsplit block's outputs and gradients on {run.cfg.world_size} "
@@ -353,38 +345,25 @@ def node_verdict(run: TensorParallelRun) -> tuple[str, str, str, dict]:
     return "12.inside_a_node", f"{ratio:.1f}x a boundary", text, {"tp_bytes": tp_bytes, "boundary_bytes": boundary}
 
 
-# ---------------------------------------------------------------------------------------------
-# What a DTensor is: one tensor, its placements, each rank's local part
-# ---------------------------------------------------------------------------------------------
+# --- what a DTensor is: one tensor, its placements, each rank's local part ---------------------
 
 
-@dataclass
-class Placed:
-    placements: str
-    local_shape: tuple[int, ...]
-    local: torch.Tensor
-
-
-def dtensor_worker(ctx: RankContext, cfg: Config) -> list[Placed]:
-    """A 4 x 6 tensor of 0..23 distributed three ways over a 1-D mesh of every rank."""
+def dtensor_worker(ctx: RankContext, cfg: Config) -> list[tuple[str, tuple[int, ...], list]]:
+    """A 4 x 6 tensor of 0..23 distributed three ways over a 1-D mesh of every rank: per placement,
+    what this rank keeps (its placements, local shape and values)."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 
-    mesh = init_device_mesh("cpu", (cfg.world_size,))
-    full = torch.arange(24.0).reshape(4, 6)
-    placed = []
-    for placement in (Shard(0), Shard(1), Replicate()):
-        d = distribute_tensor(full, mesh, [placement])
-        placed.append(Placed(str(d.placements), tuple(d.to_local().shape), d.to_local().clone()))
-    return placed
+    mesh, full = init_device_mesh("cpu", (cfg.world_size,)), torch.arange(24.0).reshape(4, 6)
+    placed = [distribute_tensor(full, mesh, [placement]) for placement in (Shard(0), Shard(1), Replicate())]
+    return [(str(d.placements), tuple(d.to_local().shape), d.to_local().int().tolist()) for d in placed]
 
 
 def dtensor_table(cfg: Config) -> list[dict]:
     """Per placement and rank: the local shape and values a DTensor keeps there."""
     per_rank = experiments.run(dtensor_worker, cfg)
-    return [{"placements": p.placements, "rank": rank, "local shape": p.local_shape,
-             "local values": p.local.int().tolist()}
-            for i in range(len(per_rank[0])) for rank, placed in enumerate(per_rank) for p in [placed[i]]]
+    return [{"placements": placements, "rank": rank, "local shape": shape, "local values": values}
+            for i in range(len(per_rank[0])) for rank, ranks in enumerate(per_rank) for placements, shape, values in [ranks[i]]]
 
 
 def run_flops(params: dict) -> float:
