@@ -90,7 +90,8 @@ def plot_layouts(runs: Sequence[GridRun], predicted_ms: dict[str, dict[str, floa
     med = [t.median for t in times]
     err = [[t.median - t.low for t in times], [t.high - t.median for t in times]]
     clock = "modelled on the emulated node" if runs[0].node else "measured"
-    ax.bar(range(len(runs)), med, yerr=err, capsize=4, color=kind_color("compute"), alpha=0.8, label=clock)
+    ax.bar(range(len(runs)), med, yerr=None if runs[0].node else err, capsize=4, color=kind_color("compute"), alpha=0.8,
+           label=clock)  # modelled time cannot vary: no error bar
     for (label, per_layout), marker in zip((predicted_ms or {}).items(), "D^sv"):
         ax.scatter(range(len(runs)), [per_layout[n] for n in names], marker=marker, zorder=3, s=45, label=label)
     ax.set_xticks(range(len(runs)), names, fontsize=8)
