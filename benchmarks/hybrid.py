@@ -35,6 +35,7 @@ import torch
 
 from pipelab import experiments, hardware, models
 from pipelab.display import format_table
+from pipelab.emulate import Emulated
 from pipelab.experiments import grid as experiment
 from pipelab.measure import ratios
 from pipelab.reference import assert_same
@@ -57,16 +58,16 @@ def main() -> None:
     torch.manual_seed(0)
     model = models.mlp([args.width] * (args.layers + 1))
     x, y = torch.randn(args.batch, args.width), torch.randn(args.batch, args.width)
+    node = hardware.lesson_node(args.pipe * args.data, args.emulate) if args.emulate else None
     cfg = experiment.Config(model=model, x=x, y=y, layouts=experiment.layouts_of(args.pipe, args.data, args.num_microbatches),
                             schedule=args.schedule, steps=args.steps, rounds=args.rounds, timeout=900,
-                            emulate=hardware.lesson_node(args.pipe * args.data, args.emulate) if args.emulate else None,
-                            emulated_scale=args.emulated_scale)
+                            emulate=Emulated(node, scale=args.emulated_scale) if node else None)
     world = cfg.world_size
-    print(hardware.describe(world, cfg.emulate, size=cfg.size() if cfg.emulate else None))
+    print(hardware.describe(world, node, size=cfg.widened.describe(model, args.batch) if node else None))
     runs = experiments.run(experiment.worker, cfg, experiment.gather)
     worst = 0.0
     for run in runs:
-        worst = max(worst, assert_same(run, experiment.reference(cfg, steps=len(run.losses)), atol=1e-5, rtol=1e-4))
+        worst = max(worst, assert_same(run, experiment.reference(cfg), atol=1e-5, rtol=1e-4))
     prediction = experiment.predict(cfg)
     device, devices = prediction.device, prediction.here
 
@@ -85,7 +86,7 @@ def main() -> None:
     vs_pipe, vs_dp = ratios(grid.round_times, one_pipe.round_times), ratios(grid.round_times, dp.round_times)
     figures = {
         "world_size": world, "pipe": args.pipe, "data": args.data, "num_microbatches": args.num_microbatches,
-        "schedule": args.schedule, "emulate": cfg.emulate, "grid_ms": round(grid.step_time.median * 1e3, 2),
+        "schedule": args.schedule, "emulate": cfg.node_name, "grid_ms": round(grid.step_time.median * 1e3, 2),
         "one_pipeline_ms": round(one_pipe.step_time.median * 1e3, 2), "data_parallel_ms": round(dp.step_time.median * 1e3, 2),
         "rounds": args.rounds,
         "grid_vs_one_pipeline": round(vs_pipe.median, 3), "grid_vs_one_pipeline_min": round(vs_pipe.low, 3),

@@ -11,9 +11,11 @@ from torch import nn
 
 from pipelab import experiments, hardware, models
 from pipelab.ddp import MIB, Bucket, module_bucket_plan, plan_buckets
+from pipelab.emulate import Emulated
 from pipelab.emulate.widened import stage_inputs, widen
 from pipelab.experiments import grid as grid_experiment
 from pipelab.experiments import hybrid as hybrid_experiment
+from pipelab.experiments import layouts as layouts_experiment
 from pipelab.experiments.grid import Layout, hidden_behind_pipeline, layouts_of
 from pipelab.experiments.hybrid import allreduce_overlap, copy_overlap, device_concurrency, hidden_share, shares
 from pipelab.hybrid import ModelParallelReplica, check_grid, gpu_path, grid_place, last_backwards, pipeline_processes
@@ -360,15 +362,15 @@ def test_the_groups_verdict_reads_the_topology(capsys):
 
 def test_predicted_step_of_a_layout():
     assert layouts_of(2, 2, 4) == (Layout(4, 1, 4), Layout(2, 2, 4), Layout(1, 4, 1))
-    assert grid_experiment.ideal_fraction(Layout(4, 1, 4)) == pytest.approx(7 / 16)
-    assert grid_experiment.ideal_fraction(Layout(2, 2, 4)) == pytest.approx(5 / 16)
-    assert grid_experiment.ideal_fraction(Layout(1, 4, 1)) == pytest.approx(1 / 4)
+    assert layouts_experiment.ideal_fraction(Layout(4, 1, 4)) == pytest.approx(7 / 16)
+    assert layouts_experiment.ideal_fraction(Layout(2, 2, 4)) == pytest.approx(5 / 16)
+    assert layouts_experiment.ideal_fraction(Layout(1, 4, 1)) == pytest.approx(1 / 4)
     # fewer devices than processes: a bubble is filled by another process's work
-    assert grid_experiment.predicted_seconds(Layout(4, 1, 4), 1.0, devices=2) == pytest.approx(0.5)
-    assert grid_experiment.predicted_seconds(Layout(4, 1, 4), 1.0, devices=4) == pytest.approx(7 / 16)
+    assert layouts_experiment.predicted_seconds(Layout(4, 1, 4), 1.0, devices=2) == pytest.approx(0.5)
+    assert layouts_experiment.predicted_seconds(Layout(4, 1, 4), 1.0, devices=4) == pytest.approx(7 / 16)
     model = models.mlp([4, 4])  # 20 parameters, 80 bytes of gradients
-    assert grid_experiment.allreduce_bytes(Layout(1, 4, 1), model) == pytest.approx(120)
-    assert grid_experiment.allreduce_bytes(Layout(4, 1, 1), model) == 0
+    assert layouts_experiment.allreduce_bytes(Layout(1, 4, 1), model) == pytest.approx(120)
+    assert layouts_experiment.allreduce_bytes(Layout(4, 1, 1), model) == 0
 
 
 # ---------------------------------------------------------------------------------------------
@@ -400,8 +402,10 @@ def test_an_emulated_grid_refuses_layers_it_cannot_widen_before_any_process_star
     with pytest.raises(ValueError, match="widens Linear layers"):
         grid_config(nn.Sequential(nn.Linear(4, 4), nn.LayerNorm(4), nn.Linear(4, 4)), x, x, pipe=2, data=2,
                     num_microbatches=2, emulate="4xH100-nvlink")
-    with pytest.raises(ValueError, match="emulated_scale must be a whole number"):
-        grid_config(models.mlp([4] * 5), x, x, num_microbatches=2, emulate="4xH100-nvlink", emulated_scale=0)
+    with pytest.raises(ValueError, match="scale must be a whole number"):
+        grid_config(models.mlp([4] * 5), x, x, num_microbatches=2, emulate=Emulated("4xH100-nvlink", scale=0))
+    with pytest.raises(ValueError, match="gives emulated_scale, which this lesson's emulated size does not have"):
+        grid_config(models.mlp([4] * 5), x, x, num_microbatches=2, emulate=Emulated("4xH100-nvlink", emulated_scale=2))
 
 
 def test_the_emulated_prediction_is_the_device_model_s_forward_and_backward():
@@ -409,14 +413,15 @@ def test_the_emulated_prediction_is_the_device_model_s_forward_and_backward():
     from pipelab.emulate.specs import parse_node
 
     model, x, y = mlp_problem(batch=8, width=4)
-    cfg = grid_config(model, x, y, num_microbatches=2, emulate="4xH100-nvlink", emulated_scale=16)
-    prediction = grid_experiment.predict(cfg)
+    cfg = grid_config(model, x, y, num_microbatches=2, emulate=Emulated("4xH100-nvlink", scale=16))
+    prediction = layouts_experiment.predict(cfg)
     big = widen(model, 16)
     seconds = stage_seconds(big, torch.empty(128, 64, device="meta"), parse_node("4xH100-nvlink").device, "bfloat16")
     assert prediction.one_device == pytest.approx(seconds["F"] + seconds["B"])
-    assert prediction.emulated and not prediction.few_cores and prediction.here == prediction.world == 4
+    assert prediction.modelled and prediction.here == prediction.world == 4
     assert list(prediction.ms([])) == [prediction.gpu_label]  # one device per process: one prediction
-    assert "64" in cfg.size() and "128 rows in bfloat16" in cfg.size()
+    words = cfg.widened.describe(cfg.model, cfg.x.shape[0])
+    assert "64" in words and "128 rows in bfloat16" in words
 
 
 def test_the_round_verdict_follows_the_rounds():
@@ -431,25 +436,24 @@ def test_the_round_verdict_follows_the_rounds():
 def emulated_runs():
     model, x, y = mlp_problem(batch=16, width=8)
     cfg = grid_experiment.Config(model=model, x=x, y=y, layouts=layouts_of(2, 2, 2), steps=1, rounds=2,
-                                 emulate="4xH100-nvlink", emulated_scale=32)
+                                 emulate=Emulated("4xH100-nvlink", scale=32))
     return experiments.run(grid_experiment.worker, cfg, grid_experiment.gather), cfg
 
 
 def test_an_emulated_grid_computes_what_one_process_does_and_lasts_what_the_models_give(emulated_runs):
     from pipelab.emulate.cost import stage_seconds
-    from pipelab.emulate.specs import parse_node
 
     runs, cfg = emulated_runs
-    device = parse_node(cfg.emulate).device
+    device = cfg.node.device
     for run in runs:
-        assert_same(run, grid_experiment.reference(cfg, steps=len(run.losses)), atol=1e-5, rtol=1e-4)
-        assert run.emulate == cfg.emulate
+        assert_same(run, grid_experiment.reference(cfg), atol=1e-5, rtol=1e-4)
+        assert run.node == cfg.node_name == "4xH100-nvlink"
         assert run.steps.seconds == pytest.approx([run.steps.seconds[0]] * len(run.steps.seconds), rel=1e-9)  # logical
         assert run.round_times[0] == pytest.approx(run.round_times[1], rel=1e-9)  # every round alike
         schedule = run.layout.schedule(cfg.schedule)
-        big = split_model_of(widen(cfg.model, cfg.emulated_scale), schedule.num_stages)
-        rows = cfg.x.shape[0] * cfg.emulated_scale // (run.layout.data * run.layout.num_microbatches)
-        inputs = stage_inputs(big, rows, 8 * cfg.emulated_scale)
+        big = split_model_of(widen(cfg.model, cfg.size.scale), schedule.num_stages)
+        rows = cfg.x.shape[0] * cfg.size.scale // (run.layout.data * run.layout.num_microbatches)
+        inputs = stage_inputs(big, rows, 8 * cfg.size.scale)
         for span in run.timeline.filter(kind=("F", "B")):
             want = stage_seconds(big[span.meta["stage"]], inputs[span.meta["stage"]], device, "bfloat16")[span.kind]
             assert span.duration == pytest.approx(want, rel=1e-6)
@@ -464,7 +468,7 @@ def test_an_emulated_grid_computes_what_one_process_does_and_lasts_what_the_mode
 
 def test_the_emulated_grid_s_verdicts_are_computed_from_the_models(emulated_runs, capsys):
     runs, cfg = emulated_runs
-    prediction = grid_experiment.predict(cfg)
+    prediction = layouts_experiment.predict(cfg)
     grid = runs[1]
     for other, key in ((runs[0], "05.grid_vs_one_pipeline"), (runs[2], "05.grid_vs_data_parallel")):
         ratio = grid.step_time.median / other.step_time.median
@@ -473,21 +477,21 @@ def test_the_emulated_grid_s_verdicts_are_computed_from_the_models(emulated_runs
         assert "modelled on the emulated node" in got[2]
     key, verdict, text, _ = grid_experiment.overlap_verdict(grid)
     assert verdict in ("as simulated", "lower", "higher") and "modelled on the emulated node" in text
-    assert grid_experiment.layouts_vs_prediction(runs, prediction)[1] in ("slower than predicted", "not all slower")
-    outlook = grid_experiment.gpu_outlook(runs, prediction)
-    assert f"{grid_experiment.order(runs)[0]} came first (modelled" in outlook
-    rows = grid_experiment.layouts_table(cfg, runs, prediction)
+    assert layouts_experiment.layouts_vs_prediction(runs, prediction)[1] in ("slower than predicted", "not all slower")
+    outlook = layouts_experiment.gpu_outlook(runs, prediction)
+    assert f"{layouts_experiment.order(runs)[0]} came first (modelled" in outlook
+    rows = layouts_experiment.layouts_table(cfg, runs, prediction)
     assert rows[0]["all-reduce per process"] == "0 B" and rows[2]["all-reduce per process"] != "0 B"
 
 
 def test_the_contrast_with_this_machine_s_cores_names_both_orders(emulated_runs, capsys):
     runs, _ = emulated_runs
-    slower = [replace(r, emulate=None, steps=Steps([s * f for s in r.steps.seconds], r.steps.timelines))
+    slower = [replace(r, node=None, steps=Steps([s * f for s in r.steps.seconds], r.steps.timelines))
               for r, f in zip(runs, (1.0, 5.0, 2.0))]  # the grid slowest, as time-slicing can make it
-    assert grid_experiment.cores_contrast(slower, runs, cores=2)[1] == "cores shared"  # 4 processes on 2 cores
-    assert grid_experiment.order(slower) != grid_experiment.order(runs)
-    assert grid_experiment.cores_contrast(slower, runs, cores=4)[1] == "different order"
-    rows = grid_experiment.cores_rows(slower, runs)
+    assert layouts_experiment.cores_contrast(slower, runs, cores=2)[1] == "cores shared"  # 4 processes on 2 cores
+    assert layouts_experiment.order(slower) != layouts_experiment.order(runs)
+    assert layouts_experiment.cores_contrast(slower, runs, cores=4)[1] == "different order"
+    rows = layouts_experiment.cores_rows(slower, runs)
     assert [r["layout"] for r in rows] == [r.name for r in runs]
 
 
@@ -526,7 +530,7 @@ def test_on_gpus_the_stage_all_reduce_is_timed_on_the_gpu_after_its_last_backwar
     model, x, y = mlp_problem()
     cfg = grid_config(model, x, y, pipe=1, data=2, num_microbatches=1, backend="nccl", steps=2)
     [run] = experiments.run(grid_experiment.worker, cfg, grid_experiment.gather)
-    assert_same(run, grid_experiment.reference(cfg, steps=len(run.losses)), atol=1e-4, rtol=1e-3)
+    assert_same(run, grid_experiment.reference(cfg), atol=1e-4, rtol=1e-3)
     assert grid_experiment.launched_after_last_backward(run)  # both ends on the clock of the backward's events
     for tl in run.steps.timelines:
         reduces = tl.filter(kind="allreduce").spans

@@ -109,8 +109,8 @@ def test_every_variant_ours_and_torchs_equals_one_process_and_memory_follows_the
 
 @pytest.mark.parametrize("bad,match", [
     (dict(n_heads=8, world_size=3), "n_heads=8 does not divide by the tensor-parallel size world_size=3"),
-    (dict(dim=30, n_heads=4), "dim=30 does not divide into n_heads=4"),
-    (dict(seq_len=15), "seq_len=15 does not divide by world_size=2"),
+    (dict(dim=30, n_heads=4), "dim=30 does not divide evenly by n_heads=4"),
+    (dict(seq_len=15), "seq_len=15 does not divide evenly by world_size=2"),
     (dict(variants=("tp", "megatron")), "variants must be some of"),
     (dict(world_size=64), "ranks per core"),
 ])

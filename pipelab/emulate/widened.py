@@ -3,15 +3,15 @@ times larger: what lesson 05's grid runs on an emulated node.
 
 Every activation and every weight then grows by scale^2, so one factor times every message and
 all-reduce at that size too. `Widened` builds the wide model on the meta device (shapes, no
-memory), puts a rank's stages on its clock (`install`) and gives the one-device step the
-layouts' predictions start from (`step_seconds`).
+memory), puts a rank's stages on its clock (`table`, `use`), gives the one-device step the
+layouts' predictions start from (`step_seconds`) and says the size in words (`describe`).
 """
 
 from __future__ import annotations
 
 import copy
 from dataclasses import dataclass
-from typing import Any, Iterable, Sequence
+from typing import Any, Callable, Iterable, Sequence
 
 import torch
 from torch import nn
@@ -68,11 +68,35 @@ class Widened:
         emulator.scale_messages(self.scale ** 2 * self.element_size, real_element_size)
         return stage_table({s: stage_seconds(wide_stages[s], inputs[s], emulator.node.device, self.dtype) for s in mine})
 
+    def table(self, ctx: Any, split: Callable[[nn.Sequential], Sequence[nn.Module]], model: nn.Sequential,
+              mine: Iterable[int], x: torch.Tensor, num_microbatches: int) -> Any:
+        """On an emulated rank, the cost table of its stages `mine` of `model` widened and cut by `split`,
+        fed micro-batches of `x` widened (`install`); None on the machine's own clock."""
+        if ctx.emulator is None:
+            return None
+        rows = x.shape[0] * self.scale // num_microbatches
+        return self.install(ctx.emulator, split(widen(model, self.scale)), mine, rows, x.shape[1] * self.scale,
+                            x.element_size())
+
+    @staticmethod
+    def use(ctx: Any, table: Any) -> None:
+        """Time the rank's next work by `table` (one of several its clock takes turns with); None: no change."""
+        if table is not None:
+            ctx.emulator.use(table)
+
     def step_seconds(self, model: nn.Sequential, rows: int, width: int) -> float:
-        """The widened model's forward and backward on `rows` x `width` at once, on one device of `node`."""
+        """The widened model's forward and backward on `rows` x `width` (real sizes, widened here) at
+        once, on one device of `node`."""
         from pipelab.emulate.cost import stage_seconds
 
         wide = widen(model, self.scale)
-        [x] = stage_inputs([wide], rows, width)
+        [x] = stage_inputs([wide], rows * self.scale, width * self.scale)
         seconds = stage_seconds(wide, x, self.node.device, self.dtype)
         return seconds["F"] + seconds["B"]
+
+    def describe(self, model: nn.Sequential, rows: int) -> str:
+        """The emulated size in words (a lesson's first printed line says it)."""
+        widths = sorted({m.out_features * self.scale for m in model if isinstance(m, nn.Linear)})
+        layers = sum(isinstance(m, nn.Linear) for m in model)
+        return (f"{layers} Linear layers of width {', '.join(map(str, widths))} on batches of {rows * self.scale} "
+                f"rows in {self.dtype} ({self.scale} x this run's width and batch)")

@@ -3,11 +3,11 @@
     cfg = grid.Config(model=models.mlp([512] * 9), x=x, y=y, layouts=grid.layouts_of(2, 2, 4))  # checked here
     runs = experiments.run(grid.worker, cfg, grid.gather)  # one GridRun per layout
 
-The processes start once and run every layout in alternating rounds, so a busy machine slows them
-all alike. In each, a process finds its place with `hybrid.grid_place`, cuts its stages with
-`split_model`, takes its replica's share of the batch and trains with `hybrid.run_grid_step`; on an
-emulated node its clock times the same layers `emulated_scale` times wider (`emulate.widened`).
-`assert_same(run, grid.reference(cfg, steps=len(run.losses)))` checks a `GridRun`.
+The processes start once and run the layouts in alternating rounds, so a busy machine slows them all
+alike. In each, a process finds its place (`hybrid.grid_place`), cuts its stages (`split_model`),
+takes its replica's share of the batch and trains (`hybrid.run_grid_step`). On an emulated node its
+clock times the same layers `scale` times wider (`emulate.widened`). Part 4, the layouts beside their
+prediction and beside this machine's cores, is `experiments.layouts`, read through this module.
 """
 
 from __future__ import annotations
@@ -15,22 +15,21 @@ from __future__ import annotations
 import copy
 import statistics
 from dataclasses import dataclass, field, replace
-from typing import Callable, Sequence
+from typing import Any, Callable, ClassVar, Mapping, Sequence
 
 import torch
 from torch import nn
 
 from pipelab import experiments, hardware
 from pipelab.build import materialize, name_modules
-from pipelab.emulate.widened import Widened, widen
 from pipelab.checks import divisors, mean_loss, positive_number, same_batch, whole_number
-from pipelab.display import human_bytes
+from pipelab.emulate.widened import Widened, widen
 from pipelab.experiments.hybrid import REPLICA_VARIANTS, hidden_share, is_compute
-from pipelab.hardware import synchronize
+from pipelab.experiments.layouts import Verdict, clock
+from pipelab.experiments.layouts import (cores_contrast, cores_rows, gpu_outlook, layouts_table,  # noqa: F401 - part 4,
+                                         layouts_vs_prediction, predict)  # read as the notebook's lesson_parts
 from pipelab.hybrid import check_grid, grid_place, microbatch_losses, run_grid_step
-from pipelab.measure import Measured, RankSteps, Steps, TimedSteps, alternate, best_of, compare, gather_steps, \
-    ratios, time_steps
-from pipelab.models import trainable_parameters
+from pipelab.measure import Measured, RankSteps, Steps, TimedSteps, alternate, compare, gather_steps, ratios, time_steps
 from pipelab.pipeline.p2p import message_specs
 from pipelab.pipeline.partition import split_model
 from pipelab.pipeline.schedules import make_schedule
@@ -39,7 +38,6 @@ from pipelab.pipeline.topology import ProcessTopology
 from pipelab.reference import Reference, reference_run
 from pipelab.timeline import Span, Timeline
 from pipelab.worker import RankContext
-
 
 @dataclass(frozen=True)
 class Layout:
@@ -51,34 +49,23 @@ class Layout:
 
     @property
     def name(self) -> str:
-        if self.pipe == 1:
-            return f"data parallel (1 x {self.data})"
-        if self.data == 1:
-            return f"one pipeline ({self.pipe} x 1)"
-        return f"grid ({self.pipe} x {self.data})"
+        return (f"data parallel (1 x {self.data})" if self.pipe == 1 else f"one pipeline ({self.pipe} x 1)"
+                if self.data == 1 else f"grid ({self.pipe} x {self.data})")
 
     def schedule(self, name: str):
-        """The schedule each pipeline of this layout runs (one stage needs no schedule: 1F1B of one rank)."""
+        """The schedule each pipeline runs (one stage needs none: 1F1B of one rank)."""
         return make_schedule(name if self.pipe > 1 else "1f1b", self.pipe, self.num_microbatches)
 
 
 def layouts_of(pipe: int, data: int, num_microbatches: int) -> tuple[Layout, ...]:
-    """The three ways lesson 05 compares on pipe x data processes: one pipeline over every process
-    (whole batch), the grid, and pure data parallelism (each process the whole model, one micro-batch)."""
+    """Lesson 05's three layouts of pipe x data processes: one pipeline, the grid, pure data parallelism."""
     return Layout(pipe * data, 1, num_microbatches), Layout(pipe, data, num_microbatches), Layout(1, pipe * data, 1)
-
-
-# ---------------------------------------------------------------------------------------------
-# What a run is: checked when built
-# ---------------------------------------------------------------------------------------------
 
 
 @dataclass(frozen=True, kw_only=True)
 class Config(experiments.Config):
-    """`model` (an nn.Sequential) trained on (x, y) in each of `layouts`, all on the same processes
-    (so `world_size` is the first layout's pipe x data): one checked warm-up step, then `rounds` x
-    `steps` timed SGD steps per layout, the layouts alternating round by round. The pipelines run
-    `schedule` (lesson 07)."""
+    """`model` (an nn.Sequential) trained on (x, y) in each of `layouts` on the same `world_size` processes
+    (pipe x data): a checked warm-up step, then `rounds` x `steps` timed SGD steps, layouts alternating."""
 
     model: nn.Sequential
     x: torch.Tensor
@@ -90,18 +77,16 @@ class Config(experiments.Config):
     steps: int = 3
     rounds: int = 1
     timeout: float = 300.0
-    # the size an emulated node times every span at (`emulate.widened`)
-    emulated_scale: int = 64
-    emulated_dtype: str = "bfloat16"
     world_size: int = field(init=False, default=0)  # the layouts' processes: pipe x data
+    # the node times the same layers `scale` times wider on a batch `scale` times larger, in `dtype`
+    SIZE: ClassVar[Mapping[str, Any]] = {"scale": 64, "dtype": "bfloat16"}
 
     def __post_init__(self) -> None:
         if not self.layouts or not all(isinstance(layout, Layout) for layout in self.layouts):
             raise ValueError(f"layouts must be one or more Layout(pipe, data, num_microbatches), got {self.layouts!r}; "
                              "e.g. layouts=(Layout(2, 2, 4),) or grid.layouts_of(2, 2, 4)")
-        first = self.layouts[0]
-        check_grid(first.pipe, first.data)
-        object.__setattr__(self, "world_size", first.pipe * first.data)
+        object.__setattr__(self, "world_size", self.layouts[0].pipe * self.layouts[0].data)
+        check_grid(self.layouts[0].pipe, self.layouts[0].data)
         super().__post_init__()
 
     def check(self) -> None:
@@ -125,33 +110,22 @@ class Config(experiments.Config):
         positive_number("lr", self.lr, example="lr=0.1")
         whole_number("steps", self.steps, example="steps=3")
         whole_number("rounds", self.rounds, example="rounds=2")
-        whole_number("emulated_scale", self.emulated_scale, example="emulated_scale=64")
-        if self.emulate is not None:
-            widen(self.model, self.emulated_scale)  # refuses layers it cannot widen
+        whole_number("scale", self.size.scale, example="scale=64")
+        if self.node is not None:
+            widen(self.model, self.size.scale)  # refuses layers it cannot widen
 
     @property
     def widened(self) -> Widened:
-        """The size every span is timed at on an emulated node (`emulate.widened`)."""
-        return Widened(self.emulated_scale, self.emulated_dtype, self.node)
-
-    def size(self) -> str:
-        """The emulated size, in words (the first printed line says it)."""
-        widths = sorted({m.out_features * self.emulated_scale for m in self.model if isinstance(m, nn.Linear)})
-        layers = sum(isinstance(m, nn.Linear) for m in self.model)
-        rows = self.x.shape[0] * self.emulated_scale
-        return (f"{layers} Linear layers of width {', '.join(map(str, widths))} on batches of {rows} "
-                f"rows in {self.emulated_dtype} ({self.emulated_scale} x this run's width and batch)")
+        """The size every span is timed at on the node (`emulate.widened`)."""
+        return Widened(self.size.scale, self.size.dtype, self.node)
 
 
-def reference(cfg: Config, steps: int | None = None) -> Reference:
-    """What one process computes with the same model, batch, loss and SGD steps as each layout
-    (its checked first step and `rounds` x `steps` timed ones, unless `steps` says otherwise)."""
-    return reference_run(cfg.model, cfg.x, cfg.y, cfg.loss_fn, steps=steps or 1 + cfg.rounds * cfg.steps, lr=cfg.lr)
+def reference(cfg: Config) -> Reference:
+    """One process with the same model, batch, loss and SGD steps as each layout (warm-up and timed)."""
+    return reference_run(cfg.model, cfg.x, cfg.y, cfg.loss_fn, steps=1 + cfg.rounds * cfg.steps, lr=cfg.lr)
 
 
-# ---------------------------------------------------------------------------------------------
-# On each process
-# ---------------------------------------------------------------------------------------------
+# --- on each process --------------------------------------------------------------------------
 
 
 @dataclass
@@ -170,7 +144,7 @@ class LayoutTrainer:
     """One layout on this process: its place in the grid, its stages, its share of the batch."""
 
     def __init__(self, ctx: RankContext, cfg: Config, layout: Layout):
-        self.cfg = cfg
+        self.ctx, self.cfg = ctx, cfg
         topology = check_grid(layout.pipe, layout.data, ctx.world_size)
         self.place = grid_place(ctx, topology)
         self.pipeline = next(ranks for ranks in topology.get_axis_comm_lists("pipe") if ctx.rank in ranks)
@@ -185,22 +159,16 @@ class LayoutTrainer:
         self.names = {id(p): n for n, p in local.named_parameters()}  # names as in the whole model
         self.x, self.y = x.to(ctx.device), y.to(ctx.device)
         self.optimizer = torch.optim.SGD([p for m in self.modules.values() for p in m.parameters()], lr=cfg.lr)
-        self.ctx, self.table = ctx, None
-        if ctx.emulator is not None:  # this process's stages at the wide size, on its clock
-            k, wide = cfg.emulated_scale, split_model(widen(cfg.model, cfg.emulated_scale), self.schedule.num_stages)
-            rows = x.shape[0] * k // layout.num_microbatches  # one micro-batch at the wide size
-            self.table = cfg.widened.install(ctx.emulator, wide, sorted(self.modules), rows, x.shape[1] * k,
-                                             cfg.x.element_size())
+        self.table = cfg.widened.table(ctx, lambda wide: split_model(wide, self.schedule.num_stages), cfg.model,
+                                       sorted(self.modules), x, layout.num_microbatches)
         self.first_grads: dict | None = None
 
     def zero_grad(self, _=None) -> None:
         self.optimizer.zero_grad(set_to_none=True)
 
     def step(self, _=None) -> list[float] | None:
-        """One step: the grid's rank loop, then SGD; the micro-batch losses where this process
-        holds the last stage."""
-        if self.table is not None:  # the layouts take turns on one emulated rank
-            self.ctx.emulator.use(self.table)
+        """One step (the grid's rank loop, then SGD): the micro-batch losses where this process holds the last stage."""
+        self.cfg.widened.use(self.ctx, self.table)  # the layouts take turns on one rank's clock
         runner = run_grid_step(self.place, self.schedule, self.modules, self.cfg.loss_fn, self.x, self.y, self.specs)
         if self.first_grads is None:
             self.first_grads = self.tensors(grad=True)
@@ -212,40 +180,33 @@ class LayoutTrainer:
         return {self.names[id(p)]: (p.grad if grad else p).detach().cpu().clone()
                 for m in self.modules.values() for p in m.parameters()}
 
-    def result(self, steps: RankSteps) -> Result:
-        return Result(steps, self.first_grads, self.tensors(grad=False), self.pipeline, self.replica,
-                      sorted(self.modules))
-
 
 def worker(ctx: RankContext, cfg: Config) -> list[Result]:
-    """Worker: every layout in `cfg.rounds` alternating rounds of `cfg.steps` timed steps (one
-    `Result` per layout); the first step of each layout is checked and warms up."""
+    """Worker: every layout in `cfg.rounds` alternating rounds of `cfg.steps` timed steps (one `Result`
+    per layout); each layout's very first step is checked and warms up."""
     trainers = [LayoutTrainer(ctx, cfg, layout) for layout in cfg.layouts]
     measured = [RankSteps([], [], []) for _ in trainers]
 
-    def one_round(i: int) -> Callable[[], float]:
+    def one_round(trainer: LayoutTrainer, got: RankSteps) -> Callable[[], float]:
         def run() -> float:
-            trainer, got = trainers[i], measured[i]
-            warmup = 0 if got.results else 1  # a layout's very first step is checked, not timed
+            warmup = 0 if got.results else 1
             this = time_steps(ctx, trainer.step, cfg.steps + warmup, prepare=trainer.zero_grad, warmup=warmup)
-            got.results.extend(this.results)
-            got.seconds.extend(this.seconds)
-            got.timelines.extend(this.timelines)
+            for mine, new in ((got.results, this.results), (got.seconds, this.seconds), (got.timelines, this.timelines)):
+                mine.extend(new)
             return statistics.median(this.seconds)
         return run
 
-    alternate({i: one_round(i) for i in range(len(trainers))}, cfg.rounds, warmup=0)  # A B C A B C ...
-    return [trainer.result(got) for trainer, got in zip(trainers, measured)]
+    alternate({i: one_round(t, m) for i, (t, m) in enumerate(zip(trainers, measured))}, cfg.rounds, warmup=0)  # A B C A B C
+    return [Result(got, t.first_grads, t.tensors(grad=False), t.pipeline, t.replica, sorted(t.modules))
+            for t, got in zip(trainers, measured)]
 
 
-# ---------------------------------------------------------------------------------------------
-# The parent side
-# ---------------------------------------------------------------------------------------------
+# --- the parent side --------------------------------------------------------------------------
 
 
 @dataclass
 class GridRun(TimedSteps):
-    """One layout, gathered from every process; `assert_same(run, reference)` checks it."""
+    """One layout, gathered from every process; `assert_same(run, reference(cfg))` checks it."""
 
     layout: Layout
     schedule: str
@@ -258,7 +219,7 @@ class GridRun(TimedSteps):
     pipelines: list[list[int]] = field(default_factory=list)  # the processes of each pipeline
     stages: list[list[int]] = field(default_factory=list)  # per process, the stages it holds
     rounds: int = 1  # the timed steps came in this many rounds, the layouts alternating
-    emulate: str | None = None  # the emulated node whose models timed it (None: this machine's clock)
+    node: str | None = None  # the node whose model timed it (None: this machine's clock)
 
     @property
     def name(self) -> str:
@@ -266,20 +227,17 @@ class GridRun(TimedSteps):
 
     @property
     def round_times(self) -> list[float]:
-        """Per round, the median of its timed steps (s): what `measure.ratios` pairs between layouts
-        that ran in the same rounds."""
+        """Per round, the median of its timed steps (s): what `measure.ratios` pairs between layouts."""
         per = len(self.steps.seconds) // self.rounds
         return [statistics.median(self.steps.seconds[r * per:(r + 1) * per]) for r in range(self.rounds)]
 
     @property
     def overlap(self) -> Measured:
-        """Per timed step, the share of the data-parallel all-reduces' flight hidden behind some
-        process's compute (`hidden_behind_pipeline`)."""
+        """Per timed step, the share of the all-reduces' flight hidden behind some process's compute."""
         return Measured.of(hidden_behind_pipeline(tl) for tl in self.steps.timelines)
 
     def flights(self) -> dict[int, float]:
-        """Per stage, its all-reduce's flight (`in_flight`, s): median over the timed steps of the
-        mean over the stage's copies."""
+        """Per stage, its all-reduce's flight (s): median over the timed steps of the mean over its copies."""
         per_stage: dict[int, list[float]] = {}
         for tl in self.steps.timelines:
             for stage in {s.meta.get("stage") for s in tl.filter(kind="allreduce")}:
@@ -288,9 +246,8 @@ class GridRun(TimedSteps):
         return {stage: statistics.median(d) for stage, d in sorted(per_stage.items())}
 
     def simulated_overlap(self) -> float:
-        """The share `overlap` would be on independent devices: the schedule simulated with this
-        run's measured per-stage costs, each stage's all-reduce launched when its gradients are
-        final and taking its measured flight, hidden for as long as the pipeline still computes."""
+        """`overlap` on independent devices: the schedule simulated with this run's per-stage costs, each
+        stage's all-reduce launched when its gradients are final, hidden while the pipeline computes."""
         sim = simulate(self.layout.schedule(self.schedule), Costs.from_timeline(self.timeline, per_stage=True)).timeline
         end, hidden, total = max(s.end for s in sim), 0.0, 0.0
         for stage, flight in self.flights().items():
@@ -299,9 +256,9 @@ class GridRun(TimedSteps):
         return hidden / total if total > 0 else 0.0
 
     def launches(self) -> list[dict]:
-        """Table rows, one per process in the typical step: when its stage's all-reduce was launched
-        and arrived, and when its pipeline's last compute ended (ms from the step's start)."""
-        tl, ms, rows = self.timeline, "ms, modelled" if self.emulate else "ms", []
+        """Per process in the typical step: when its stage's all-reduce was launched and arrived, and
+        when its pipeline's last compute ended (ms from the step's start)."""
+        tl, ms, rows = self.timeline, "ms, modelled" if self.node else "ms", []
         for s in tl.filter(kind="allreduce"):
             pipeline = next(p for p in self.pipelines if s.rank in p)
             done = max(c.end for c in tl.filter(rank=pipeline) if is_compute(c))
@@ -312,170 +269,43 @@ class GridRun(TimedSteps):
 
 
 def in_flight(tl: Timeline) -> list[Span]:
-    """Each data-parallel all-reduce from the moment the last copy of its stage launched it (before
-    that, the early ones only wait for their peers) to its arrival on each process."""
-    spans = tl.filter(kind="allreduce").spans
-    last_launch: dict = {}
+    """Each all-reduce from the last launch among its stage's copies (the early ones only wait) to its arrival."""
+    spans, last_launch = tl.filter(kind="allreduce").spans, {}
     for s in spans:
         last_launch[s.meta.get("stage")] = max(last_launch.get(s.meta.get("stage"), s.start), s.start)
     return [replace(s, start=min(last_launch[s.meta.get("stage")], s.end)) for s in spans]
 
 
 def hidden_behind_pipeline(tl: Timeline) -> float:
-    """Share of the data-parallel all-reduces' flight time (`in_flight`) during which some process
-    still computed: what the pipeline's remaining work hid, 0.0 when every all-reduce ran after
-    the last backward of the step."""
+    """Share of the all-reduces' flight (`in_flight`) during which some process still computed."""
     flights = Timeline(in_flight(tl) + [s for s in tl if is_compute(s)])
     return hidden_share(flights, lambda s: s.kind == "allreduce", is_compute, any_rank=True)
 
 
 def launched_after_last_backward(run: GridRun) -> bool:
-    """Whether, in every timed step, each stage's all-reduce started only once that stage's
-    gradients were final (after its last B or W on that process)."""
+    """Whether, in every timed step, each stage's all-reduce started after that stage's last B or W there."""
     return all(a.start >= max(b.end for b in tl.filter(rank=a.rank, kind=("B", "W")) if b.meta.get("stage") == a.meta["stage"])
                for tl in run.steps.timelines for a in tl.filter(kind="allreduce"))
 
 
-def _spread(weights: list[dict[str, torch.Tensor]]) -> float:
-    """Largest difference between two processes' copies of the same weight."""
-    first: dict[str, torch.Tensor] = {}
-    worst = 0.0
-    for held in weights:
-        for name, w in held.items():
-            worst = max(worst, (w - first.setdefault(name, w)).abs().max().item())
-    return worst
-
-
-def gather_layout(cfg: Config, layout: Layout, mine: Sequence[Result]) -> GridRun:
-    """One layout's `GridRun` from every process's `Result` (by rank)."""
-    last = sorted((r for r in mine if r.steps.results[0] is not None), key=lambda r: r.replica)  # one per pipeline
-    mb_losses = [[loss for r in last for loss in r.steps.results[i]] for i in range(len(last[0].steps.results))]
-    pipelines = sorted({tuple(r.pipeline) for r in mine})
-    weights = [r.weights for r in mine]
-    return GridRun(layout, cfg.schedule, [statistics.mean(step) for step in mb_losses], mb_losses,
-                   [r.grads for r in mine], weights, _spread(weights), gather_steps([r.steps for r in mine]),
-                   [list(p) for p in pipelines], [r.stages for r in mine], cfg.rounds, cfg.emulate)
-
-
 def gather(cfg: Config, results: Sequence[list[Result]]) -> list[GridRun]:
-    """One `GridRun` per layout, in `cfg.layouts`' order."""
-    return [gather_layout(cfg, layout, [r[i] for r in results]) for i, layout in enumerate(cfg.layouts)]
+    """One `GridRun` per layout, in `cfg.layouts`' order, from every process's `Result`s (by rank)."""
+    runs = []
+    for i, layout in enumerate(cfg.layouts):
+        mine = [r[i] for r in results]
+        last = sorted((r for r in mine if r.steps.results[0] is not None), key=lambda r: r.replica)  # one per pipeline
+        mb_losses = [[loss for r in last for loss in r.steps.results[k]] for k in range(len(last[0].steps.results))]
+        first: dict[str, torch.Tensor] = {}  # each weight's first copy: how far the others are from it
+        spread = max([(w - first.setdefault(n, w)).abs().max().item() for r in mine for n, w in r.weights.items()],
+                     default=0.0)
+        runs.append(GridRun(layout, cfg.schedule, [statistics.mean(step) for step in mb_losses], mb_losses,
+                            [r.grads for r in mine], [r.weights for r in mine], spread,
+                            gather_steps([r.steps for r in mine]), [list(p) for p in sorted({tuple(r.pipeline) for r in mine})],
+                            [r.stages for r in mine], cfg.rounds, cfg.node_name))
+    return runs
 
 
-# ---------------------------------------------------------------------------------------------
-# Predicted: what the layouts would take on independent devices
-# ---------------------------------------------------------------------------------------------
-
-
-def ideal_fraction(layout: Layout) -> float:
-    """A layout's step on pipe x data independent devices, as a fraction of the whole model's
-    forward and backward on the whole batch on one device, communication left out: each device
-    does 1/(pipe x data) of the work, and a pipeline of p stages and m micro-batches takes
-    m + p - 1 micro-batch slots for m slots of work (the bubble, lessons 06-07):
-    (m + p - 1) / (m x p x data). Pure data parallelism (p = m = 1) gives 1/data."""
-    m, p = layout.num_microbatches, layout.pipe
-    return (m + p - 1) / (m * p * layout.data)
-
-
-def predicted_seconds(layout: Layout, one_device: float, devices: int) -> float:
-    """A layout's step (s) when its processes share `devices` devices (cores or GPUs), given the
-    one-device step `one_device`: no faster than its ideal pipeline, and no faster than the whole
-    work spread evenly over the devices there are. With fewer devices than processes, a bubble is
-    no idle device: another process's work fills it."""
-    return one_device * max(ideal_fraction(layout), 1 / min(devices, layout.pipe * layout.data))
-
-
-def allreduce_bytes(layout: Layout, model: nn.Module, element_size: int | None = None) -> float:
-    """Bytes each process sends per step in its data-parallel all-reduce (a ring sends 2 (d-1)/d
-    times what it reduces): the gradients of its 1/pipe of the model (`element_size` bytes per
-    value, default the parameters' own)."""
-    grads = sum(p.numel() * (element_size or p.element_size()) for _, p in trainable_parameters(model))
-    return 2 * (layout.data - 1) / layout.data * grads / layout.pipe
-
-
-def one_device_seconds(model: nn.Module, x: torch.Tensor, y: torch.Tensor, loss_fn: Callable | None = None,
-                       repeats: int = 3, device: str = "cpu") -> float:
-    """Fastest of `repeats` forwards and backwards of the whole model on the whole batch, in this
-    process on one thread (as each worker runs) or on one GPU: the unit of `predicted_seconds`."""
-    loss_fn = loss_fn if loss_fn is not None else nn.MSELoss()
-    model, x, y = copy.deepcopy(model).to(device), x.to(device), y.to(device)
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        def step() -> None:
-            loss_fn(model(x), y).backward()
-            synchronize(device)
-        return best_of({"step": step}, repeats, prepare=lambda: model.zero_grad(set_to_none=True))["step"][0]
-    finally:
-        torch.set_num_threads(threads)
-
-
-@dataclass
-class Prediction:
-    """The layouts' compute-only steps, from one step of the whole model: measured here, or given
-    by the device model on an emulated node."""
-
-    one_device: float  # s: the whole model's forward and backward on the whole batch, one thread or one GPU
-    device: str  # "cpu", "cuda", or the emulated device's name (e.g. "H100 SXM")
-    here: int  # the devices this machine's processes share: its GPUs, or its cores (emulated: one per process)
-    world: int  # the processes
-    emulated: bool = False  # one_device came from the cost model of an emulated node
-
-    def seconds(self, layout: Layout, devices: int | None = None) -> float:
-        """The layout's predicted step (s) on `devices` devices (default: this machine's)."""
-        return predicted_seconds(layout, self.one_device, devices or self.here)
-
-    @property
-    def few_cores(self) -> bool:
-        """More processes than cores: a process waiting in a bubble leaves its core to another."""
-        return self.device == "cpu" and self.world > self.here
-
-    @property
-    def gpu_label(self) -> str:
-        """The label of the prediction with one device per process."""
-        return (f"predicted, {self.world} x {self.device} (device model)" if self.emulated
-                else f"predicted, {self.world} GPUs")
-
-    def ms(self, runs: Sequence[GridRun]) -> dict[str, dict[str, float]]:
-        """The predictions, by label, then by layout name (ms): on this machine's cores or GPUs and
-        on one GPU per process; on an emulated node only the latter (it has one per process)."""
-        gpu = {self.gpu_label: {r.name: self.seconds(r.layout, self.world) * 1e3 for r in runs}}
-        if self.emulated:
-            return gpu
-        here = f"predicted, {self.here} {'GPUs' if self.device == 'cuda' else 'cores'} (this machine)"
-        return {here: {r.name: self.seconds(r.layout) * 1e3 for r in runs}, **gpu}
-
-
-def predict(cfg: Config) -> Prediction:
-    """The whole model's step on one device: on an emulated node the device model's F + B at the
-    emulated size (counted on the meta device); else timed here, on one GPU if every process has
-    one, else on one CPU thread."""
-    if cfg.emulate is not None:
-        one = cfg.widened.step_seconds(cfg.model, cfg.x.shape[0] * cfg.emulated_scale, cfg.x.shape[1] * cfg.emulated_scale)
-        return Prediction(one, cfg.node.device.name, cfg.world_size, cfg.world_size, emulated=True)
-    device = "cuda" if hardware.gpu_count() >= cfg.world_size else "cpu"
-    one = one_device_seconds(cfg.model, cfg.x, cfg.y, cfg.loss_fn, device=device)
-    return Prediction(one, device, cfg.world_size if device == "cuda" else hardware.cpu_cores(), cfg.world_size)
-
-
-def layouts_table(cfg: Config, runs: Sequence[GridRun], prediction: Prediction) -> list[dict]:
-    """One row per layout: its bubble, its all-reduce bytes, both predictions and the measured step."""
-    predicted = prediction.ms(runs)
-    model, size = cfg.model, None
-    if cfg.emulate is not None:  # the bytes the emulated node's all-reduces carry
-        model, size = widen(cfg.model, cfg.emulated_scale), cfg.widened.element_size
-    return [{"layout": r.name, "bubble (p-1)/(m+p-1)": round((r.layout.pipe - 1) / (r.layout.num_microbatches + r.layout.pipe - 1), 3),
-             "all-reduce per process": human_bytes(allreduce_bytes(r.layout, model, size)),
-             **{label: round(per[r.name], 1) for label, per in predicted.items()},
-             "step (ms), modelled" if r.emulate else "step (ms)": f"{r.step_time.scaled(1e3):.1f}"} for r in runs]
-
-
-# ---------------------------------------------------------------------------------------------
-# Verdicts: what the notebook concludes, computed from the runs
-# ---------------------------------------------------------------------------------------------
-
-
-Verdict = tuple[str, str, str, dict]  # (key, verdict, text, figures): a cell calls pipelab.conclude(*it)
+# --- verdicts ---------------------------------------------------------------------------------
 
 
 def groups_verdict(topology: ProcessTopology) -> Verdict:
@@ -483,133 +313,60 @@ def groups_verdict(topology: ProcessTopology) -> Verdict:
     pipe, data = topology.get_dim("pipe"), topology.get_dim("data")
     predicted = ([[p * data + d for d in range(data)] for p in range(pipe)],
                  [[p * data + d for p in range(pipe)] for d in range(data)])
-    same = (topology.get_axis_comm_lists("data"), topology.get_axis_comm_lists("pipe")) == predicted
-    verdict = "as predicted" if same else "not as predicted"
+    verdict = ("as predicted" if (topology.get_axis_comm_lists("data"), topology.get_axis_comm_lists("pipe")) == predicted
+               else "not as predicted")
     return ("05.grid_groups", verdict, f"the data groups and pipelines are {verdict} by the data-fastest numbering.",
             dict(data_groups=str(predicted[0]), pipelines=str(predicted[1])))
 
 
-def devices_per_process(run: GridRun) -> bool:
-    """Whether each process of `run` had a device of its own: an emulated node, or a GPU each."""
-    return run.emulate is not None or hardware.gpu_count() >= run.layout.pipe * run.layout.data
-
-
-def clock(run: GridRun) -> str:
-    """How the run's times came about: ' (modelled on the emulated node)' or ' (measured)'."""
-    return " (modelled on the emulated node)" if run.emulate else " (measured)"
-
-
 def overlap_verdict(run: GridRun) -> Verdict:
-    """How much of the grid's all-reduce time hid behind the pipeline's compute, against the
-    schedule simulated with this run's costs on one device per process."""
-    overlap, simulated = run.overlap, run.simulated_overlap()
-    world = run.layout.pipe * run.layout.data
-    if not devices_per_process(run) and hardware.cpu_cores() < world:
-        verdict = "too few cores"  # a process 'still computing' may have been waiting for a core
-    elif run.emulate is not None:  # a logical clock: every step alike
+    """How much all-reduce time hid behind compute, against the schedule simulated with this run's costs."""
+    overlap, simulated, world = run.overlap, run.simulated_overlap(), run.layout.pipe * run.layout.data
+    if run.node is not None:  # a logical clock: every step alike
         gap = overlap.median - simulated
         verdict = "as simulated" if abs(gap) <= 0.05 else "lower" if gap < 0 else "higher"
+    elif hardware.gpu_count() < world and hardware.cpu_cores() < world:
+        verdict = "too few cores"  # a process 'still computing' may have been waiting for a core
     else:
         verdict = compare(overlap, Measured.of([simulated]))
-    return ("05.grid_hidden", verdict,
-            f"{overlap.median:.0%} of the all-reduce time hid behind compute{clock(run)}; the simulation with one "
-            f"device per process hides {simulated:.0%}: {verdict}.",
+    return ("05.grid_hidden", verdict, f"{overlap.median:.0%} of the all-reduce time hid behind compute{clock(run)}; "
+            f"the simulation with one device per process hides {simulated:.0%}: {verdict}.",
             dict(hidden=overlap, simulated=simulated, flights_s=str(run.flights())))
 
 
 def round_verdict(per_round: Measured) -> str:
-    """'lower' when the grid was faster in every round (every ratio below 1), 'higher' when slower
-    in every round, else 'within noise'."""
+    """'lower' (or 'higher') when the grid was faster (slower) in every round, else 'within noise'."""
     return "lower" if per_round.high < 1 else "higher" if per_round.low > 1 else "within noise"
 
 
 def grid_vs(runs: Sequence[GridRun], other: GridRun) -> Verdict:
     """How the grid's step compares with `other` layout's, round by round (the layouts alternated)."""
-    grid_run = runs[1]
-    per_round = ratios(grid_run.round_times, other.round_times)
+    per_round = ratios(runs[1].round_times, other.round_times)
     verdict = round_verdict(per_round)
-    key = "05.grid_vs_one_pipeline" if other.layout.data == 1 else "05.grid_vs_data_parallel"
-    return (key, verdict, f"the grid's step took {per_round.median:.2f} times as long as {other.name}'s"
-            f"{clock(grid_run)}: {verdict}, over {len(per_round.values)} rounds.",
-            dict(ratio=per_round, grid=grid_run.step_time, other=other.step_time))
+    return ("05.grid_vs_one_pipeline" if other.layout.data == 1 else "05.grid_vs_data_parallel", verdict,
+            f"the grid's step took {per_round.median:.2f} times as long as {other.name}'s{clock(runs[1])}: {verdict}, "
+            f"over {len(per_round.values)} rounds.", dict(ratio=per_round, grid=runs[1].step_time, other=other.step_time))
 
 
-def layouts_vs_prediction(runs: Sequence[GridRun], prediction: Prediction) -> Verdict:
-    """Whether every layout's every timed step took longer than its compute-only prediction."""
-    over = {r.name: r.step_time.median / prediction.seconds(r.layout) for r in runs}
-    slower = all(compare(r.step_time, Measured.of([prediction.seconds(r.layout)])) == "higher" for r in runs)
-    verdict = "slower than predicted" if slower else "not all slower"
-    return ("05.layouts_vs_prediction", verdict,
-            f"every layout ran at least {min(over.values()):.2f} times its compute-only prediction: "
-            + ("messages, all-reduces and overheads cost the rest." if slower else "some came within it."),
-            {n.split(" (")[0].replace(" ", "_"): v for n, v in over.items()})
-
-
-def gpu_outlook(runs: Sequence[GridRun], prediction: Prediction) -> str:
-    """Which layout the compute-only predictions put first, and which the run put first."""
-    gpu = prediction.ms(runs)[prediction.gpu_label]
-    first, ran = min(gpu, key=gpu.get), min(runs, key=lambda r: r.step_time.median).name
-    return (f"Compute alone puts {first} first on {prediction.world} devices; with every message and all-reduce "
-            f"{ran} came first{clock(runs[0])}.")
-
-
-def order(runs: Sequence[GridRun]) -> list[str]:
-    """The layouts' names, fastest median step first."""
-    return [r.name for r in sorted(runs, key=lambda r: r.step_time.median)]
-
-
-def cores_rows(on_cores: Sequence[GridRun], emulated: Sequence[GridRun]) -> list[dict]:
-    """Each layout's median step on the emulated node and on this machine's cores, side by side."""
-    return [{"layout": e.name, f"step ms, modelled ({e.emulate}, emulated size)": round(e.step_time.median * 1e3, 1),
-             "step ms, measured (this machine's cores, small size)": f"{c.step_time.scaled(1e3):.1f}"}
-            for e, c in zip(emulated, on_cores)]
-
-
-def cores_contrast(on_cores: Sequence[GridRun], emulated: Sequence[GridRun], cores: int | None = None) -> Verdict:
-    """Whether this machine's own cores order the layouts as the emulated node does, and why not."""
-    cores = cores or hardware.cpu_cores()
-    world = on_cores[0].layout.pipe * on_cores[0].layout.data
-    same = order(on_cores) == order(emulated)
-    if world > cores:
-        verdict = "cores shared"
-        text = (f"here {world} processes share {cores} cores, so a process's bubble is another's compute: "
-                "messages, overheads and load order the layouts, not the bubbles.")
-    else:
-        verdict = "same order" if same else "different order"
-        text = ("each process had a core of its own, and the layouts came in "
-                + ("the same order as" if same else "another order than") + " on the emulated node.")
-    return ("05.cores_contrast", verdict, text, dict(same_order=same, cores=cores))
-
-
-# ---------------------------------------------------------------------------------------------
-# A profile's work, counted
-# ---------------------------------------------------------------------------------------------
-
-
-def run_flops(params: dict) -> float:
-    """FLOPs of lesson 05 at the notebook parameters `params` (missing names: the notebook's
-    defaults) on a node with a GPU per process, counted on the meta device: parts 1-2 train the
-    two-half MLP `steps` steps per wrapper, with and without splits, plus the one-process reference;
-    parts 3-4 train each of the three layouts `rounds` x `grid_steps` steps and a warm-up, each
-    checked by a one-process reference of as many steps, plus the one-device prediction's three
-    steps. (The tutorial's toy model is negligible.)"""
-    from pipelab.emulate.cost import step_flops
-    from pipelab.models import SplitMLP, mlp
-
-    p = {**DEFAULTS, **params}
-
-    def step(model: nn.Module, rows: int, width: int) -> float:
-        return step_flops(model, torch.empty(rows, width, device="meta"))
-
-    with torch.device("meta"):
-        replica = SplitMLP(p["width"], p["layers_per_half"], p["width"])
-        layers = mlp([p["grid_width"]] * (p["grid_layers"] + 1))
-    replica_steps = p["steps"] * len(REPLICA_VARIANTS) * 2 + p["steps"]  # 2 wrappers x (naive, splits), reference
-    layout_steps = 2 * len(layouts_of(2, 2, 1)) * (p["rounds"] * p["grid_steps"] + 1) + 3  # runs, references, prediction
-    return (step(replica, p["batch"], p["width"]) * replica_steps
-            + step(layers, p["grid_batch"], p["grid_width"]) * layout_steps)
-
+# --- a profile's work, counted ----------------------------------------------------------------
 
 # The parameters cell's defaults that `run_flops` reads.
 DEFAULTS = dict(width=512, layers_per_half=2, batch=128, steps=5, grid_width=128, grid_layers=8, grid_batch=64,
                 grid_steps=1, rounds=2)
+
+
+def run_flops(params: dict) -> float:
+    """FLOPs of lesson 05 at the notebook parameters `params` (missing names: `DEFAULTS`), counted on the meta
+    device: parts 1-2's two-half MLP (2 wrappers, with and without splits, and the reference) and parts 3-4's
+    three layouts (runs and references, warm-up included, and the prediction's 3 steps)."""
+    from pipelab.emulate.cost import step_flops
+    from pipelab.models import SplitMLP, mlp
+
+    p = {**DEFAULTS, **params}
+    with torch.device("meta"):
+        replica = SplitMLP(p["width"], p["layers_per_half"], p["width"])
+        layers = mlp([p["grid_width"]] * (p["grid_layers"] + 1))
+    replica_steps = p["steps"] * len(REPLICA_VARIANTS) * 2 + p["steps"]
+    layout_steps = 2 * len(layouts_of(2, 2, 1)) * (p["rounds"] * p["grid_steps"] + 1) + 3
+    return (step_flops(replica, torch.empty(p["batch"], p["width"], device="meta")) * replica_steps
+            + step_flops(layers, torch.empty(p["grid_batch"], p["grid_width"], device="meta")) * layout_steps)

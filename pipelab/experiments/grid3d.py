@@ -11,10 +11,12 @@ between stages go to the process of the next stage with the same data and tensor
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
+from typing import Any, ClassVar, Mapping
 
 import torch
 
 from pipelab import experiments, lm
+from pipelab.emulate.tensor_stage import time_tensor_parallel_stage
 from pipelab.checks import divides, whole_number
 from pipelab.data import batchify, get_batch, load_corpus
 from pipelab.hybrid import microbatch_losses, run_grid_step
@@ -50,19 +52,18 @@ class Config(experiments.Config):
     steps: int = 3
     lr: float = 0.5
     max_lines: int = 400
-    # On an emulated node each stage's F and B last what the device model gives for the same layers
-    # at this size (its work divided by `tensor`, as its matrices are), and messages are timed at it.
-    # The emulator times every message at one scale; these sizes make it right for both kinds: an
+    # On an emulated node each stage lasts what the same layers take at this size (divided by `tensor`,
+    # as its matrices are). Messages are timed at one scale, right for both kinds at these sizes: an
     # activation grows by (4096/32) x (2 x 2048 tokens / 32 tokens) = 128^2, a weight matrix by 128^2.
-    emulated_emsize: int = 4096
-    emulated_seq_len: int = 2048
-    emulated_columns: int = 2  # sequences per micro-batch
+    SIZE: ClassVar[Mapping[str, Any]] = {"emsize": 4096, "seq_len": 2048, "columns": 2}  # columns: sequences per micro-batch
 
     def check(self) -> None:
         super().check()
         for name in ("pipe", "data", "tensor", "emsize", "nhead", "nhid", "nlayers", "seq_len", "batch",
                      "num_microbatches", "steps", "max_lines"):
             whole_number(name, getattr(self, name))
+        for name, value in vars(self.size).items():
+            whole_number(name, value)
         if self.pipe * self.data * self.tensor != self.world_size:
             raise ValueError(f"a grid of pipe={self.pipe} x data={self.data} x tensor={self.tensor} holds "
                              f"{self.pipe * self.data * self.tensor} processes, not world_size={self.world_size}; "
@@ -97,7 +98,6 @@ class Result:
     rank: int
     coord: tuple[int, int, int]  # (pipe, data, model)
     losses: list[float]  # per step, the mean of this pipeline's micro-batch losses (last stage only)
-    tensor_bytes: int  # what this process's tensor-parallel collectives sent, all steps
     timeline: Timeline = field(repr=False)  # the last step
 
 
@@ -122,7 +122,8 @@ def worker(ctx: RankContext, cfg: Config) -> Result:
     stage = parallel_stage(stages[coord.pipe], tp)
     optimizer = torch.optim.SGD(stage.parameters(), lr=cfg.lr)
     schedule = Schedule1F1B(cfg.pipe, cfg.num_microbatches)
-    emulate_stage(ctx, cfg, ntoken, coord.pipe)
+    if cfg.node is not None:
+        time_tensor_parallel_stage(ctx, coord.pipe, *big_stage(cfg, ntoken, coord.pipe), cfg.tensor, message_scale(cfg))
     losses = []
     for x, y in batches:
         x, y = (t.chunk(cfg.data)[coord.data] for t in (x, y))  # this replica's columns
@@ -133,31 +134,24 @@ def worker(ctx: RankContext, cfg: Config) -> Result:
         optimizer.step()
         mb = microbatch_losses(runner)
         losses.append(sum(mb) / len(mb) if mb else float("nan"))
-    return Result(ctx.rank, (coord.pipe, coord.data, coord.model), losses, tp.meter.total_bytes(), ctx.rec.timeline())
+    return Result(ctx.rank, (coord.pipe, coord.data, coord.model), losses, ctx.rec.timeline())
 
 
-def emulate_stage(ctx: RankContext, cfg: Config, ntoken: int, stage: int) -> None:
-    """On an emulated node, time this process's stage by its modelled seconds at the emulated size: the same
-    layers `emulated_emsize` wide on `emulated_columns` x `emulated_seq_len` tokens, counted on the
-    meta device, divided by the tensor-parallel size (each process computes 1/t of every matrix
-    product). Its messages are timed at that size too."""
-    if ctx.emulator is None:
-        return
-    from pipelab.emulate.cost import stage_seconds
-    from pipelab.emulate.table import stage_table
+def big_stage(cfg: Config, ntoken: int, stage: int) -> tuple[torch.nn.Module, torch.Tensor]:
+    """Stage `stage` of the same model at the size the node times (`cfg.size`), on meta, and one micro-batch for it."""
+    size = cfg.size
+    with torch.device("meta"):
+        big = lm.TransformerLM(ntoken, size.emsize, cfg.nhead, int(cfg.nhid * size.emsize / cfg.emsize), cfg.nlayers)
+    module = lm.stages_of(big, partition_uniform(len(big), cfg.pipe))[stage]
+    rows = size.columns, size.seq_len
+    return module, (torch.zeros(rows, dtype=torch.long, device="meta") if stage == 0
+                    else torch.empty(*rows, size.emsize, device="meta"))
 
-    scale = cfg.emulated_emsize / cfg.emsize
-    big = lm.TransformerLM(ntoken, cfg.emulated_emsize, cfg.nhead, int(cfg.nhid * scale), cfg.nlayers).to("meta")
-    parts = partition_uniform(len(big), cfg.pipe)
-    module = lm.stages_of(big, parts)[stage]
-    rows = cfg.emulated_columns, cfg.emulated_seq_len
-    example = (torch.zeros(rows, dtype=torch.long, device="meta") if stage == 0
-               else torch.empty(*rows, cfg.emulated_emsize, device="meta"))
-    seconds = stage_seconds(module, example, ctx.emulator.node.device, "bfloat16")
+
+def message_scale(cfg: Config) -> float:
+    """How many times larger a micro-batch's activation is at `cfg.size` than here."""
     mb_rows = cfg.batch // (cfg.data * cfg.num_microbatches)
-    ctx.emulator.scale_messages(cfg.emulated_columns * cfg.emulated_seq_len * cfg.emulated_emsize,
-                                mb_rows * cfg.seq_len * cfg.emsize)
-    ctx.emulator.use(stage_table({stage: {kind: s / cfg.tensor for kind, s in seconds.items()}}))
+    return cfg.size.columns * cfg.size.seq_len * cfg.size.emsize / (mb_rows * cfg.seq_len * cfg.emsize)
 
 
 @dataclass
@@ -187,11 +181,12 @@ def run(cfg: Config) -> GridRun:
 
 
 def gather(cfg: Config, results: list[Result]) -> GridRun:
-    return GridRun(cfg, results, one_process(cfg))
+    """The processes' results beside the same steps in this process."""
+    return GridRun(cfg, results, reference(cfg))
 
 
-def one_process(cfg: Config) -> list[float]:
-    """The same model, batches and SGD steps in this process."""
+def reference(cfg: Config) -> list[float]:
+    """The losses of the same model, batches and SGD steps in this process."""
     ntoken, batches = cfg.batches()
     model = cfg.model(ntoken)
     optimizer = torch.optim.SGD(model.parameters(), lr=cfg.lr)
@@ -206,6 +201,7 @@ def one_process(cfg: Config) -> list[float]:
 
 
 def same_losses(run: GridRun, tolerance: float = 1e-5) -> tuple[str, str, str, dict]:
+    """Whether the grid's losses are one process's."""
     grid, one = run.losses, run.one_process_losses
     worst = max(abs(a - b) for a, b in zip(grid, one))
     verdict = "same" if worst <= tolerance else "different"
@@ -226,7 +222,7 @@ def axis_costs(run: GridRun) -> tuple[str, str, str, dict]:
             "pipeline": sum(s.duration for s in tl.filter(lane="comm") if s.kind != "allreduce")}
     total = sum(busy.values()) or 1.0
     share = {axis: busy[axis] / total for axis in busy}
-    clock = f"on an emulated node ({run.cfg.emulate})" if run.cfg.emulate else "on this machine's CPU cores"
+    clock = f"on the emulated node ({run.cfg.node_name})" if run.cfg.node else "on this machine's CPU cores"
     names = {"tensor": "tensor parallelism's collectives", "data": "the data groups' gradient all-reduce",
              "pipeline": "the pipeline's messages, waits for the sender included"}
     top = max(names, key=share.get)

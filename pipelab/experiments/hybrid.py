@@ -1,18 +1,12 @@
-"""Lesson 05 from a notebook, parts 1-2: data parallelism over replicas that each span two devices.
+"""Lesson 05, parts 1-2: data parallelism over replicas that each span two devices.
 
     cfg = hybrid.Config(model=models.SplitMLP(512, 2, 512), x=x, y=y, split_size=16)  # refuses bad input here
     runs = experiments.run(hybrid.worker, cfg, hybrid.gather)  # variant -> ReplicaRun
 
-Each of `cfg.world_size` processes builds a `ModelParallelReplica` on its two devices (GPUs, or
-virtual CPU devices), wraps it with our `BucketedDDP` and with torch's
-`DistributedDataParallel(device_ids=None)`, and trains a few SGD steps on its slice of the batch.
-A `ReplicaRun` carries losses, first-step gradients and final weights for
-`reference.assert_same`, the timed steps, and what ran at once in them, each a `Measured` over the
-timed steps: `overlap` (the buckets' all-reduce time hidden behind compute), `copy_overlap` (the
-activation copies' time hidden behind compute) and `device_concurrency` (both devices computing).
-The verdict functions turn the runs into the lesson's conclusions.
-
-The grid of parts 3-4 is in `pipelab.experiments.grid`.
+Each process builds a `ModelParallelReplica` on its two devices (GPUs, or virtual CPU devices),
+wraps it with our `BucketedDDP` or torch's `DistributedDataParallel(device_ids=None)`, and trains
+SGD steps on its slice of the batch. A `ReplicaRun` carries what `reference.assert_same` checks and,
+per timed step, what ran at once. The grid of parts 3-4 is in `pipelab.experiments.grid`.
 """
 
 from __future__ import annotations
@@ -20,7 +14,7 @@ from __future__ import annotations
 import copy
 import math
 import statistics
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Callable, Sequence
 
 import torch
@@ -34,14 +28,12 @@ from pipelab.hybrid import HALVES, ModelParallelReplica, gpu_path, replica_devic
 from pipelab.measure import Measured, RankSteps, Steps, TimedSteps, compare, gather_steps, time_steps
 from pipelab.reference import Reference, perturb, reference_run
 from pipelab.streams import Device
-from pipelab.timeline import Recorder, Span, Timeline
+from pipelab.timeline import Recorder, Span, Timeline, length, overlap
 from pipelab.worker import RankContext
 
 REPLICA_VARIANTS = ("bucketed", "torch")
 
-# ---------------------------------------------------------------------------------------------
-# What ran at once: shares of one kind of work hidden under another, read off a timeline
-# ---------------------------------------------------------------------------------------------
+# --- what ran at once: shares of one kind of work hidden under another, read off a timeline ----
 
 
 def is_compute(span: Span) -> bool:
@@ -49,18 +41,19 @@ def is_compute(span: Span) -> bool:
     return span.kind in ("F", "B", "I", "W") and span.lane != "comm"
 
 
+def _times(spans) -> list[tuple[float, float]]:
+    return [(s.start, s.end) for s in spans]
+
+
 def hidden_share(tl: Timeline, hidden: Callable[[Span], bool], behind: Callable[[Span], bool],
                  any_rank: bool = False) -> float:
-    """Share of the time taken by `hidden` spans during which a `behind` span ran too, on the same
-    process (or, with `any_rank`, on any process): 1.0 means all of it was hidden, 0.0 none."""
+    """Share of the time of `hidden` spans during which a `behind` span ran too, on the same process
+    (or, with `any_rank`, on any process): 1.0 all of it hidden, 0.0 none."""
     covered = total = 0.0
     for rank in tl.ranks:
-        mine = [replace(s, lane="hidden") for s in tl.filter(rank=rank) if hidden(s)]
-        pool = tl if any_rank else tl.filter(rank=rank)
-        under = [replace(s, rank=rank, lane="behind") for s in pool if behind(s)]
-        both = Timeline(mine + under)
-        covered += both.overlap_time("behind", "hidden", rank)
-        total += both.busy_time(rank, "hidden")
+        mine = _times(s for s in tl.filter(rank=rank) if hidden(s))
+        covered += length(overlap(mine, _times(s for s in (tl if any_rank else tl.filter(rank=rank)) if behind(s))))
+        total += length(mine)
     return covered / total if total > 0 else 0.0
 
 
@@ -78,26 +71,21 @@ def device_concurrency(tl: Timeline) -> float:
     """Share of the time some device of a process computed during which both of its devices did."""
     both = either = 0.0
     for rank in tl.ranks:
-        dev0 = Timeline([replace(s, lane="0") for s in tl.filter(rank=rank, lane="device 0") if is_compute(s)])
-        dev1 = Timeline([replace(s, lane="1") for s in tl.filter(rank=rank, lane="device 1") if is_compute(s)])
-        joined = Timeline(dev0.spans + dev1.spans)
-        both += joined.overlap_time("0", "1", rank)
-        either += joined.busy_time(rank, "0") + joined.busy_time(rank, "1") - joined.overlap_time("0", "1", rank)
+        dev0, dev1 = (_times(s for s in tl.filter(rank=rank, lane=f"device {d}") if is_compute(s)) for d in (0, 1))
+        both += length(overlap(dev0, dev1))
+        either += length(dev0 + dev1)
     return both / either if either > 0 else 0.0
 
 
-# ---------------------------------------------------------------------------------------------
-# What a run is: checked when built
-# ---------------------------------------------------------------------------------------------
+# --- what a run is: checked when built ---------------------------------------------------------
 
 
 @dataclass(frozen=True, kw_only=True)
 class Config(experiments.Config):
-    """`model` (halves seq1 | seq2, fc) trained on (x, y) by `world_size` replicas of two devices
-    each, once per variant: `steps` SGD steps, the first checked and not timed (unless it is the
-    only one). `split_size` None runs lesson 02's forward in each replica, a number lesson 03's
-    split-input pipelining. The replicas' all-reduces go through gloo on every path: launch binds
-    NCCL to one GPU per process, and a replica here spans two."""
+    """`model` (halves seq1 | seq2, fc) trained on (x, y) by `world_size` two-device replicas, once per
+    variant: `steps` SGD steps, the first checked and not timed (unless it is the only one).
+    `split_size` None runs lesson 02's forward in each replica, a number lesson 03's splits. The
+    all-reduces go through gloo: launch binds NCCL to one GPU per process, and a replica spans two."""
 
     model: nn.Module
     x: torch.Tensor
@@ -119,8 +107,7 @@ class Config(experiments.Config):
         if missing:
             raise ValueError(f"the model has no {', '.join(missing)}: a two-device replica runs seq1 on device 0 "
                              "and seq2, fc on device 1; use e.g. pipelab.models.ToyModel() or SplitMLP()")
-        bad = [v for v in self.variants if v not in REPLICA_VARIANTS]
-        if bad or not self.variants:
+        if not self.variants or any(v not in REPLICA_VARIANTS for v in self.variants):
             raise ValueError(f"variants must be some of {REPLICA_VARIANTS}, got {list(self.variants)!r}")
         check_bucket_cap(self.bucket_cap_mb)
         positive_number("lr", self.lr, example="lr=0.1")
@@ -142,8 +129,7 @@ class Config(experiments.Config):
 
 
 def toy_config(world_size: int = 2, **changes) -> Config:
-    """The DDP tutorial's `ToyModel` on a batch of 32 drawn from seed 0 (part 1): every process,
-    and every node of `on_nodes`, builds the same one. `changes` are other Config fields."""
+    """The DDP tutorial's `ToyModel` on a batch of 32 from seed 0 (part 1; every node builds the same)."""
     from pipelab.models import ToyModel
 
     torch.manual_seed(0)
@@ -155,9 +141,8 @@ NODE_STEPS = 2  # SGD steps of the run on torchrun nodes
 
 
 def on_nodes(ctx: RankContext) -> str:
-    """Lesson 05's worker as a torchrun target: `nodes.torchrun_nodes("pipelab.experiments.hybrid:on_nodes")`
-    runs it on each node's process. It builds part 1's Config itself (`toy_config`, `NODE_STEPS`
-    steps), trains both wrappers, and hands the results back with `nodes.save_node_result`."""
+    """Lesson 05's worker as a torchrun target (`nodes.torchrun_nodes("pipelab.experiments.hybrid:on_nodes")`):
+    part 1's Config, `NODE_STEPS` steps, both wrappers, handed back with `nodes.save_node_result`."""
     from pipelab.nodes import save_node_result
 
     return save_node_result(ctx, worker(ctx, toy_config(ctx.world_size, steps=NODE_STEPS)))
@@ -168,9 +153,7 @@ def reference(cfg: Config) -> Reference:
     return reference_run(cfg.model, cfg.x, cfg.y, cfg.loss_fn, steps=cfg.steps, lr=cfg.lr)
 
 
-# ---------------------------------------------------------------------------------------------
-# On each process: a replica on two devices, wrapped, trained
-# ---------------------------------------------------------------------------------------------
+# --- on each process: a replica on two devices, wrapped, trained ------------------------------
 
 
 @dataclass
@@ -187,29 +170,26 @@ class Result:
 
 
 def wrap_replica(variant: str, replica: ModelParallelReplica, bucket_cap_mb: float, recorder: Recorder) -> nn.Module:
-    """The replica wrapped by our `BucketedDDP` or torch's DDP. A module on several devices has no
-    one device to scatter the inputs to, so torch's DDP gets `device_ids=None` and no `output_device`."""
+    """The replica wrapped by our `BucketedDDP` or torch's DDP: a module on several devices has no one
+    device to scatter the inputs to, so torch's gets `device_ids=None`."""
     if variant == "bucketed":
         return BucketedDDP(replica, bucket_cap_mb, recorder=recorder, device_of=replica.device_of())
-    if variant == "torch":
-        return nn.parallel.DistributedDataParallel(replica, device_ids=None, bucket_cap_mb=bucket_cap_mb)
-    raise ValueError(f"variant must be one of {REPLICA_VARIANTS}, got {variant!r}")
+    return nn.parallel.DistributedDataParallel(replica, device_ids=None, bucket_cap_mb=bucket_cap_mb)
 
 
 def record_devices(rec: Recorder, devs: list[Device]) -> None:
-    """Move the devices' spans (forward kernels, copies) onto the process's timeline: a lane per
-    device ("device 0", "device 1"; a stream other than compute gets its own, e.g. "device 1 copy")."""
+    """The devices' spans onto the process's timeline, a lane per device ("device 1 copy" for another stream)."""
     for d in devs:
         d.synchronize()
         for s in d.timeline():
-            lane = d.label if s.lane == "compute" else f"{d.label} {s.lane}"
-            rec.add(s.kind, s.start, s.end, lane=lane, mb=s.mb, **s.meta)
+            rec.add(s.kind, s.start, s.end, lane=d.label if s.lane == "compute" else f"{d.label} {s.lane}",
+                    mb=s.mb, **s.meta)
         d.rec.clear()
 
 
 def train_variant(ctx: RankContext, cfg: Config, variant: str) -> Result:
-    """A replica of the model on this process's two devices, wrapped by `variant`, and `cfg.steps`
-    SGD steps on this process's slice of the batch; the first is checked and warms up."""
+    """A replica on this process's two devices, wrapped by `variant`, and `cfg.steps` SGD steps on
+    its slice of the batch; the first is checked and warms up."""
     devs = replica_devices(ctx.rank, ctx.world_size, cfg.device)
     replica = ModelParallelReplica(copy.deepcopy(cfg.model), devs, cfg.split_size)
     if ctx.rank != 0:
@@ -236,12 +216,12 @@ def train_variant(ctx: RankContext, cfg: Config, variant: str) -> Result:
         return loss.item()
 
     measured = time_steps(ctx, step, cfg.steps, prepare=prepare)
-    first = ctx.rank == 0
+    first, bucketed = ctx.rank == 0, isinstance(wrapped, BucketedDDP)
     result = Result(variant, measured, grads if first else None,
                     {n: p.detach().cpu().clone() for n, p in replica.named_parameters()} if first else None,
                     replica_spread([p.detach().cpu() for p in replica.parameters()]),  # over gloo, in host memory
-                    wrapped.buckets if isinstance(wrapped, BucketedDDP) else None, [d.name for d in devs])
-    if isinstance(wrapped, BucketedDDP):
+                    wrapped.buckets if bucketed else None, [d.name for d in devs])
+    if bucketed:
         wrapped.remove_hooks()
     for d in devs:
         d.close()
@@ -259,9 +239,8 @@ def worker_many(ctx: RankContext, cfgs: Sequence[Config]) -> list[list[Result]]:
 
 
 def run_many(*cfgs: Config) -> list[dict[str, "ReplicaRun"]]:
-    """Each Config's runs (as `experiments.run(worker, cfg, gather)` returns them), all on one set
-    of processes, one Config after the other: starting the processes costs a second or two each
-    time on a small machine, and every Config still trains its own fresh replicas."""
+    """Each Config's runs (as `experiments.run(worker, cfg, gather)` gives them), one Config after the
+    other on one set of processes: starting them costs a second or two each time on a small machine."""
     from pipelab.launch import spawn
 
     if not cfgs or any((c.world_size, c.backend) != (cfgs[0].world_size, cfgs[0].backend) for c in cfgs):
@@ -272,9 +251,7 @@ def run_many(*cfgs: Config) -> list[dict[str, "ReplicaRun"]]:
     return [gather(cfg, [r[i] for r in per_rank]) for i, cfg in enumerate(cfgs)]
 
 
-# ---------------------------------------------------------------------------------------------
-# The parent side
-# ---------------------------------------------------------------------------------------------
+# --- the parent side --------------------------------------------------------------------------
 
 
 @dataclass
@@ -293,28 +270,30 @@ class ReplicaRun(TimedSteps):
 
     @property
     def name(self) -> str:
-        how = "naive forward" if self.split_size is None else f"split_size={self.split_size}"
-        return f"{self.variant} ({how})"
+        return f"{self.variant} ({'naive forward' if self.split_size is None else f'split_size={self.split_size}'})"
+
+    def per_step(self, share: Callable[[Timeline], float]) -> Measured:
+        """`share` of each timed step's timeline."""
+        return Measured.of(share(tl) for tl in self.steps.timelines)
 
     @property
     def overlap(self) -> Measured:
         """Per timed step, the share of the buckets' all-reduce time hidden behind compute."""
-        return Measured.of(allreduce_overlap(tl) for tl in self.steps.timelines)
+        return self.per_step(allreduce_overlap)
 
     @property
     def copy_overlap(self) -> Measured:
         """Per timed step, the share of the activation copies' time hidden behind compute."""
-        return Measured.of(copy_overlap(tl) for tl in self.steps.timelines)
+        return self.per_step(copy_overlap)
 
     @property
     def device_concurrency(self) -> Measured:
         """Per timed step, the share of the compute time during which both devices computed."""
-        return Measured.of(device_concurrency(tl) for tl in self.steps.timelines)
+        return self.per_step(device_concurrency)
 
 
 def shares(run: ReplicaRun) -> dict[str, Measured]:
-    """The run's three figures of what ran at once, labelled by what overlaps what (the table's
-    rows and the bar chart's groups)."""
+    """The run's three figures of what ran at once, by what overlaps what."""
     return {"copy/compute": run.copy_overlap, "device/device": run.device_concurrency, "all-reduce/compute": run.overlap}
 
 
@@ -330,22 +309,15 @@ def gather(cfg: Config, results: Sequence[list[Result]]) -> dict[str, ReplicaRun
     return runs
 
 
-# ---------------------------------------------------------------------------------------------
-# Verdicts: what the notebook concludes, computed from the runs
-# ---------------------------------------------------------------------------------------------
-
-
-def early_buckets(run: ReplicaRun) -> Measured:
-    """Per timed step, the share of device 1's buckets' all-reduce time during which device 0 was
-    still running its backward."""
-    device_of_bucket = {b.index: b.device for b in run.buckets}
-    return Measured.of(hidden_share(tl, lambda s: s.kind == "allreduce" and device_of_bucket[s.meta["bucket"]] == "device 1",
-                                    lambda s: s.kind == "B" and s.lane == "device 0") for tl in run.steps.timelines)
+# --- verdicts ---------------------------------------------------------------------------------
 
 
 def early_buckets_verdict(run: ReplicaRun) -> tuple[str, str, str, dict]:
-    """Whether device 1's buckets travelled during device 0's backward in the typical step (`BucketedDDP`)."""
-    early = early_buckets(run)
+    """Whether device 1's buckets travelled during device 0's backward in the median step (`BucketedDDP`)."""
+    device_of_bucket = {b.index: b.device for b in run.buckets}
+    early = run.per_step(lambda tl: hidden_share(
+        tl, lambda s: s.kind == "allreduce" and device_of_bucket[s.meta["bucket"]] == "device 1",
+        lambda s: s.kind == "B" and s.lane == "device 0"))
     verdict = "overlaps" if early.median > 0 else "does not overlap"
     return ("05.early_buckets", verdict,
             f"in the median step, device 1's buckets were in flight during device 0's backward for "
@@ -357,9 +329,8 @@ WHY_SPLITS_OVERLAP = {"copy/compute": "a split's copy travels while device 0 com
 
 
 def splits_verdict(without: ReplicaRun, with_splits: ReplicaRun, kind: str) -> tuple[str, str, str, dict]:
-    """Whether lesson 03's splits let `kind` ("copy/compute" or "device/device") overlap: any
-    step with splits beyond every step without (a step whose threads all waited for a shared
-    core overlaps nothing)."""
+    """Whether lesson 03's splits let `kind` ("copy/compute" or "device/device") overlap: any step
+    with splits beyond every step without (threads waiting for a shared core overlap nothing)."""
     now, before = shares(with_splits)[kind], shares(without)[kind]
     beyond = sum(v > before.high for v in now.values)
     verdict = "higher" if beyond else "lower" if now.high < before.low else "within noise"

@@ -1,27 +1,25 @@
-"""Lesson 12 from a notebook: one GPT block cut across a tensor-parallel group, ours and torch's.
+"""Lesson 12, parts 1-3: one GPT block cut across a tensor-parallel group, ours and torch's.
 
-Each rank runs every variant of the block (tensor parallel, sequence parallel with and without
-re-gathering, and torch's `parallelize_module` with and without `SequenceParallel`) on the same
-weights and data, then returns its outputs and gradients, the bytes its collectives sent and the
-bytes its forward kept for backward. `gather` checks every variant against the unsplit block run in
-this process and builds the `TensorParallelRun` the lesson reads.
+Each rank runs every variant (tensor parallel, sequence parallel with and without re-gathering, and
+torch's `parallelize_module` with and without `SequenceParallel`) on the same weights and data, and
+returns its outputs, gradients, the bytes its collectives sent and the bytes its forward kept for
+backward; `gather` checks every variant against `reference(cfg)`, the unsplit block in this process.
 """
 
 from __future__ import annotations
 
 import copy
 from contextlib import nullcontext
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 from torch import nn
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from pipelab import experiments
-from pipelab.checks import whole_number
+from pipelab.checks import divides, divisors, whole_number
 from pipelab.measure import Measured, time_steps
 from pipelab.tensor_parallel import ParallelBlock, TensorParallelGroup
-from pipelab.tensor_parallel.comm import CommMeter, ring_bytes
+from pipelab.tensor_parallel.torch_plan import TorchCollectives, local_grad, torch_parallel_block
 from pipelab.transformer import Block
 from pipelab.worker import RankContext
 
@@ -47,18 +45,12 @@ class Config(experiments.Config):
         super().check()
         for name in ("dim", "n_heads", "batch", "seq_len", "steps"):
             whole_number(name, getattr(self, name))
-        t = self.world_size
-        if self.dim % self.n_heads:
-            raise ValueError(f"dim={self.dim} does not divide into n_heads={self.n_heads} heads; use a dim "
-                             f"that is a multiple of {self.n_heads}")
-        if self.n_heads % t:
+        divides("dim", self.dim, "n_heads", self.n_heads)
+        if self.n_heads % self.world_size:
             raise ValueError(f"n_heads={self.n_heads} does not divide by the tensor-parallel size "
-                             f"world_size={t}: each rank computes whole heads; use world_size in "
-                             f"{[k for k in range(1, self.n_heads + 1) if self.n_heads % k == 0]}")
-        if self.seq_len % t:
-            raise ValueError(f"seq_len={self.seq_len} does not divide by world_size={t}: sequence "
-                             f"parallelism gives each rank seq_len / world_size tokens; use a seq_len "
-                             f"that is a multiple of {t}")
+                             f"world_size={self.world_size}: each rank computes whole heads; use world_size in "
+                             f"{divisors(self.n_heads)}")
+        divides("seq_len", self.seq_len, "world_size", self.world_size)  # sequence parallelism's shards
         bad = [v for v in self.variants if v not in VARIANTS]
         if bad or not self.variants:
             raise ValueError(f"variants must be some of {VARIANTS}, got {list(self.variants)!r}")
@@ -97,34 +89,11 @@ def _storage(t: torch.Tensor):
     return (t.to_local() if isinstance(t, DTensor) else t).untyped_storage()
 
 
-class TorchCollectives(TorchDispatchMode):
-    """Counts the collectives torch's DTensor issues (its functional collectives) into a `CommMeter`,
-    in the same ring bytes as ours: what each rank's link carries for that collective."""
-
-    KINDS = {"all_reduce": "all_reduce", "all_gather_into_tensor": "all_gather",
-             "reduce_scatter_tensor": "reduce_scatter"}
-
-    def __init__(self, meter: CommMeter, direction: str, ranks: int):
-        super().__init__()
-        self.meter, self.direction, self.ranks = meter, direction, ranks
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        namespace, _, rest = str(func).partition(".")
-        kind = self.KINDS.get(rest.split(".")[0]) if namespace == "_c10d_functional" else None
-        if kind is not None:
-            t = args[0]
-            full = t.numel() * t.element_size() * (self.ranks if kind == "all_gather" else 1)
-            self.meter.add(kind, self.direction, ring_bytes(kind, full, self.ranks))
-        return func(*args, **(kwargs or {}))
-
-
 def parameter_storages(module: nn.Module) -> set[int]:
     return {_storage(p).data_ptr() for p in module.parameters()}
 
 
-# ---------------------------------------------------------------------------------------------
-# On each rank
-# ---------------------------------------------------------------------------------------------
+# --- on each rank ------------------------------------------------------------------------------
 
 
 @dataclass
@@ -197,41 +166,10 @@ def _build(variant: str, cfg: Config, tp: TensorParallelGroup) -> nn.Module:
     return torch_parallel_block(cfg.block(), cfg.world_size, sequence_parallel(variant))
 
 
-def torch_plan(sequence_parallel: bool) -> dict:
-    """torch's plan for `transformer.Block`: queries, keys, values and the MLP's first layer
-    column-wise, the output projections row-wise; with sequence parallelism the LayerNorms work on
-    sequence shards (`SequenceParallel`), each half of the block gathers its input
-    (`PrepareModuleInput`: Shard(1) -> Replicate()) and the row-wise layers reduce-scatter their
-    output back to sequence shards (`output_layouts=Shard(1)`)."""
-    from torch.distributed.tensor import Replicate, Shard
-    from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput, RowwiseParallel,
-                                                   SequenceParallel)
-
-    shard_out = {"output_layouts": Shard(1)} if sequence_parallel else {}
-    plan = {"attn.q": ColwiseParallel(), "attn.k": ColwiseParallel(), "attn.v": ColwiseParallel(),
-            "attn.out": RowwiseParallel(**shard_out), "mlp.fc1": ColwiseParallel(),
-            "mlp.fc2": RowwiseParallel(**shard_out)}
-    if sequence_parallel:
-        gather = PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),))
-        plan.update({"ln1": SequenceParallel(), "ln2": SequenceParallel(), "attn": gather, "mlp": gather})
-    return plan
-
-
-def torch_parallel_block(block: Block, size: int, sequence_parallel: bool) -> Block:
-    """`block` parallelised in place by torch's `parallelize_module` on a 1-D device mesh."""
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.tensor.parallel import parallelize_module
-
-    mesh = init_device_mesh("cpu", (size,))
-    parallelize_module(block, mesh, torch_plan(sequence_parallel))
-    block.attn.n_heads //= size  # each rank now computes its own heads only
-    return block
-
-
 def _grads_as_ours(variant: str, block: nn.Module) -> dict[str, torch.Tensor]:
     """This rank's gradients named as `ParallelBlock` names them: torch's q, k and v shards are
     stacked into `attn.qkv`, and its DTensor gradients become this rank's local shards."""
-    grads = {n: _local(p.grad) for n, p in block.named_parameters()}
+    grads = {n: local_grad(p.grad) for n, p in block.named_parameters()}
     if variant in OURS:
         return grads
     for kind in ("weight", "bias"):
@@ -239,22 +177,7 @@ def _grads_as_ours(variant: str, block: nn.Module) -> dict[str, torch.Tensor]:
     return grads
 
 
-def _local(t: torch.Tensor) -> torch.Tensor:
-    """This rank's part of a gradient. torch leaves the gradient of a replicated parameter that saw
-    only a sequence shard as a `Partial` DTensor (each rank holds a summand): redistributing it to
-    `Replicate` is the all-reduce our `sync_replicated_grads` does by hand."""
-    from torch.distributed.tensor import DTensor, Replicate
-
-    if isinstance(t, DTensor):
-        if any(p.is_partial() for p in t.placements):
-            t = t.redistribute(placements=[Replicate()] * len(t.placements))
-        t = t.to_local()
-    return t.detach().clone()
-
-
-# ---------------------------------------------------------------------------------------------
-# The parent side
-# ---------------------------------------------------------------------------------------------
+# --- the parent side ---------------------------------------------------------------------------
 
 
 @dataclass
@@ -274,7 +197,6 @@ class TensorParallelRun:
     cfg: Config
     variants: dict[str, VariantRun]
     one_process_activation_bytes: int  # the unsplit block's, in this process
-    reference: dict = field(repr=False, default_factory=dict)
 
     def __getitem__(self, name: str) -> VariantRun:
         return self.variants[name]
@@ -285,7 +207,7 @@ def run(cfg: Config) -> TensorParallelRun:
 
 
 def gather(cfg: Config, results: list[Result]) -> TensorParallelRun:
-    y_ref, dx_ref, ref_block, ref_bytes = one_process(cfg)
+    y_ref, dx_ref, ref_block, ref_bytes = reference(cfg)
     grads_block = copy.deepcopy(ref_block)
     with torch.no_grad():
         for p, r in zip(grads_block.parameters(), ref_block.parameters()):
@@ -302,7 +224,7 @@ def gather(cfg: Config, results: list[Result]) -> TensorParallelRun:
     return TensorParallelRun(cfg, variants, ref_bytes)
 
 
-def one_process(cfg: Config):
+def reference(cfg: Config):
     """The unsplit block in this process: output, input gradient, the block with its gradients,
     and the bytes its forward kept for backward."""
     block = cfg.block()
@@ -322,9 +244,7 @@ def _difference(name, cfg, rank, got: VariantResult, y_ref, dx_ref, grads_block)
     return float(max(diffs))
 
 
-# ---------------------------------------------------------------------------------------------
-# Activation memory: Korthikanti et al. (2022) beside what the ranks kept
-# ---------------------------------------------------------------------------------------------
+# --- activation memory: Korthikanti et al. (2022) beside what the ranks kept -------------------
 
 
 def korthikanti_bytes(cfg: Config, sequence_parallel: bool, tensor_parallel: int | None = None) -> float:
@@ -342,56 +262,34 @@ def korthikanti_bytes(cfg: Config, sequence_parallel: bool, tensor_parallel: int
     return s * b * h * (10 + 24 / t + scores / t)
 
 
-@dataclass
-class MemorySplit:
-    """Activation bytes of our block as Korthikanti's formula splits them: `replicated`, what tensor
-    parallelism keeps whole on every rank (the LayerNorms' inputs and outputs), and `split`, what
-    it divides by t (everything between f and g). Found from one process and tensor parallelism."""
-
-    replicated: float
-    split: float
-
-    def tensor_parallel(self, t: int) -> float:
-        return self.replicated + self.split / t
-
-    def sequence_parallel(self, t: int) -> float:
-        return (self.replicated + self.split) / t
-
-
-def memory_split(run: TensorParallelRun) -> MemorySplit:
-    """Solve one process = R + S and tensor parallel over t = R + S/t for R and S."""
-    t = run.cfg.world_size
-    whole, tp = run.one_process_activation_bytes, run["tp"].activation_bytes
-    split = (whole - tp) * t / (t - 1)
-    return MemorySplit(whole - split, split)
+def predicted_bytes(run: TensorParallelRun, sequence_parallel: bool | None) -> float:
+    """Activation bytes per rank from our block's two parts as Korthikanti splits them: R, kept whole
+    under tensor parallelism (the LayerNorms'), and S, divided by t (between f and g), solved from
+    one process = R + S and tensor parallel = R + S/t. None: one process; else R + S/t or (R + S)/t."""
+    t, whole = run.cfg.world_size, run.one_process_activation_bytes
+    split = (whole - run["tp"].activation_bytes) * t / (t - 1)
+    return whole if sequence_parallel is None else whole / t if sequence_parallel else whole - split + split / t
 
 
 def memory_table(run: TensorParallelRun) -> list[dict]:
-    """Per variant: activation bytes kept per rank, measured, beside Korthikanti's formula (in its
-    own 2-byte units) and beside ours predicted from the replicated/split parts."""
+    """Per variant: activation bytes kept per rank, measured, beside ours predicted from R and S and
+    beside Korthikanti's formula (in its own 2-byte units), per sbh."""
     sbh = run.cfg.seq_len * run.cfg.batch * run.cfg.dim
-    split = memory_split(run)
-    t = run.cfg.world_size
-    rows = [{"variant": "one process", "measured (bytes/sbh)": run.one_process_activation_bytes / sbh,
-             "predicted (bytes/sbh)": (split.replicated + split.split) / sbh,
-             "Korthikanti, 16-bit (bytes/sbh)": korthikanti_bytes(run.cfg, False, 1) / sbh}]
-    for name, v in run.variants.items():
-        sp = sequence_parallel(name)
-        predicted = split.sequence_parallel(t) if sp else split.tensor_parallel(t)
-        rows.append({"variant": name, "measured (bytes/sbh)": v.activation_bytes / sbh,
-                     "predicted (bytes/sbh)": predicted / sbh,
-                     "Korthikanti, 16-bit (bytes/sbh)": korthikanti_bytes(run.cfg, sp) / sbh})
-    return [{k: round(v, 2) if isinstance(v, float) else v for k, v in row.items()} for row in rows]
+    rows = [("one process", run.one_process_activation_bytes, None)]
+    rows += [(name, v.activation_bytes, sequence_parallel(name)) for name, v in run.variants.items()]
+    return [{"variant": name, "measured (bytes/sbh)": round(kept / sbh, 2),
+             "predicted (bytes/sbh)": round(predicted_bytes(run, sp) / sbh, 2),
+             "Korthikanti, 16-bit (bytes/sbh)": round(korthikanti_bytes(run.cfg, bool(sp), 1 if sp is None else None) / sbh, 2)}
+            for name, kept, sp in rows]
 
 
-# ---------------------------------------------------------------------------------------------
-# Verdicts
-# ---------------------------------------------------------------------------------------------
+# --- verdicts ----------------------------------------------------------------------------------
 
 TOLERANCE = 1e-4  # float32 sums in another order: far above rounding, far below a wrong shard
 
 
 def same_as_one_process(run: TensorParallelRun) -> tuple[str, str, str, dict]:
+    """Whether every variant gave the unsplit block's outputs and gradients."""
     worst = max(v.difference for v in run.variants.values())
     verdict = "same" if worst <= TOLERANCE else "different"
     text = (f"all {len(run.variants)} variants gave the unsplit block's outputs and gradients on {run.cfg.world_size} "
@@ -413,7 +311,7 @@ def memory_verdict(run: TensorParallelRun) -> tuple[str, str, str, dict]:
     """Whether the measured activation bytes follow the formula's shape: R + S/t under tensor
     parallelism, (R + S)/t under sequence parallelism with re-gathering."""
     measured = run["tp+sp regather"].activation_bytes
-    predicted = memory_split(run).sequence_parallel(run.cfg.world_size)
+    predicted = predicted_bytes(run, True)
     verdict = "as the formula divides" if abs(measured - predicted) <= 0.01 * predicted else "differs"
     text = (f"sequence parallelism with re-gathering kept {measured:,} activation bytes per rank against the "
             f"formula's (R + S)/t = {predicted:,.0f}" + (", as it divides" if verdict == "as the formula divides" else ""))
@@ -447,38 +345,25 @@ def node_verdict(run: TensorParallelRun) -> tuple[str, str, str, dict]:
     return "12.inside_a_node", f"{ratio:.1f}x a boundary", text, {"tp_bytes": tp_bytes, "boundary_bytes": boundary}
 
 
-# ---------------------------------------------------------------------------------------------
-# What a DTensor is: one tensor, its placements, each rank's local part
-# ---------------------------------------------------------------------------------------------
+# --- what a DTensor is: one tensor, its placements, each rank's local part ---------------------
 
 
-@dataclass
-class Placed:
-    placements: str
-    local_shape: tuple[int, ...]
-    local: torch.Tensor
-
-
-def dtensor_worker(ctx: RankContext, cfg: Config) -> list[Placed]:
-    """A 4 x 6 tensor of 0..23 distributed three ways over a 1-D mesh of every rank."""
+def dtensor_worker(ctx: RankContext, cfg: Config) -> list[tuple[str, tuple[int, ...], list]]:
+    """A 4 x 6 tensor of 0..23 distributed three ways over a 1-D mesh of every rank: per placement,
+    what this rank keeps (its placements, local shape and values)."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 
-    mesh = init_device_mesh("cpu", (cfg.world_size,))
-    full = torch.arange(24.0).reshape(4, 6)
-    placed = []
-    for placement in (Shard(0), Shard(1), Replicate()):
-        d = distribute_tensor(full, mesh, [placement])
-        placed.append(Placed(str(d.placements), tuple(d.to_local().shape), d.to_local().clone()))
-    return placed
+    mesh, full = init_device_mesh("cpu", (cfg.world_size,)), torch.arange(24.0).reshape(4, 6)
+    placed = [distribute_tensor(full, mesh, [placement]) for placement in (Shard(0), Shard(1), Replicate())]
+    return [(str(d.placements), tuple(d.to_local().shape), d.to_local().int().tolist()) for d in placed]
 
 
 def dtensor_table(cfg: Config) -> list[dict]:
     """Per placement and rank: the local shape and values a DTensor keeps there."""
     per_rank = experiments.run(dtensor_worker, cfg)
-    return [{"placements": p.placements, "rank": rank, "local shape": p.local_shape,
-             "local values": p.local.int().tolist()}
-            for i in range(len(per_rank[0])) for rank, placed in enumerate(per_rank) for p in [placed[i]]]
+    return [{"placements": placements, "rank": rank, "local shape": shape, "local values": values}
+            for i in range(len(per_rank[0])) for rank, ranks in enumerate(per_rank) for placements, shape, values in [ranks[i]]]
 
 
 def run_flops(params: dict) -> float:

@@ -89,8 +89,9 @@ def plot_layouts(runs: Sequence[GridRun], predicted_ms: dict[str, dict[str, floa
     times = [r.step_time.scaled(1e3) for r in runs]
     med = [t.median for t in times]
     err = [[t.median - t.low for t in times], [t.high - t.median for t in times]]
-    clock = "modelled on the emulated node" if runs[0].emulate else "measured"
-    ax.bar(range(len(runs)), med, yerr=err, capsize=4, color=kind_color("compute"), alpha=0.8, label=clock)
+    clock = "modelled on the emulated node" if runs[0].node else "measured"
+    ax.bar(range(len(runs)), med, yerr=None if runs[0].node else err, capsize=4, color=kind_color("compute"), alpha=0.8,
+           label=clock)  # modelled time cannot vary: no error bar
     for (label, per_layout), marker in zip((predicted_ms or {}).items(), "D^sv"):
         ax.scatter(range(len(runs)), [per_layout[n] for n in names], marker=marker, zorder=3, s=45, label=label)
     ax.set_xticks(range(len(runs)), names, fontsize=8)
@@ -106,7 +107,7 @@ def plot_grid_step(run: GridRun, ax=None):
     """A typical step of the grid, every process: its stages' F and B, its messages, and each
     stage's all-reduce over its data-parallel group on the comm lane."""
     tl = run.timeline
-    clock = ", modelled" if run.emulate else ""
+    clock = ", modelled" if run.node else ""
     title = (f"{run.name}, {run.schedule}: the median-length step, {tl.makespan * 1e3:.1f} ms{clock};\n"
              f"all-reduces' flight under some stage's compute: {run.overlap.scaled(100):.0f} %")
     return gantt(tl, ax=ax, title=title)
