@@ -104,9 +104,12 @@ def _run_once(payload: bytes, world_size: int, backend: str, timeout: float, ctr
     try:
         _write_payload(payload, workdir, world_size)
         port = _free_port()
+        # One server for the whole call: a server replaced between two ranks (pipelab's files
+        # changed) would leave the first rank's handle talking to a closed socket.
+        server = worker_server.server() if worker_server.usable() else None
         for rank in range(world_size):
             ctrl_c.check()  # Ctrl-C while starting: stop here, the finally ends those started
-            procs.append(_start_worker(rank, world_size, backend, port, timeout, workdir, extra_env))
+            procs.append(_start_worker(rank, world_size, backend, port, timeout, workdir, extra_env, server))
             pumps.append(_pump_output(procs[-1], rank))
         _wait_for_workers(procs, workdir, timeout, ctrl_c)
         return [load_pickle(rank_path(workdir, "result", rank)) for rank in range(world_size)]
@@ -193,7 +196,8 @@ def _free_port() -> int:
 
 
 def _start_worker(rank: int, world_size: int, backend: str, port: int, timeout: float,
-                  workdir: str, extra_env: dict[str, str] | None = None) -> RankProcess:
+                  workdir: str, extra_env: dict[str, str] | None = None,
+                  server: worker_server.Server | None = None) -> RankProcess:
     # A caller's PIPELAB_NCCL_RULE=1 puts every spawn under NCCL's rule (e.g. a whole test run);
     # a node to emulate comes only from the call, checked there.
     env = {k: v for k, v in os.environ.items() if k != "PIPELAB_EMULATE"}
@@ -212,7 +216,6 @@ def _start_worker(rank: int, world_size: int, backend: str, port: int, timeout: 
         loopback = hardware.loopback_interface()
         if loopback and "GLOO_SOCKET_IFNAME" not in env:
             env["GLOO_SOCKET_IFNAME"] = loopback  # every rank is on this machine: talk over loopback
-    server = worker_server.server() if worker_server.usable() else None
     if server is not None:  # forked from a process that has torch imported: no 3 s of imports
         return server.start(workdir, env)
     return subprocess.Popen(

@@ -55,3 +55,23 @@ def test_a_server_with_old_code_is_replaced(monkeypatch):
 def test_fresh_workers_when_asked(monkeypatch):
     monkeypatch.setenv("PIPELAB_FRESH_WORKERS", "1")
     assert spawn(lambda ctx: os.getppid(), 2) == [os.getpid(), os.getpid()]
+
+
+def rank_of(ctx):
+    return ctx.rank
+
+
+@pytest.mark.skipif(not worker_server.usable(), reason="ranks are fresh processes here")
+def test_one_server_starts_every_rank_of_a_call(monkeypatch):
+    """A server replaced between two ranks of one call (pipelab's files changed meanwhile) would
+    leave the first rank talking to a closed socket: a call asks for its server once."""
+    asked = []
+    real = worker_server.server
+
+    def counted():
+        asked.append(1)
+        return real()
+
+    monkeypatch.setattr(worker_server, "server", counted)
+    assert spawn(rank_of, 3) == [0, 1, 2]
+    assert len(asked) == 1
