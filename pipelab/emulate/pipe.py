@@ -43,18 +43,20 @@ class EmulatedPipe:
         counted = emulated_stages(given, size.x, loss_fn, node, size.dtype, size.optimizer)
         return cls(counted, node, size.dtype, size.optimizer)
 
-    def install(self, emulator: Any, mine: Iterable[int], checkpoint: bool, message: Any) -> None:
+    def install(self, emulator: Any, mine: Iterable[int], checkpoint: bool, message: Any) -> Any:
         """On a rank: time its stages `mine` by their modelled seconds, start its memory meter with
-        their parameters, gradients and optimizer state, and time each message (`message`: stage 0's
-        output as sent here, a `p2p.TensorSpec`) at the emulated size."""
+        their parameters, gradients and optimizer state (returned: its `peak` is the rank's), and time
+        each message (`message`: stage 0's output as sent here, a `p2p.TensorSpec`) at the emulated size."""
         from pipelab.emulate.memory import MemoryMeter
         from pipelab.emulate.table import stage_table
 
         held = {s: self.stages[s] for s in mine}
         table = stage_table({s: e.seconds for s, e in held.items()},
                             {s: (e.stash_bytes, e.input_bytes) for s, e in held.items()}, checkpoint)
-        emulator.use(table, MemoryMeter(self.node.device, sum(e.held_bytes for e in held.values())))
+        meter = MemoryMeter(self.node.device, sum(e.held_bytes for e in held.values()))
+        emulator.use(table, meter)
         emulator.scale_messages(self.stages[0].output_bytes, message.dtype.itemsize * torch.Size(message.shape).numel())
+        return meter
 
     def stage_ms(self) -> dict[int, tuple[float, float, float]]:
         """Each stage's modelled F, I and W (ms), as the simulator prices them."""

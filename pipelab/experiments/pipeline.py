@@ -229,9 +229,8 @@ def pipelab_job(ctx: RankContext, cfg: Config, job: Job) -> Result:
     """`cfg.steps` steps of `job` with pipelab's runtime (`run_step`); the last one's losses and gradients."""
     x, y = job.x.to(ctx.device), job.y.to(ctx.device)
     modules = rank_modules(ctx, cfg, job.schedule)
-    modelled = ctx.emulator is not None and cfg.emulated is not None
-    if modelled:  # this rank's stages and messages timed at the emulated size
-        cfg.emulated.install(ctx.emulator, modules, job.checkpoint, job.specs[0][0])
+    # On an emulated node this rank's stages and messages are timed at the emulated size.
+    meter = cfg.emulated.install(ctx.emulator, modules, job.checkpoint, job.specs[0][0]) if cfg.emulated else None
     measured = time_steps(ctx, lambda _: run_step(ctx, job.schedule, modules, cfg.loss_fn, x, y, job.specs,
                                                   job.checkpoint),
                           cfg.steps, prepare=zero_grads(modules))
@@ -240,7 +239,7 @@ def pipelab_job(ctx: RankContext, cfg: Config, job: Job) -> Result:
     timed = RankSteps([], measured.seconds, measured.timelines)  # the steps' tensors stay here
     return Result(ctx.rank, sorted(modules), [float(loss) for loss in last.losses], gradients_of(modules), timed,
                   traces, last.stash.peak, last.stash.peak_bytes, last.messages_sent,
-                  ctx.emulator.memory.peak if modelled else 0.0)
+                  meter.peak if meter else 0.0)
 
 
 def torch_job(ctx: RankContext, cfg: Config, job: Job) -> Result:

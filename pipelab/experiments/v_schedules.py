@@ -26,7 +26,7 @@ from pipelab.pipeline.p2p import message_specs
 from pipelab.pipeline.runtime import run_step
 from pipelab.pipeline.schedules import Schedule, Schedule1F1B, ScheduleZeroBubble
 from pipelab.pipeline.simulate import Costs, SimResult, simulate
-from pipelab.pipeline.v_shape import ScheduleDualPipeV, ScheduleLoopedBFS, ScheduleZBV, VSchedule
+from pipelab.pipeline.v_shape import ScheduleDualPipeV, ScheduleLoopedBFS, ScheduleZBV, VSchedule, dualpipe_formulas
 from pipelab.worker import RankContext
 
 SCHEDULES = {"1F1B": Schedule1F1B, "ZB-H1": ScheduleZeroBubble, "ZB-V": ScheduleZBV, "DualPipeV": ScheduleDualPipeV}
@@ -218,20 +218,6 @@ def _grad_difference(cfg: Config, num_stages: int, grads, ref_grads) -> float:
 
 
 # The DualPipe repository's table, and ours beside it
-
-
-def dualpipe_formulas(p: int, F: float, B: float, W: float, FB: float | None = None) -> dict[str, dict]:
-    """The DualPipe README's comparison (deepseek-ai/DualPipe, "Pipeline Bubbles and Memory Usage
-    Comparison") for one model on p devices. The README counts in chunks: F, B (full backward), W
-    and F&B (an overlapped forward and backward) of one chunk; 1F1B and ZB1P put PP = p chunks on p
-    devices, DualPipeV PP = 2p half-size chunks on PP/2 = p. Here F, B and W are one *1F1B stage's*,
-    so a DualPipeV chunk takes half of each; F&B defaults to F + B (nothing overlaps). Activations
-    are in micro-batches of one 1F1B stage: the README's PP + 1 chunks are p + 1/2 stages."""
-    f, b, w = F / 2, B / 2, W / 2
-    fb = f + b if FB is None else FB / 2
-    return {"1F1B": {"bubble": (p - 1) * (F + B), "activations": p},
-            "ZB-H1": {"bubble": (p - 1) * (F + B - 2 * W), "activations": p},
-            "DualPipeV": {"bubble": (p - 1) * (fb + b - 3 * w), "activations": p + 0.5}}
 
 
 def stage_costs(run: VRun) -> tuple[float, float, float]:
