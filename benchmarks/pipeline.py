@@ -27,7 +27,7 @@ from pipelab.measure import Measured
 from pipelab.pipeline.partition import split_model
 from pipelab.pipeline.schedules import make_schedule
 from pipelab.pipeline.simulate import gpipe_bubble
-from pipelab.reference import assert_same, reference_run
+from pipelab.reference import assert_same
 
 
 def pooled(measurements) -> Measured:
@@ -63,7 +63,7 @@ def main() -> None:
     ours_cfg = pipeline.Config(world_size=p, stages=stages, schedules=schedules, x=x, y=y, loss_fn=loss_fn,
                                steps=args.steps)
     configs = {"ours": ours_cfg, "torch": dataclasses.replace(ours_cfg, engine="torch")}
-    reference = reference_run(torch.nn.Sequential(*stages), x, y, loss_fn, lr=None)
+    reference = pipeline.reference(ours_cfg)[0]  # one process; both schedules run the same batch
 
     runs: dict[str, list] = {"ours": [], "torch": []}  # per side, per round: one run per schedule
 

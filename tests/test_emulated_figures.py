@@ -152,7 +152,7 @@ def pipeline_runs(schedules, ms, checkpoint=False):
     stages = split_model(model, 4 if "interleaved" in schedules else 2)
     size = pipeline.emulated_mlp("2xH100-nvlink", layers=4, num_stages=len(stages), width=1024, rows=512)
     cfg = pipeline.Config(world_size=2, stages=stages, x=x, y=y, schedules=schedules, num_microbatches=ms,
-                          checkpoint=checkpoint, steps=2, **size)
+                          checkpoint=checkpoint, steps=2, emulate=size)
     return cfg, pipeline.run(cfg)
 
 
@@ -165,7 +165,7 @@ def test_lessons_06_and_07_pipeline_schedules():
     for i, r in enumerate(runs):
         out[f"{i} {r.name}"] = {"step": fig(r.step_time), "bubble": fig(r.bubble_fraction),
                                 "simulated bubble": fig(r.simulated_bubble), "timeline": timeline(r.timeline),
-                                "peak bytes": fig(r.emulated_peak_bytes)}
+                                "peak bytes": fig(r.peak_bytes)}
     out["simulated 1f1b"] = fig(simulate(runs[2].schedule, cfg.simulated_costs(messages=True)).makespan_ms)
     _, inter = pipeline_runs(["interleaved"], 4)
     out["interleaved"] = {"step": fig(inter[0].step_time), "timeline": timeline(inter[0].timeline)}

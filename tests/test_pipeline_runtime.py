@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from pipelab import models
+from pipelab.emulate import Emulated
 from pipelab.experiments.pipeline import Config, run
 from pipelab.pipeline.p2p import message_specs
 from pipelab.pipeline.partition import split_model
@@ -353,7 +354,7 @@ def test_message_specs_trace_every_micro_batch_and_leave_the_stages_as_they_were
 
 
 def test_recv_waits_split_a_receive_into_waiting_for_the_sender_and_for_the_message():
-    from pipelab.experiments.pipeline import recv_waits
+    from pipelab.pipeline.waits import recv_waits
     from pipelab.timeline import Span, Timeline
 
     tl = Timeline([
@@ -406,14 +407,14 @@ def test_emulated_gpipe_bubble_follows_the_formula_and_memory_the_estimate():
     stages, x, y, loss_fn, emulated = emulated_problem()
     ms = [1, 2, 4, 8]
     cfg = Config(world_size=2, stages=stages, x=x, y=y, loss_fn=loss_fn, steps=2, schedules=["gpipe"] * 5 + ["1f1b"],
-                 num_microbatches=ms + [8, 8], checkpoint=[False] * 4 + [True, False], **emulated)
+                 num_microbatches=ms + [8, 8], checkpoint=[False] * 4 + [True, False], emulate=emulated)
     runs = run(cfg)
     for r in runs:
         assert_same(r, reference(stages, x, y, loss_fn))
         m = r.schedule.num_microbatches
-        for rank, peak in r.emulated_peak_bytes.items():
+        for rank, peak in r.peak_bytes.items():
             in_flight = microbatches_in_flight(r.schedule.name.lower(), rank, 2, m)
-            assert peak == pytest.approx(cfg.memory_estimate(rank, in_flight, r.checkpoint).total, rel=1e-9)
+            assert peak == pytest.approx(cfg.emulated.memory(rank, in_flight, r.checkpoint).total, rel=1e-9)
     for r in runs[:4]:
         assert r.bubble_fraction.low == r.bubble_fraction.high  # the same in every step
         assert abs(r.bubble_fraction.median - gpipe_bubble(2, r.schedule.num_microbatches)) <= 0.03
@@ -425,7 +426,7 @@ def test_emulated_step_is_the_simulators_with_the_same_costs():
     link time, every schedule's step is within 10 % of the simulator's makespan."""
     stages, x, y, loss_fn, emulated = emulated_problem()
     cfg = Config(world_size=2, stages=stages, x=x, y=y, loss_fn=loss_fn, steps=1,
-                 schedules=["gpipe", "1f1b", "zb-h1"], num_microbatches=4, **emulated)
+                 schedules=["gpipe", "1f1b", "zb-h1"], num_microbatches=4, emulate=emulated)
     for r in run(cfg):
         sim = simulate(r.schedule, cfg.simulated_costs(messages=True))
         assert 1.0 - 1e-6 <= r.step_time.median * 1e3 / sim.makespan_ms <= 1.10, r.schedule
@@ -433,16 +434,22 @@ def test_emulated_step_is_the_simulators_with_the_same_costs():
 
 def test_emulated_node_refuses_what_it_cannot_time():
     stages, x, y, loss_fn, emulated = emulated_problem()
-    with pytest.raises(ValueError, match="emulated_stages"):
+    with pytest.raises(ValueError, match="needs the 2 stages at the emulated size"):
         Config(world_size=2, stages=stages, x=x, y=y, loss_fn=loss_fn, emulate="2xH100-nvlink")
-    with pytest.raises(ValueError, match="emulated_stages"):
-        Config(world_size=2, stages=stages, x=x, y=y, loss_fn=loss_fn, **{**emulated, "emulated_stages": stages[:1]})
+    with pytest.raises(ValueError, match="needs the 2 stages at the emulated size"):
+        Config(world_size=2, stages=stages, x=x, y=y, loss_fn=loss_fn,
+               emulate=Emulated(emulated.node, **{**emulated.size, "stages": stages[:1]}))
+    with pytest.raises(ValueError, match="needs x="):
+        Config(world_size=2, stages=stages, x=x, y=y, loss_fn=loss_fn,
+               emulate=Emulated(emulated.node, stages=emulated.size["stages"]))
+    with pytest.raises(ValueError, match="gives width, which this lesson's emulated size does not have"):
+        Config(world_size=2, stages=stages, x=x, y=y, loss_fn=loss_fn, emulate=Emulated("2xH100-nvlink", width=8))
     with pytest.raises(ValueError, match="emulate=None"):
-        Config(world_size=2, stages=stages, x=x, y=y, loss_fn=loss_fn, engine="torch", **emulated)
+        Config(world_size=2, stages=stages, x=x, y=y, loss_fn=loss_fn, engine="torch", emulate=emulated)
 
 
 def test_send_waits_splits_message_time_by_what_the_sender_did():
-    from pipelab.experiments.pipeline import send_waits
+    from pipelab.pipeline.waits import send_waits
     from pipelab.timeline import Span, Timeline
 
     tl = Timeline([Span(0, "compute", "F", 0.0, 1.0, 0, {}), Span(0, "comm", "send", 0.5, 2.0, 0, {"to": 1}),

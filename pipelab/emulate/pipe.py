@@ -1,16 +1,16 @@
 """A pipeline on an emulated node: its stages at the emulated size, counted once, and what a rank,
 the simulator and the memory estimate read from them.
 
-`EmulatedPipe.of(stages, x, loss_fn, node, dtype, optimizer)` counts every stage on the meta device
-(`stages.emulated_stages`); `install` puts a rank's part on its clock (its cost table, its memory
-meter, its messages at the emulated size); `stage_ms` and `message_ms` are the simulator's costs;
-`memory` the estimate of one stage's peak before anything runs.
+`EmulatedPipe.of(cfg.size, loss_fn, node, ...)` counts every stage of `Emulated(node, stages=...,
+x=...)` on the meta device (`stages.emulated_stages`); `install` puts a rank's part on its clock
+(its cost table, its memory meter, its messages at the emulated size); `stage_ms` and `message_ms`
+are the simulator's costs; `memory` the estimate of one stage's peak before anything runs.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Callable, Iterable, Sequence
+from typing import Any, Callable, Iterable
 
 import torch
 from torch import nn
@@ -28,35 +28,35 @@ class EmulatedPipe:
     optimizer: str
 
     @classmethod
-    def of(cls, stages: Sequence[nn.Module] | None, x: torch.Tensor | None, loss_fn: Callable, node: Any, dtype: str,
-           optimizer: str, expected: int, emulate: Any = None) -> "EmulatedPipe":
-        """Count `stages` (on meta; `expected` of them) fed micro-batches like `x` (on meta) on the
-        device of `node` (a node's name, e.g. "2xH100-nvlink", or a `specs.Node`)."""
-        given = list(stages or [])
+    def of(cls, size: Any, loss_fn: Callable, node: Any, expected: int, name: str | None = None) -> "EmulatedPipe":
+        """Count `size.stages` (on meta; `expected` of them) fed micro-batches like `size.x` (on meta),
+        in `size.dtype` with `size.optimizer`'s state, on `node`'s device (`name`: the node as the user named it)."""
+        given = list(size.stages or [])
         if len(given) != expected or not all(isinstance(s, nn.Module) for s in given):
-            raise ValueError(f"on an emulated node (emulate={emulate!r}) give emulated_stages: the {expected} stages "
-                             "at the emulated size, built on the meta device, e.g. with torch.device('meta'): "
-                             "split_model(models.mlp([8192] * 9), 2)")
-        if not isinstance(x, torch.Tensor):
-            raise ValueError(f"on an emulated node give emulated_x, one micro-batch at the emulated size on the "
-                             f"meta device, e.g. torch.empty(4096, 8192, device='meta'); got {x!r}")
-        from pipelab.emulate import node_of
+            raise ValueError(f"the emulated node {name} needs the {expected} stages at the emulated size, built on the "
+                             "meta device: emulate=Emulated(node, stages=..., x=...), e.g. from "
+                             f"pipelab.experiments.pipeline.emulated_mlp(node, layers=8, num_stages={expected}, width=8192, "
+                             "rows=4096)")
+        if not isinstance(size.x, torch.Tensor):
+            raise ValueError(f"the emulated node {name} needs x=, one micro-batch at the emulated size on the meta "
+                             f"device, e.g. torch.empty(4096, 8192, device='meta'); got x={size.x!r}")
+        counted = emulated_stages(given, size.x, loss_fn, node, size.dtype, size.optimizer)
+        return cls(counted, node, size.dtype, size.optimizer)
 
-        node = node_of(node)  # a name such as "2xH100-nvlink", or a Node
-        return cls(emulated_stages(given, x, loss_fn, node, dtype, optimizer), node, dtype, optimizer)
-
-    def install(self, emulator: Any, mine: Iterable[int], checkpoint: bool, real_message_bytes: int) -> None:
+    def install(self, emulator: Any, mine: Iterable[int], checkpoint: bool, message: Any) -> Any:
         """On a rank: time its stages `mine` by their modelled seconds, start its memory meter with
-        their parameters, gradients and optimizer state, and time each message (of
-        `real_message_bytes` here) at the emulated size."""
+        their parameters, gradients and optimizer state (returned: its `peak` is the rank's), and time
+        each message (`message`: stage 0's output as sent here, a `p2p.TensorSpec`) at the emulated size."""
         from pipelab.emulate.memory import MemoryMeter
         from pipelab.emulate.table import stage_table
 
         held = {s: self.stages[s] for s in mine}
         table = stage_table({s: e.seconds for s, e in held.items()},
                             {s: (e.stash_bytes, e.input_bytes) for s, e in held.items()}, checkpoint)
-        emulator.use(table, MemoryMeter(self.node.device, sum(e.held_bytes for e in held.values())))
-        emulator.scale_messages(self.stages[0].output_bytes, real_message_bytes)
+        meter = MemoryMeter(self.node.device, sum(e.held_bytes for e in held.values()))
+        emulator.use(table, meter)
+        emulator.scale_messages(self.stages[0].output_bytes, message.dtype.itemsize * torch.Size(message.shape).numel())
+        return meter
 
     def stage_ms(self) -> dict[int, tuple[float, float, float]]:
         """Each stage's modelled F, I and W (ms), as the simulator prices them."""

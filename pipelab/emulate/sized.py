@@ -40,12 +40,11 @@ def sharded_layers(layers: list[tuple[str, nn.Module]], model: nn.Module, x: tor
     return sharded_table([name for name, _ in layers], costs)
 
 
-def time_tanh_stages(ctx, stages: Iterable[int], layers: int, size: tuple[int, int, str]) -> None:
-    """On an emulated rank, time `stages` as `layers` Linear + Tanh layers each at `size` (width,
-    rows, dtype); elsewhere nothing: the rank's own clock times them."""
+def time_tanh_stages(ctx, stages: Iterable[int], layers: int, size) -> None:
+    """On an emulated rank, time `stages` as `layers` Linear + Tanh layers each at `size` (its width,
+    rows and dtype, e.g. a Config's `cfg.size`); elsewhere nothing: the rank's own clock times them."""
     if ctx.emulator is not None:
-        width, rows, dtype = size
-        ctx.emulator.use(tanh_stages(stages, layers, width, rows, ctx.emulator.node.device, dtype))
+        ctx.emulator.use(tanh_stages(stages, layers, size.width, size.rows, ctx.emulator.node.device, size.dtype))
 
 
 def untimed(ctx) -> None:

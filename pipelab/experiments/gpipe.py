@@ -1,7 +1,7 @@
 """Lesson 06's conclusions, each computed from the runs it speaks of (`experiments.pipeline` runs
 them): GPipe's bubble against (p-1)/(m+p-1) and against m, the stash each rank keeps, and what
-activation checkpointing trades. Each verdict function returns (key, verdict, text, figures) and the
-notebook's cell calls `pipelab.conclude(*lesson.verdict(...))`; tables carry the other figures."""
+activation checkpointing trades. Each verdict returns (key, verdict, text, figures) for
+`pipelab.conclude`; tables carry the other figures."""
 
 from __future__ import annotations
 
@@ -10,7 +10,8 @@ from typing import Sequence
 from torch import nn
 
 from pipelab.emulate import anchors
-from pipelab.experiments.pipeline import Config, PipelineRun, pooled_bubble, recv_waits, send_waits
+from pipelab.experiments.pipeline import Config, PipelineRun, pooled_bubble
+from pipelab.pipeline.waits import recv_waits, send_waits
 from pipelab.measure import Measured, compare, ratios
 from pipelab.pipeline.simulate import SimResult, gpipe_bubble
 
@@ -18,25 +19,19 @@ from pipelab.pipeline.simulate import SimResult, gpipe_bubble
 # messages' link time is all the formula leaves out there.
 FORMULA_TOLERANCE = 0.03
 
-
 Verdict = tuple[str, str, str, dict]  # (key, verdict, text, figures): a cell calls pipelab.conclude(*it)
+
+
+def how(run: PipelineRun) -> str:
+    """How the run's times came about: "modelled" (on an emulated node) or "measured"."""
+    return "modelled" if run.modelled else "measured"
 
 
 def typical_step(run: PipelineRun) -> str:
     """Which timed step a picture of `run.timeline` shows, and how its length compares."""
     shown = run.steps.typical_index
     return (f"The figure shows timed step {shown + 1} of {len(run.steps.seconds)} (the one of median length), "
-            f"{run.steps.seconds[shown] * 1e3:.1f} ms from the barrier to the slowest rank's end{clock(run)}.")
-
-
-def how(run: PipelineRun) -> str:
-    """How the run's times came about: "modelled" (on an emulated node) or "measured"."""
-    return "modelled" if run.emulated_peak_bytes else "measured"
-
-
-def clock(run: PipelineRun) -> str:
-    """The same as a phrase: ' (modelled on the emulated node)' or ' (measured)'."""
-    return " (modelled on the emulated node)" if how(run) == "modelled" else " (measured)"
+            f"{run.steps.seconds[shown] * 1e3:.1f} ms ({how(run)}) from the barrier to the slowest rank's end.")
 
 
 def bubble_vs_formula(run: PipelineRun, fitted: SimResult) -> Verdict:
@@ -45,7 +40,7 @@ def bubble_vs_formula(run: PipelineRun, fitted: SimResult) -> Verdict:
     bubble, formula = run.bubble_fraction, gpipe_bubble(p, m)
     verdict = "above" if bubble.low > formula else "below" if bubble.high < formula else "at"
     return ("06.bubble_vs_formula", f"{verdict} the formula",
-            f"at p={p}, m={m} the run's bubble{clock(run)} was {bubble.median:.3f}, {verdict} the formula's "
+            f"at p={p}, m={m} the run's {how(run)} bubble was {bubble.median:.3f}, {verdict} the formula's "
             f"(p-1)/(m+p-1) = {formula:.3f}.", dict(bubble=bubble, formula=formula, simulated=fitted.bubble_fraction))
 
 
@@ -53,7 +48,7 @@ def bubble_rows(run: PipelineRun, fitted: SimResult) -> list[dict]:
     """06: the bubble beside the formula and the simulation, and what the recv boxes waited for (ms)."""
     for_sender, for_message = recv_waits(run.timeline)
     p, m = run.schedule.num_ranks, run.schedule.num_microbatches
-    return [{f"bubble{clock(run)}": f"{run.bubble_fraction:.3f}", "(p-1)/(m+p-1)": round(gpipe_bubble(p, m), 3),
+    return [{f"bubble ({how(run)})": f"{run.bubble_fraction:.3f}", "(p-1)/(m+p-1)": round(gpipe_bubble(p, m), 3),
              "simulated, free messages": round(fitted.bubble_fraction, 3),
              "recv waiting for the sender (ms)": round(for_sender * 1e3, 2),
              "recv waiting for the message (ms)": round(for_message * 1e3, 2)}]
@@ -68,30 +63,27 @@ def bubble_vs_m(runs: Sequence[PipelineRun], largest: Measured) -> tuple[Verdict
     gap = max(abs(b - gpipe_bubble(p, r.schedule.num_microbatches)) for b, r in zip(medians, runs))
     direction = compare(largest, first)
     return (("06.bubble_vs_m", direction,
-             f"from m={m0} to m={m1} the run's bubble{clock(runs[0])} went from {first.median:.3f} to "
+             f"from m={m0} to m={m1} the run's {how(runs[0])} bubble went from {first.median:.3f} to "
              f"{largest.median:.3f}: {direction}.", dict(first=first, last=largest, largest_gap=gap)), gap)
 
 
 def same_run_twice(first: PipelineRun, again: PipelineRun) -> Verdict:
     """06: the first run and the sweep's run of the same schedule at the same m, side by side."""
-    a, b = first.bubble_fraction, again.bubble_fraction
-    same = f"{a.median:.3f}" == f"{b.median:.3f}"  # the same to the printed digit
-    why = ("the same, {a:.3f}: on the emulated node every span lasts its modelled time, whatever else the machine runs"
-           if same else "{a:.3f} and {b:.3f}: this machine's load moved between the two runs")
+    a, b = first.bubble_fraction.median, again.bubble_fraction.median
+    same = f"{a:.3f}" == f"{b:.3f}"  # the same to the printed digit
+    why = (f"the same, {a:.3f}: on the emulated node every span lasts its modelled time, whatever else the machine "
+           f"runs" if same else f"{a:.3f} and {b:.3f}: this machine's load moved between the two runs")
     return ("06.same_run_twice", "same" if same else "different",
             f"at m={first.schedule.num_microbatches} the first run's bubble and the sweep's identical run's were "
-            + why.format(a=a.median, b=b.median) + ".", dict(first=a, again=b))
+            f"{why}.", dict(first=first.bubble_fraction, again=again.bubble_fraction))
 
 
 def send_time(run: PipelineRun) -> Verdict:
     """06: whether the sends of the typical step held their senders up (`send_waits`; `send_rows`: the split)."""
     w = send_waits(run.timeline)
-    if w["blocked"] <= 1e-9:
-        verdict = "sends never held their senders up"
-    elif w["blocked at the end"] >= w["blocked"] - 1e-9:
-        verdict = "sends held their senders up only at the end of the step"
-    else:
-        verdict = "sends held their senders up within the step"
+    where = ("never" if w["blocked"] <= 1e-9 else "only at the end of the step"
+             if w["blocked at the end"] >= w["blocked"] - 1e-9 else "within the step")
+    verdict = "sends never held their senders up" if where == "never" else f"sends held their senders up {where}"
     return ("06.send_time", verdict,
             f"in the step shown, messages flew {w['in flight'] * 1e3:.2f} ms ({how(run)}), "
             f"{w['computing'] * 1e3:.2f} ms of it while the sender computed: {verdict}.",
@@ -104,25 +96,24 @@ def send_rows(run: PipelineRun) -> list[dict]:
 
 
 def memory_estimates(cfg: Config, microbatches: int, checkpoint: bool = False) -> list[str]:
-    """06: before anything runs, what each stage would hold on the emulated node's device at its
-    peak with GPipe's `microbatches` micro-batches in flight (`emulate.memory`), and how many
-    activation-sized tensors a micro-batch stashes there: the emulated count keeps every stage's
-    input, stage 0's batch slice included, where the small real model's counter leaves the batch out."""
+    """06: before anything runs, what each stage would hold at its peak on the emulated device with
+    GPipe's `microbatches` in flight, and the activation-sized tensors a micro-batch stashes there
+    (every stage's input counted, stage 0's batch slice too, which the real model's counter leaves out)."""
     tensors = {s: e.stash_bytes / e.output_bytes for s, e in cfg.emulated.stages.items()}
-    return [f"at the emulated size, {cfg.memory_estimate(s, microbatches, checkpoint).sentence()}" for s in tensors] + [
+    return [f"at the emulated size, {cfg.emulated.memory(s, microbatches, checkpoint).sentence()}" for s in tensors] + [
         "activation-sized tensors stashed per micro-batch at the emulated size (every input counted): "
         + ", ".join(f"stage {s} {n:g}" for s, n in tensors.items())]
 
 
 def memory_measured(cfg: Config, runs: Sequence[PipelineRun]) -> tuple[Verdict, float]:
-    """06: the emulated memory meter's peak of every rank in every run against the estimate made
+    """06: every rank's memory meter peak at the emulated size in every run against the estimate made
     before it ran (GPipe: all m micro-batches in flight); also the largest relative difference."""
     worst, highest = 0.0, 0.0
     for run in runs:
-        for rank, peak in run.emulated_peak_bytes.items():
-            estimate = cfg.memory_estimate(rank, run.schedule.num_microbatches, run.checkpoint).total
+        for rank, peak in run.peak_bytes.items():
+            estimate = cfg.emulated.memory(rank, run.schedule.num_microbatches, run.checkpoint).total
             worst, highest = max(worst, abs(peak - estimate) / estimate), max(highest, peak)
-    device = cfg.memory_estimate(0, 1).device
+    device = cfg.emulated.node.device
     verdict = "as estimated" if worst < 1e-6 else "not as estimated"
     return (("06.emulated_memory", verdict,
              f"the ranks' memory meters at the emulated size peaked {verdict}; the highest held "
@@ -143,12 +134,12 @@ def published_beside(runs: Sequence[PipelineRun]) -> list[dict]:
             for m in (4, 32) if m in by_m and 1 in by_m and runs[0].schedule.num_ranks == 2
             for who in ("torchgpipe", "gpipe")]
     return [{**{k: (round(v, 3) if isinstance(v, float) else v) for k, v in row.items() if k != "source"},
-             f"bubble there{clock(run)}": round(run.bubble_fraction.median, 3)} for row, run in rows]
+             f"bubble there ({how(run)})": round(run.bubble_fraction.median, 3)} for row, run in rows]
 
 
 def negligible_bubble(runs: Sequence[PipelineRun]) -> Verdict:
-    """06: the bubble GPipe calls negligible (from M = 4K micro-batches): the formula's there, and why
-    GPipe could: it re-materialises, and a re-computation need not wait for the gradient."""
+    """06: the bubble GPipe calls negligible (from M = 4K micro-batches), and why GPipe could: it
+    re-materialises, and a re-computation need not wait for the gradient."""
     p = runs[0].schedule.num_ranks
     formula = gpipe_bubble(p, 4 * p)
     return ("06.published", "beside",
@@ -164,9 +155,8 @@ def speedup_vs_published(runs: Sequence[PipelineRun]) -> Verdict | None:
         return None
     ideal, ours = (4 / 5) / (1 / 2), throughput_ratio(by_m[4], by_m[1])
     verdict = "above the ideal" if ours > ideal else "below the ideal"
-    return ("06.speedup_vs_ideal", verdict,
-            f"m = 4 over m = 1 gained {ours:.2f}x{clock(runs[0])}, {verdict} {ideal:.2f}x of a balanced pipe "
-            "with free messages.", dict(ideal=ideal, this_run=ours))
+    return ("06.speedup_vs_ideal", verdict, f"m = 4 over m = 1 gained {ours:.2f}x ({how(runs[0])}), {verdict} "
+            f"{ideal:.2f}x of a balanced pipe with free messages.", dict(ideal=ideal, this_run=ours))
 
 
 def stashed_tensors(stages: Sequence[nn.Module]) -> dict[int, int]:
@@ -196,17 +186,14 @@ def step_ms(rounds: Sequence[PipelineRun]) -> Measured:
 
 
 def checkpoint_rows(stored: Sequence[PipelineRun], recomputed: Sequence[PipelineRun]) -> list[dict]:
-    """Rounds with activations stored and recomputed, a row each way: the step and bubble (modelled
-    on an emulated node), and each rank's peak memory at the emulated size beside the small real
-    model's stash, each labelled with its size."""
-    emulated = bool(stored[0].emulated_peak_bytes)
-    return [{"activations": how, "m": group[0].schedule.num_microbatches,
-             f"step ms{clock(group[0])}": f"{step_ms(group):.1f}", "bubble": f"{pooled_bubble(group):.3f}",
-             **({f"rank {rank} peak GB, emulated size": round(b / 1e9, 2)
-                 for rank, b in group[0].emulated_peak_bytes.items()} if emulated else {}),
+    """Rounds with activations stored and recomputed, a row each way: the step and bubble, and each
+    rank's peak memory at the emulated size beside the small real model's stash, each labelled."""
+    return [{"activations": way, "m": group[0].schedule.num_microbatches,
+             f"step ms ({how(group[0])})": f"{step_ms(group):.1f}", "bubble": f"{pooled_bubble(group):.3f}",
+             **{f"rank {rank} peak GB, emulated size": round(b / 1e9, 2) for rank, b in group[0].peak_bytes.items()},
              **{f"rank {rank} peak stash MiB, small real model": round(mib, 2)
                 for rank, mib in group[0].peak_stash_mib.items()}}
-            for how, group in (("stored", stored), ("recomputed", recomputed))]
+            for way, group in (("stored", stored), ("recomputed", recomputed))]
 
 
 def checkpoint_memory(stored: PipelineRun, recomputed: PipelineRun) -> Verdict:
@@ -217,7 +204,7 @@ def checkpoint_memory(stored: PipelineRun, recomputed: PipelineRun) -> Verdict:
     return ("06.checkpoint_memory", "smaller" if smaller else "not smaller",
             f"recomputing activations cut every rank's peak stash of the small real model at least {least:.1f}x: "
             "one micro-batch's stash plus the other inputs, as predicted.",
-            {f"rank{rank}_{how}_MiB": mib[rank] for how, mib in (("stored", before), ("recomputed", after))
+            {f"rank{rank}_{way}_MiB": mib[rank] for way, mib in (("stored", before), ("recomputed", after))
              for rank in before})
 
 
@@ -229,9 +216,13 @@ def checkpoint_time(stored: Sequence[PipelineRun], recomputed: Sequence[Pipeline
     expected = sim_recomputed.makespan_ms / sim_stored.makespan_ms
     verdict = "slower" if slowdown.low > 1 else "faster" if slowdown.high < 1 else "within noise"
     return ("06.checkpoint_time", verdict,
-            f"with recomputed activations a step took {slowdown.median:.2f} times as long{clock(stored[0])}: "
+            f"with recomputed activations a step took {slowdown.median:.2f} times as long ({how(stored[0])}): "
             f"{verdict}; the simulation with these costs predicts {expected:.2f} times.",
             dict(slowdown=slowdown, simulated=expected))
+
+
+# The parameters cell's defaults that `run_flops` reads.
+DEFAULTS = dict(width=256, layers=8, microbatch_size=32, microbatches=4, sweep=[1, 2, 4, 8], steps=3, repeats=2)
 
 
 def run_flops(params: dict) -> float:
@@ -245,16 +236,9 @@ def run_flops(params: dict) -> float:
     from pipelab.models import mlp
 
     p = {**DEFAULTS, **params}
-    width, layers, rows, microbatches, sweep = p["width"], p["layers"], p["microbatch_size"], p["microbatches"], p["sweep"]
-    steps, repeats = p["steps"], p["repeats"]
     with torch.device("meta"):
-        model, x = mlp([width] * (layers + 1)), torch.empty(rows, width)
+        model, x = mlp([p["width"]] * (p["layers"] + 1)), torch.empty(p["microbatch_size"], p["width"])
     forward, b_in, b_w = (c.flops for c in forward_backward_counts(model, x))
-    per_mb = forward + b_in + b_w
-    largest = max(sweep)
-    pipelined = steps * (microbatches + sum(sweep) + 2 * repeats * largest) + microbatches
-    return per_mb * (pipelined + microbatches + sum(sweep)) + forward * steps * repeats * largest
-
-
-# The parameters cell's defaults that `run_flops` reads.
-DEFAULTS = dict(width=256, layers=8, microbatch_size=32, microbatches=4, sweep=[1, 2, 4, 8], steps=3, repeats=2)
+    m, sweep, largest, steps, repeats = p["microbatches"], p["sweep"], max(p["sweep"]), p["steps"], p["repeats"]
+    pipelined = steps * (m + sum(sweep) + 2 * repeats * largest) + m
+    return (forward + b_in + b_w) * (pipelined + m + sum(sweep)) + forward * steps * repeats * largest

@@ -4,25 +4,26 @@
     runs = run(cfg)  # experiments.run(worker, cfg, gather): one PipelineRun per schedule
 
 `Config` checks every input before a process starts and lists its `jobs` (a schedule on a batch
-each, all in one set of processes); `worker` times a few steps of each on every rank with pipelab's
-runtime or, with `engine="torch"`, `torch.distributed.pipelining`; `gather` makes one `PipelineRun`
-per job, checked by `reference.assert_same(run, reference_run(nn.Sequential(*stages), x, y, loss_fn,
-lr=None))`. Lesson 06's verdicts are in `experiments.gpipe`, lesson 07's in `experiments.schedules`.
+each, all in one set of processes); `worker` times each on every rank with pipelab's runtime or,
+with `engine="torch"`, `torch.distributed.pipelining`; `gather` makes one `PipelineRun` per job,
+which must match `reference(cfg)`. Lesson 06's verdicts are in `experiments.gpipe`, 07's in
+`experiments.schedules`.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 from functools import cached_property
-from typing import Callable, Sequence
+from typing import Any, Callable, ClassVar, Mapping, Sequence
 
 import torch
 from torch import nn
 
 from pipelab import experiments
 from pipelab.checks import divides, mean_loss, same_batch, whole_number
-from pipelab.measure import Measured, RankSteps, Steps, TimedSteps, gather_steps, time_steps, timed_slice
+from pipelab.emulate import Emulated
 from pipelab.emulate.pipe import EmulatedPipe
+from pipelab.measure import Measured, RankSteps, Steps, TimedSteps, gather_steps, time_steps, timed_slice
 from pipelab.models import mlp
 from pipelab.pipeline.p2p import TensorSpec, message_specs, trace
 from pipelab.pipeline.partition import split_model
@@ -31,7 +32,7 @@ from pipelab.pipeline.schedules import Schedule, make_schedule
 from pipelab.pipeline.simulate import Costs, simulate
 from pipelab.pipeline.stage_source import StageFiles, for_ranks, stage_for_rank, traceable
 from pipelab.pipeline.torch_pipelining import check_torch, torch_step
-from pipelab.timeline import Timeline, complement, overlap, union
+from pipelab.reference import Reference, reference_run
 from pipelab.worker import RankContext
 
 ENGINES = ("pipelab", "torch")  # whose runtime runs the schedules
@@ -54,11 +55,9 @@ class Config(experiments.Config):
 
     `schedules`: names ("gpipe", "1f1b", "interleaved", "zb-h1") or `Schedule`s built by hand;
     `num_microbatches`, `x`, `y` and `checkpoint`: one for all schedules or one per schedule. `steps`
-    per schedule, the first a warm-up. `engine`: "pipelab" (our runtime) or "torch".
-
-    `stages`: modules (real, or on the meta device), or a `StageBuilder(build_stage, num_stages)`
-    that each rank calls for its own stages only. Real modules travel one file per stage, so a
-    rank reads its own stages only (`pipeline.stage_source`)."""
+    per schedule, the first a warm-up. `engine`: "pipelab" (our runtime) or "torch". `stages`:
+    modules (real or on meta, sent one file per stage) or a `StageBuilder` each rank calls for its
+    own stages (`pipeline.stage_source`)."""
 
     stages: Sequence[nn.Module] = field(repr=False)
     x: torch.Tensor | Sequence[torch.Tensor] = field(repr=False)
@@ -69,19 +68,17 @@ class Config(experiments.Config):
     steps: int = 2
     checkpoint: bool | Sequence[bool] = False
     engine: str = "pipelab"
-    # The same stages at the size an `emulate` node times (on meta), one micro-batch like `emulated_x`
-    # (on meta): `emulated_mlp` gives all four (`emulate.pipe`).
-    emulated_stages: Sequence[nn.Module] | None = field(repr=False, default=None)
-    emulated_x: torch.Tensor | None = field(repr=False, default=None)
-    emulated_dtype: str = "bfloat16"
-    optimizer: str = "adam"
+    # On an emulated node: the same stages at the emulated size and one micro-batch (both on meta;
+    # `emulated_mlp` builds them), in `dtype`, the memory counting `optimizer`'s state.
+    SIZE: ClassVar[Mapping[str, Any]] = {"stages": None, "x": None, "dtype": "bfloat16", "optimizer": "adam"}
 
     def check(self) -> None:
         super().check()
         if self.engine not in ENGINES:
             raise ValueError(f"engine must be one of {ENGINES}, got {self.engine!r}")
-        if self.emulate is not None:
-            self.check_emulated()
+        if self.emulate is not None and self.engine == "torch":
+            raise ValueError(f"engine='torch' runs on this machine's own clock, not on an emulated node; "
+                             f"pass emulate=None (got a node, {self.node_name})")
         if callable(self.stages) and not isinstance(self.stages, (nn.Module, Sequence)):
             raise ValueError(f"stages={self.stages!r} is a function: wrap it as stages=StageBuilder(build_stage, "
                              "num_stages=N) (pipelab.pipeline.stage_source), so each rank builds its own stages")
@@ -95,6 +92,7 @@ class Config(experiments.Config):
                              "pass e.g. loss_fn=torch.nn.MSELoss()")
         mean_loss(self.loss_fn)
         whole_number("steps", self.steps, example="steps=2")
+        self.emulated  # counts every stage at the emulated size now: a bad or missing stage fails here
         first = self.jobs[0]  # builds and checks every job
         # The loss of one micro-batch must be one number: its backward starts there.
         rows = first.x.shape[0] // first.schedule.num_microbatches
@@ -105,32 +103,17 @@ class Config(experiments.Config):
             raise ValueError(f"loss_fn must return one number per micro-batch (a 0-dim tensor), got {got}; "
                              "use a loss that averages over the samples, e.g. torch.nn.MSELoss()")
 
-    def check_emulated(self) -> None:
-        """On an emulated node: our runtime (torch's runs on this machine's clock), and the stages counted."""
-        if self.engine == "torch":
-            raise ValueError(f"engine='torch' runs on this machine's own clock, not on an emulated node; "
-                             f"pass emulate=None (got emulate={self.emulate!r})")
-        self.emulated  # counts every stage now: a bad or missing stage fails here
-
     @cached_property
     def emulated(self) -> EmulatedPipe | None:
         """The stages at the emulated size, counted once on the meta device (None off an emulated node)."""
-        if self.emulate is None:
-            return None
-        return EmulatedPipe.of(self.emulated_stages, self.emulated_x, self.loss_fn, self.emulate, self.emulated_dtype,
-                               self.optimizer, expected=len(self.stages), emulate=self.emulate)
-
-    def memory_estimate(self, stage: int, microbatches_in_flight: int, checkpoint: bool = False):
-        """What `stage` would hold at its peak on the emulated device with that many stashes."""
-        if self.emulated is None:
-            raise ValueError("memory_estimate needs an emulated node: pass emulate='2xH100-nvlink' and emulated_stages")
-        return self.emulated.memory(stage, microbatches_in_flight, checkpoint)
+        return None if self.emulate is None else EmulatedPipe.of(self.size, self.loss_fn, self.node,
+                                                                 len(self.stages), self.node_name)
 
     def simulated_costs(self, messages: bool = False) -> Costs:
-        """The simulator's `Costs` (ms) at the emulated size; with `messages`, each message's link time."""
-        if self.emulated is None:
-            raise ValueError("simulated_costs needs an emulated node: pass emulate='2xH100-nvlink' and emulated_stages")
-        return Costs(transfer=self.emulated.message_ms() if messages else 0.0, per_stage=self.emulated.stage_ms())
+        """The simulator's `Costs` (ms) on the emulated node; with `messages`, each message's link time."""
+        if (pipe := self.emulated) is None:
+            raise ValueError("simulated_costs needs an emulated node: pass emulate=emulated_mlp(node, ...)")
+        return Costs(transfer=pipe.message_ms() if messages else 0.0, per_stage=pipe.stage_ms())
 
     @cached_property
     def jobs(self) -> list[Job]:
@@ -158,8 +141,7 @@ class Config(experiments.Config):
             raise ValueError(f"{schedule!r} runs {schedule.num_stages} stages ({schedule.num_ranks} ranks x "
                              f"{schedule.stages_per_rank} per rank) but {len(self.stages)} were given; cut the "
                              f"model with split_model(model, {schedule.num_stages})")
-        batch = same_batch(x, y)
-        divides("batch", batch, "num_microbatches", schedule.num_microbatches)
+        divides("batch", same_batch(x, y), "num_microbatches", schedule.num_microbatches)
         if self.engine == "torch":
             check_torch(schedule)
             if checkpoint:
@@ -170,8 +152,7 @@ class Config(experiments.Config):
 
     @cached_property
     def sent_stages(self) -> Sequence[nn.Module]:
-        """The stages as the ranks receive them: real modules saved one file per stage, so each
-        rank reads its own only; a StageBuilder and stages on meta as they are (small)."""
+        """The stages as the ranks receive them (`stage_source.for_ranks`): each rank reads its own only."""
         return for_ranks(self.stages)
 
     def __getstate__(self) -> dict:
@@ -186,16 +167,14 @@ class Config(experiments.Config):
             sent.remove()
 
 
-def emulated_mlp(node: str | None, layers: int, num_stages: int, width: int, rows: int, dtype: str = "bfloat16") -> dict:
-    """The `experiments.pipeline.Config` arguments that run on the emulated `node` (None: nothing emulated, {}) an MLP of
-    `layers` Linear layers of `width` cut into `num_stages` stages, `rows` rows per micro-batch, in
-    `dtype`: the stages built on the meta device, shapes and no memory."""
+def emulated_mlp(node: str | None, layers: int, num_stages: int, width: int, rows: int, dtype: str = "bfloat16"):
+    """`emulate=` for an MLP of `layers` Linear layers of `width` cut into `num_stages` stages, fed
+    `rows` rows per micro-batch in `dtype`, on `node` (None: nothing emulated); built on meta."""
     if node is None:
-        return {}
+        return None
     with torch.device("meta"):
         stages = split_model(mlp([width] * (layers + 1)), num_stages)
-        x = torch.empty(rows, width)
-    return dict(emulate=node, emulated_stages=stages, emulated_x=x, emulated_dtype=dtype)
+        return Emulated(node, stages=stages, x=torch.empty(rows, width), dtype=dtype)
 
 
 def per_schedule(name: str, value, kind: type, count: int) -> list:
@@ -221,8 +200,7 @@ class Result:
     peak_stash: int = 0
     peak_stash_bytes: int = 0
     messages_sent: int = 0
-    bytes_sent: int = 0
-    emulated_peak_bytes: float = 0.0  # on an emulated node: the memory meter's peak at the emulated size
+    peak_bytes: float = 0.0  # on an emulated node: its memory meter's peak (the emulated size)
 
 
 def worker(ctx: RankContext, cfg: Config) -> list[Result]:
@@ -232,8 +210,7 @@ def worker(ctx: RankContext, cfg: Config) -> list[Result]:
 
 
 def rank_modules(ctx: RankContext, cfg: Config, schedule: Schedule) -> dict[int, nn.Module]:
-    """This rank's own stages on its device, and no other: built by a StageBuilder, read from
-    their files, or made real from the meta device (`pipeline.stage_source.stage_for_rank`)."""
+    """This rank's own stages on its device, and no other (`pipeline.stage_source.stage_for_rank`)."""
     return {s: stage_for_rank(cfg.stages, s, ctx.rank, ctx.device) for s in schedule.stages_of(ctx.rank)}
 
 
@@ -245,35 +222,24 @@ def gradients_of(modules: dict[int, nn.Module]) -> dict[int, dict[str, torch.Ten
 
 def zero_grads(modules: dict[int, nn.Module]) -> Callable[[int], None]:
     """What runs before each step (untimed): every stage's gradients cleared."""
-    def prepare(_: int) -> None:
-        for module in modules.values():
-            module.zero_grad(set_to_none=True)
-    return prepare
+    return lambda _: [module.zero_grad(set_to_none=True) for module in modules.values()]
 
 
 def pipelab_job(ctx: RankContext, cfg: Config, job: Job) -> Result:
     """`cfg.steps` steps of `job` with pipelab's runtime (`run_step`); the last one's losses and gradients."""
     x, y = job.x.to(ctx.device), job.y.to(ctx.device)
     modules = rank_modules(ctx, cfg, job.schedule)
-    modelled = emulate_job(ctx, cfg, job, modules)
+    # On an emulated node this rank's stages and messages are timed at the emulated size.
+    meter = cfg.emulated.install(ctx.emulator, modules, job.checkpoint, job.specs[0][0]) if cfg.emulated else None
     measured = time_steps(ctx, lambda _: run_step(ctx, job.schedule, modules, cfg.loss_fn, x, y, job.specs,
                                                   job.checkpoint),
                           cfg.steps, prepare=zero_grads(modules))
     last = measured.results[-1]
     traces = [step.stash.trace for step in measured.results[timed_slice(cfg.steps)]]
     timed = RankSteps([], measured.seconds, measured.timelines)  # the steps' tensors stay here
-    peak = ctx.emulator.memory.peak if modelled else 0.0
     return Result(ctx.rank, sorted(modules), [float(loss) for loss in last.losses], gradients_of(modules), timed,
-                  traces, last.stash.peak, last.stash.peak_bytes, last.messages_sent, last.bytes_sent, peak)
-
-
-def emulate_job(ctx: RankContext, cfg: Config, job: Job, modules: dict[int, nn.Module]) -> bool:
-    """On an emulated node, put this rank's stages and messages on its clock; False elsewhere."""
-    if ctx.emulator is None or cfg.emulated is None:
-        return False
-    real = job.specs[0][0]  # stage 0's output on one micro-batch, as sent
-    cfg.emulated.install(ctx.emulator, modules, job.checkpoint, real.dtype.itemsize * torch.Size(real.shape).numel())
-    return True
+                  traces, last.stash.peak, last.stash.peak_bytes, last.messages_sent,
+                  meter.peak if meter else 0.0)
 
 
 def torch_job(ctx: RankContext, cfg: Config, job: Job) -> Result:
@@ -300,13 +266,18 @@ class PipelineRun(TimedSteps):
     peak_stash_bytes: dict[int, int]
     stash_traces: dict[int, list[tuple[float, int, int]]] = field(repr=False, default_factory=dict)
     messages_sent: int = 0
-    bytes_sent: int = 0
     checkpoint: bool = False  # activation checkpointing: each backward recomputed its forward
-    emulated_peak_bytes: dict[int, float] = field(default_factory=dict)  # rank -> peak at the emulated size
+    node: str | None = None  # the emulated node that timed it; None: this machine's clock
+    peak_bytes: dict[int, float] = field(default_factory=dict)  # on the node: rank -> its memory meter's peak
 
     @property
     def name(self) -> str:
         return self.schedule.name
+
+    @property
+    def modelled(self) -> bool:
+        """Whether the times are modelled (on an emulated node) rather than measured."""
+        return self.node is not None
 
     @property
     def loss(self) -> float:
@@ -325,9 +296,8 @@ class PipelineRun(TimedSteps):
 
     @cached_property
     def simulated_bubble(self) -> Measured:
-        """For every timed step, the bubble its schedule has on an ideal machine (free messages, no
-        waiting for a core) with that step's measured per-stage costs: what the schedule itself
-        costs at this run's sizes."""
+        """Per timed step, the schedule's bubble on an ideal machine (free messages, no waiting for a
+        core) with that step's per-stage costs: what the schedule itself costs at this run's sizes."""
         return Measured.of(simulate(self.schedule, Costs.from_timeline(tl, per_stage=True)).bubble_fraction
                            for tl in self.steps.timelines)
 
@@ -338,35 +308,32 @@ class PipelineRun(TimedSteps):
     def row(self) -> dict:
         """The figures as one table row, at one size: on an emulated node the modelled step and the
         peak memory there, elsewhere the measured step and the real stash's bytes."""
-        modelled = bool(self.emulated_peak_bytes)
-        memory = ({"peak GB, emulated size": round(max(self.emulated_peak_bytes.values()) / 1e9, 2)} if modelled else
+        memory = ({"peak GB, emulated size": round(max(self.peak_bytes.values()) / 1e9, 2)} if self.modelled else
                   {"peak_stash_KiB": round(max(self.peak_stash_bytes.values()) / 1024, 1)})
         return {"schedule": self.schedule.name, "p": self.schedule.num_ranks, "m": self.schedule.num_microbatches,
-                "step_ms, modelled" if modelled else "step_ms": f"{self.step_time.scaled(1e3):.1f}",
+                "step_ms, modelled" if self.modelled else "step_ms": f"{self.step_time.scaled(1e3):.1f}",
                 "bubble": f"{self.bubble_fraction:.3f}", "simulated bubble": f"{self.simulated_bubble:.3f}",
                 "peak_stash": max(self.peak_stash.values()), **memory, "messages": self.messages_sent}
 
 
 def gather(cfg: Config, results: Sequence[list[Result]]) -> list[PipelineRun]:
-    """One run per job, from every rank's results (by rank)."""
-    return [gather_job(job, [r[i] for r in results]) for i, job in enumerate(cfg.jobs)]
-
-
-def gather_job(job: Job, results: list[Result]) -> PipelineRun:
-    """One job's results from every rank, as one run: gradients named as in the whole model, the
-    slowest rank per step, and the stash traces of the typical step."""
-    grads: list[dict] = [{} for _ in range(job.schedule.num_stages)]
-    for r in results:
-        for s, g in r.grads.items():
-            grads[s] = {f"{s}.{name}": t for name, t in g.items()}
-    steps = gather_steps([r.steps for r in results])
-    typical = steps.typical_index
-    return PipelineRun(
-        job.schedule, next(r.mb_losses for r in results if r.mb_losses), grads, steps,
-        {r.rank: r.peak_stash for r in results}, {r.rank: r.peak_stash_bytes for r in results},
-        {r.rank: r.stash_traces[typical] for r in results},
-        sum(r.messages_sent for r in results), sum(r.bytes_sent for r in results), job.checkpoint,
-        {r.rank: r.emulated_peak_bytes for r in results if r.emulated_peak_bytes})
+    """One run per job from every rank's results (by rank): gradients named as in the whole model,
+    the slowest rank per step, and the stash traces of the typical step."""
+    runs = []
+    for i, job in enumerate(cfg.jobs):
+        mine = [r[i] for r in results]
+        grads: list[dict] = [{} for _ in range(job.schedule.num_stages)]
+        for r in mine:
+            for s, g in r.grads.items():
+                grads[s] = {f"{s}.{name}": t for name, t in g.items()}
+        steps = gather_steps([r.steps for r in mine])
+        runs.append(PipelineRun(
+            job.schedule, next(r.mb_losses for r in mine if r.mb_losses), grads, steps,
+            {r.rank: r.peak_stash for r in mine}, {r.rank: r.peak_stash_bytes for r in mine},
+            {r.rank: r.stash_traces[steps.typical_index] for r in mine}, sum(r.messages_sent for r in mine),
+            job.checkpoint, cfg.node_name,
+            {r.rank: r.peak_bytes for r in mine if r.peak_bytes}))
+    return runs
 
 
 def run(cfg: Config) -> list[PipelineRun]:
@@ -377,6 +344,17 @@ def run(cfg: Config) -> list[PipelineRun]:
         cfg.remove_stage_files()
 
 
+def reference(cfg: Config) -> list[Reference]:
+    """One process's losses and gradients for each job of `cfg` (the whole model on the same batch,
+    no update): what each run must match (`reference.assert_same`); a batch used twice is run once."""
+    done: dict[tuple[int, int], Reference] = {}
+    for job in cfg.jobs:
+        key = (id(job.x), id(job.y))
+        if key not in done:
+            done[key] = reference_run(nn.Sequential(*cfg.stages), job.x, job.y, cfg.loss_fn, lr=None)
+    return [done[id(job.x), id(job.y)] for job in cfg.jobs]
+
+
 def pooled_bubble(runs: Sequence[PipelineRun]) -> Measured:
     """The bubble of every timed step of several runs of one schedule, as one set of repeats."""
     return Measured.of(v for r in runs for v in r.bubble_fraction.values)
@@ -385,41 +363,3 @@ def pooled_bubble(runs: Sequence[PipelineRun]) -> Measured:
 def median_run(runs: Sequence[PipelineRun]) -> PipelineRun:
     """The run of typical (median) step time among repeats of one run."""
     return sorted(runs, key=lambda r: r.step_time.median)[len(runs) // 2]
-
-
-def send_waits(timeline: Timeline) -> dict[str, float]:
-    """Split the time messages were in flight (the union of each rank's send boxes, seconds summed
-    over ranks) by what the sender did meanwhile: "computing" (the send hidden behind work), "in
-    recv" (waiting in a recv box for another message: its bubble), or nothing else, "blocked" (a send
-    holding its sender up), of which "blocked at the end" came after the rank's last compute, where
-    `P2P.finish` waits for the step's last messages to leave."""
-    out = dict.fromkeys(("in flight", "computing", "in recv", "blocked", "blocked at the end"), 0.0)
-    for rank in {s.rank for s in timeline.filter(kind="send", lane="comm")}:
-        def spans(**where) -> list[tuple[float, float]]:
-            return union((s.start, s.end) for s in timeline.filter(rank=rank, **where))
-
-        sends, busy, waiting = spans(kind="send", lane="comm"), spans(lane="compute"), spans(kind="recv", lane="comm")
-        idle = complement(busy, sends)  # message time while the rank computed nothing (hatched)
-        blocked = complement(waiting, idle)
-        last = max((b for _, b in busy), default=float("-inf"))
-        for key, part in (("in flight", sends), ("computing", overlap(sends, busy)), ("in recv", overlap(idle, waiting)),
-                          ("blocked", blocked), ("blocked at the end", overlap(blocked, [(last, float("inf"))]))):
-            out[key] += sum(b - a for a, b in part)
-    return out
-
-
-def recv_waits(timeline: Timeline) -> tuple[float, float]:
-    """Split the time ranks spent in `recv` boxes (seconds, summed over ranks) in two: waiting for
-    the sender, whose matching send had not started yet (it was still computing: the pipeline's
-    ordinary fill and drain), and waiting for the message, sent but not yet arrived (what moving it
-    costs). The k-th send from one rank to another on micro-batch mb pairs with the k-th recv."""
-    sent: dict[tuple, list[float]] = {}
-    for s in sorted(timeline.filter(kind="send", lane="comm"), key=lambda s: s.start):
-        sent.setdefault((s.rank, s.meta["to"], s.mb), []).append(s.start)
-    for_sender = for_message = 0.0
-    for r in sorted(timeline.filter(kind="recv", lane="comm"), key=lambda s: s.start):
-        cut = min(max(sent[r.meta["frm"], r.rank, r.mb].pop(0), r.start), r.end)
-        for_sender += cut - r.start
-        for_message += r.end - cut
-    return for_sender, for_message
-

@@ -17,11 +17,6 @@ Runs = Mapping[str, PipelineRun]  # by schedule name: "gpipe", "1f1b", "interlea
 Verdict = tuple[str, str, str, dict]
 
 
-def modelled(run: PipelineRun) -> bool:
-    """Whether the run's times are modelled (they repeat exactly, no noise): it kept a modelled memory."""
-    return bool(run.emulated_peak_bytes)
-
-
 def versus(a: Measured, b: Measured, exact: bool) -> str:
     """'lower', 'higher', or 'equal' (modelled: exact) / 'within noise' (measured: beyond the run-to-run noise)."""
     if not exact:
@@ -54,7 +49,7 @@ def bubble_against(key: str, runs: Runs, a: str, b: str, theory: str) -> Verdict
     """How schedule `a`'s bubble stands against `b`'s, beside the theory (`theory`: "equal" or
     "lower"). Modelled bubbles compare exactly; measured ones only beyond the run-to-run noise.
     Where the run and theory part, the simulator (same costs, free messages) says why."""
-    exact = modelled(runs[a])
+    exact = runs[a].modelled  # modelled times repeat exactly: no noise
     verdict = versus(runs[a].bubble_fraction, runs[b].bubble_fraction, exact)
     name = {n: runs[n].schedule.name for n in (a, b)}
     said = {"lower": "lower than", "higher": "higher than", "equal": "equal to", "within noise": "within noise of"}

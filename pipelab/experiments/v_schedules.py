@@ -5,13 +5,14 @@ One model of `layers` equal layers is cut into p stages (1F1B, ZB-H1: one per ra
 (ZB-V, DualPipeV on a V, looped BFS on a loop: two per rank), so every schedule trains the same
 model on the same batch. Each rank runs every schedule's step `steps` times
 (`pipeline.runtime.run_step`), and, for ZB-V and DualPipeV, torch's own class on the same stages.
-`gather` checks losses and gradients against one process and simulates each schedule with the
+`gather` checks losses and gradients against `reference(cfg)` and simulates each schedule with the
 costs of its own run.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any, ClassVar, Mapping
 
 import torch
 from torch import nn
@@ -19,14 +20,13 @@ from torch import nn
 from pipelab import experiments
 from pipelab.checks import divides, whole_number
 from pipelab.emulate import cost, sized
-from pipelab.measure import Measured, time_steps
+from pipelab.experiments.pipeline import zero_grads
+from pipelab.measure import Measured, RankSteps, Steps, TimedSteps, gather_steps, time_steps
 from pipelab.pipeline.p2p import message_specs
 from pipelab.pipeline.runtime import run_step
 from pipelab.pipeline.schedules import Schedule, Schedule1F1B, ScheduleZeroBubble
 from pipelab.pipeline.simulate import Costs, SimResult, simulate
-from pipelab.pipeline.stage import StageRunner  # noqa: F401 - lesson 13 shows what W keeps
-from pipelab.pipeline.v_shape import ScheduleDualPipeV, ScheduleLoopedBFS, ScheduleZBV, VSchedule
-from pipelab.timeline import Timeline
+from pipelab.pipeline.v_shape import ScheduleDualPipeV, ScheduleLoopedBFS, ScheduleZBV, VSchedule, dualpipe_formulas
 from pipelab.worker import RankContext
 
 SCHEDULES = {"1F1B": Schedule1F1B, "ZB-H1": ScheduleZeroBubble, "ZB-V": ScheduleZBV, "DualPipeV": ScheduleDualPipeV}
@@ -46,12 +46,15 @@ class Config(experiments.Config):
     steps: int = 3
     schedules: tuple[str, ...] = tuple(SCHEDULES)
     with_torch: bool = True
-    emulated_size: tuple[int, int, str] = (8192, 4096, "bfloat16")  # width, rows per micro-batch, dtype
+    # on an emulated node each layer is timed this wide, on micro-batches of `rows` rows, in `dtype`
+    SIZE: ClassVar[Mapping[str, Any]] = {"width": 8192, "rows": 4096, "dtype": "bfloat16"}
 
     def check(self) -> None:
         super().check()
         for name in ("num_microbatches", "width", "layers", "batch", "steps"):
             whole_number(name, getattr(self, name))
+        for name in ("width", "rows"):  # the emulated size
+            whole_number(f"the emulated {name}", getattr(self.size, name), example=f"Emulated(node, {name}=4096)")
         bad = [s for s in self.schedules if s not in PLANS]
         if bad or not self.schedules:
             raise ValueError(f"schedules must be some of {list(PLANS)}, got {list(self.schedules)!r}")
@@ -69,8 +72,7 @@ class Config(experiments.Config):
 
     def model(self) -> nn.Sequential:
         torch.manual_seed(0)
-        return nn.Sequential(*(layer for _ in range(self.layers) for layer in (nn.Linear(self.width, self.width),
-                                                                              nn.Tanh())))
+        return tanh_layers(self.width, self.layers)
 
     def data(self) -> tuple[torch.Tensor, torch.Tensor]:
         g = torch.Generator().manual_seed(1)
@@ -81,6 +83,11 @@ class Config(experiments.Config):
         layers = list(self.model())
         per = len(layers) // num_stages
         return [nn.Sequential(*layers[i * per:(i + 1) * per]) for i in range(num_stages)]
+
+
+def tanh_layers(width: int, layers: int) -> nn.Sequential:
+    """`layers` equal layers: Linear(width, width) then Tanh, each."""
+    return nn.Sequential(*(m for _ in range(layers) for m in (nn.Linear(width, width), nn.Tanh())))
 
 
 def runnable(schedule: Schedule) -> Schedule:
@@ -101,12 +108,11 @@ def stage_share(schedule: Schedule) -> float:
 
 @dataclass
 class ScheduleResult:
-    losses: list[float]  # the first step's per-micro-batch losses (last stage's rank only)
-    grads: dict[int, list[torch.Tensor]]  # stage -> its parameters' gradients after the first step
+    losses: list[float]  # the last step's per-micro-batch losses (last stage's rank only)
+    grads: dict[int, list[torch.Tensor]]  # stage -> its parameters' gradients after the last step
     stash_peak: int  # micro-batches' stashes alive at once, this rank
     stash_peak_bytes: int
-    seconds: list[float]
-    timelines: list[Timeline] = field(repr=False)
+    steps: RankSteps  # times and timelines of the timed steps
     torch_losses: list[float] | None = None
 
 
@@ -118,23 +124,15 @@ def worker(ctx: RankContext, cfg: Config) -> dict[str, ScheduleResult]:
         stages = cfg.stages(schedule.num_stages)
         modules = {s: stages[s] for s in schedule.stages_of(ctx.rank)}
         specs = message_specs(stages, x, schedule.num_microbatches)
-        first: dict = {}
-        sized.time_tanh_stages(ctx, modules, cfg.layers // schedule.num_stages, cfg.emulated_size)
-
-        def step(i: int, schedule=schedule, modules=modules, specs=specs, first=first) -> None:
-            done = run_step(ctx, schedule, modules, nn.MSELoss(), x, y, specs)
-            if i == 0:
-                first["losses"] = [float(l) for l in done.losses]
-                first["grads"] = {s: [p.grad.clone() for p in m.parameters()] for s, m in modules.items()}
-                first["stash"] = done.stash
-            return done
-
-        timed = time_steps(ctx, step, cfg.steps,
-                           prepare=lambda i, modules=modules: [m.zero_grad(set_to_none=True) for m in modules.values()])
+        sized.time_tanh_stages(ctx, modules, cfg.layers // schedule.num_stages, cfg.size)
+        timed = time_steps(ctx, lambda _: run_step(ctx, schedule, modules, nn.MSELoss(), x, y, specs), cfg.steps,
+                           prepare=zero_grads(modules))
+        last = timed.results[-1]
+        grads = {s: [p.grad.clone() for p in m.parameters()] for s, m in modules.items()}
         sized.untimed(ctx)  # torch's own step below is checked, not timed
         torch_losses = _torch_losses(ctx, cfg, name, schedule, x, y) if cfg.with_torch and name in TORCH_CLASSES else None
-        out[name] = ScheduleResult(first["losses"], first["grads"], first["stash"].peak, first["stash"].peak_bytes,
-                                   timed.seconds, timed.timelines, torch_losses)
+        out[name] = ScheduleResult([float(l) for l in last.losses], grads, last.stash.peak, last.stash.peak_bytes,
+                                   RankSteps([], timed.seconds, timed.timelines), torch_losses)
     return out
 
 
@@ -153,18 +151,21 @@ def _torch_losses(ctx: RankContext, cfg: Config, name: str, schedule: Schedule, 
 
 
 @dataclass
-class ScheduleRun:
+class ScheduleRun(TimedSteps):
     name: str
     schedule: Schedule  # as planned (overlapped pairs included)
     loss_difference: float  # against one process, per micro-batch
     grad_difference: float
     torch_loss_difference: float | None  # torch's class on the same stages, against ours
-    step_time: Measured
-    bubble_fraction: Measured  # per timed step
+    steps: Steps = field(repr=False)  # `step_time` and the typical step's `timeline` come from these
     stash_peak: dict[int, int]  # rank -> micro-batch stashes alive at once
     stash_peak_bytes: dict[int, int]
-    timeline: Timeline = field(repr=False)  # the typical step
     simulated: SimResult | None = field(default=None, repr=False)
+
+    @property
+    def bubble_fraction(self) -> Measured:
+        """Idle fraction of every timed step."""
+        return Measured.of(t.bubble_fraction() for t in self.steps.timelines)
 
 
 @dataclass
@@ -196,21 +197,16 @@ def gather(cfg: Config, results: list[dict[str, ScheduleResult]]) -> VRun:
     for name in cfg.schedules:
         planned = cfg.schedule(name)
         per_rank = [r[name] for r in results]
-        last = planned.rank_of(planned.num_stages - 1)
-        losses = per_rank[last].losses
+        last = per_rank[planned.rank_of(planned.num_stages - 1)]
         grads = {s: g for r in per_rank for s, g in r.grads.items()}
-        theirs = per_rank[last].torch_losses
-        timelines = [Timeline.merge(tls) for tls in zip(*(r.timelines for r in per_rank))]
-        typical = sorted(timelines, key=lambda t: t.makespan)[(len(timelines) - 1) // 2]
+        steps = gather_steps([r.steps for r in per_rank])
         runs[name] = ScheduleRun(
-            name, planned, max(abs(a - b) for a, b in zip(losses, ref_losses)),
+            name, planned, max(abs(a - b) for a, b in zip(last.losses, ref_losses)),
             _grad_difference(cfg, planned.num_stages, grads, ref_grads),
-            max(abs(a - b) for a, b in zip(theirs, losses)) if theirs else None,
-            Measured.of(max(s) for s in zip(*(r.seconds for r in per_rank))),
-            Measured.of(t.bubble_fraction() for t in timelines),
+            max(abs(a - b) for a, b in zip(last.torch_losses, last.losses)) if last.torch_losses else None, steps,
             {r: per_rank[r].stash_peak for r in range(cfg.world_size)},
-            {r: per_rank[r].stash_peak_bytes for r in range(cfg.world_size)}, typical,
-            simulate(runnable(planned), Costs.from_timeline(typical)))
+            {r: per_rank[r].stash_peak_bytes for r in range(cfg.world_size)},
+            simulate(runnable(planned), Costs.from_timeline(steps.typical)))
     return VRun(cfg, runs)
 
 
@@ -222,20 +218,6 @@ def _grad_difference(cfg: Config, num_stages: int, grads, ref_grads) -> float:
 
 
 # The DualPipe repository's table, and ours beside it
-
-
-def dualpipe_formulas(p: int, F: float, B: float, W: float, FB: float | None = None) -> dict[str, dict]:
-    """The DualPipe README's comparison (deepseek-ai/DualPipe, "Pipeline Bubbles and Memory Usage
-    Comparison") for one model on p devices. The README counts in chunks: F, B (full backward), W
-    and F&B (an overlapped forward and backward) of one chunk; 1F1B and ZB1P put PP = p chunks on p
-    devices, DualPipeV PP = 2p half-size chunks on PP/2 = p. Here F, B and W are one *1F1B stage's*,
-    so a DualPipeV chunk takes half of each; F&B defaults to F + B (nothing overlaps). Activations
-    are in micro-batches of one 1F1B stage: the README's PP + 1 chunks are p + 1/2 stages."""
-    f, b, w = F / 2, B / 2, W / 2
-    fb = f + b if FB is None else FB / 2
-    return {"1F1B": {"bubble": (p - 1) * (F + B), "activations": p},
-            "ZB-H1": {"bubble": (p - 1) * (F + B - 2 * W), "activations": p},
-            "DualPipeV": {"bubble": (p - 1) * (fb + b - 3 * w), "activations": p + 0.5}}
 
 
 def stage_costs(run: VRun) -> tuple[float, float, float]:
@@ -253,13 +235,13 @@ def work_ms(run: VRun, name: str) -> float:
 
 def bubble_times(run: VRun) -> list[dict]:
     """Per schedule, the bubble as time (a step's length minus one rank's work): the DualPipe
-    README's formula with this run's costs, the simulator, and the run, in modelled milliseconds."""
+    README's formula with this run's costs, the simulator, and the run, in ms."""
     formulas = dualpipe_formulas(run.cfg.world_size, *stage_costs(run))
     rows = []
     for name, r in run.schedules.items():
         formula = formulas.get(name, {"bubble": "-", "activations": "-"})
-        rows.append({"schedule": name, "formula (ms)": _round(formula["bubble"]),
-                     "simulated (ms)": round(r.simulated.makespan_ms - work_ms(run, name), 3),
+        rows.append({"schedule": name, "formula (ms)": formula["bubble"] if formula["bubble"] == "-" else
+                     round(formula["bubble"], 3), "simulated (ms)": round(r.simulated.makespan_ms - work_ms(run, name), 3),
                      "run (ms)": round(1e3 * r.step_time.median - work_ms(run, name), 3),
                      "activations, formula (1F1B stages)": formula["activations"],
                      "activations, run": max(r.stash_peak.values()) * stage_share(r.schedule)})
@@ -274,10 +256,6 @@ def table(run: VRun) -> list[dict]:
              "peak stash (1F1B stages)": max(r.stash_peak.values()) * stage_share(r.schedule),
              "simulated peak stash": max(r.simulated.peak_stash.values()) * stage_share(r.schedule),
              "peak stash bytes": max(r.stash_peak_bytes.values())} for name, r in run.schedules.items()]
-
-
-def _round(value):
-    return round(value, 3) if isinstance(value, float) else value
 
 
 def idle_parts(run: VRun, name: str) -> list[dict]:
@@ -357,13 +335,12 @@ def run_flops(params: dict) -> float:
     """FLOPs of lesson 13 at the notebook parameters `params` (missing names take the defaults),
     counted on the meta device: `steps` steps of every schedule, torch's ZB-V and DualPipeV once,
     the reference; with `larger_world_size`, the same schedules (no torch) on `larger_layers`."""
-
     p = {"width": 64, "layers": 8, "batch": 32, "steps": 3, "larger_world_size": 4, "larger_layers": 16, **params}
     schedules = len(PLANS)
 
     def model_step(n: int) -> float:
-        model = nn.Sequential(*(m for _ in range(n) for m in (nn.Linear(p["width"], p["width"]), nn.Tanh())))
-        return cost.step_flops(model.to("meta"), torch.empty(p["batch"], p["width"], device="meta"))
+        with torch.device("meta"):
+            return cost.step_flops(tanh_layers(p["width"], n), torch.empty(p["batch"], p["width"]))
 
     total = model_step(p["layers"]) * (p["steps"] * schedules + len(TORCH_CLASSES) + 1)
     if p["larger_world_size"]:

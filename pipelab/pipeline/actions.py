@@ -21,10 +21,7 @@ from __future__ import annotations
 from collections import Counter
 from collections.abc import Container, Iterator
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
-
-if TYPE_CHECKING:  # only for the annotations: schedules.py builds on this file
-    from pipelab.pipeline.schedules import Schedule
+from typing import Protocol
 
 
 class ScheduleError(ValueError):
@@ -46,6 +43,26 @@ class Action:
 
 
 KINDS = ("F", "B", "I", "W")
+
+
+class Plan(Protocol):
+    """What `play` and `validate` read of a schedule (`schedules.Schedule` is one): every rank's
+    action list, the sizes, where each stage lives, and which backwards are split in I and W."""
+
+    actions: list[list[Action]]
+
+    @property
+    def num_ranks(self) -> int: ...
+
+    @property
+    def num_stages(self) -> int: ...
+
+    @property
+    def num_microbatches(self) -> int: ...
+
+    def rank_of(self, stage: int) -> int: ...
+
+    def split_backwards(self) -> set[tuple[int, int]]: ...
 
 
 def F(stage: int, mb: int) -> Action:
@@ -83,7 +100,7 @@ def dependencies(action: Action, num_stages: int, split: Container[tuple[int, in
     return [F(s, mb), next_grad(s + 1, mb)]
 
 
-def play(schedule: Schedule) -> Iterator[tuple[int, Action, list[Action]]]:
+def play(schedule: Plan) -> Iterator[tuple[int, Action, list[Action]]]:
     """Run every rank's list in order, on paper: a rank blocks until its next action's inputs exist;
     sends never block. Yields (rank, action, its dependencies) in an order where each comes after
     its dependencies and after the rank's earlier actions. Raises ScheduleError on a deadlock.
@@ -113,7 +130,7 @@ def play(schedule: Schedule) -> Iterator[tuple[int, Action, list[Action]]]:
                                 f"comes; the ranks are stuck at {stuck}")
 
 
-def validate(schedule: Schedule) -> None:
+def validate(schedule: Plan) -> None:
     """Raise ScheduleError unless `schedule` can run: each rank runs only its own stages; every
     (stage, mb) has exactly one F and either exactly one B or exactly one I and one W; and playing
     every rank's list in order (`play`), no rank waits forever."""
@@ -137,7 +154,7 @@ def validate(schedule: Schedule) -> None:
         pass
 
 
-def _check_counts(schedule: Schedule, counts: Counter, s: int, mb: int) -> None:
+def _check_counts(schedule: Plan, counts: Counter, s: int, mb: int) -> None:
     """One F, and either one B or one I and one W, for (stage s, micro-batch mb)."""
     n = {kind: counts[Action(kind, s, mb)] for kind in KINDS}
     if n["B"] and (n["I"] or n["W"]):

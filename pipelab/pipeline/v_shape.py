@@ -15,7 +15,8 @@ loop placement (stage s on rank s % p) but runs every micro-batch through a rank
 before its later one: all forwards stage by stage, then all backwards in reverse.
 
 The per-rank orders are the ones torch 2.13 plans (`ScheduleZBVZeroBubble`, `ScheduleDualPipeV`,
-`ScheduleLoopedBFS`), written out one phase at a time.
+`ScheduleLoopedBFS`), written out one phase at a time. `dualpipe_formulas` gives the DualPipe
+README's bubbles and activations to set beside them.
 """
 
 from __future__ import annotations
@@ -195,3 +196,19 @@ class ScheduleLoopedBFS(Schedule):
     def rank_actions(self, rank: int) -> list[Action]:
         stages, mbs = self.stages_of(rank), range(self.num_microbatches)
         return [F(s, mb) for s in stages for mb in mbs] + [B(s, mb) for s in reversed(stages) for mb in reversed(mbs)]
+
+
+def dualpipe_formulas(p: int, forward: float, backward: float, weight: float,
+                      overlapped: float | None = None) -> dict[str, dict]:
+    """The DualPipe README's comparison (deepseek-ai/DualPipe, "Pipeline Bubbles and Memory Usage
+    Comparison") for one model on p devices. The README counts in chunks: F, B (full backward), W
+    and F&B (an overlapped forward and backward) of one chunk; 1F1B and ZB1P put PP = p chunks on p
+    devices, DualPipeV PP = 2p half-size chunks on PP/2 = p. Here `forward`, `backward` and `weight`
+    are one *1F1B stage's* F, B and W, so a DualPipeV chunk takes half of each; F&B (`overlapped`)
+    defaults to F + B (nothing overlaps). Activations are in micro-batches of one 1F1B stage: the
+    README's PP + 1 chunks are p + 1/2 stages."""
+    f, b, w = forward / 2, backward / 2, weight / 2
+    fb = f + b if overlapped is None else overlapped / 2
+    return {"1F1B": {"bubble": (p - 1) * (forward + backward), "activations": p},
+            "ZB-H1": {"bubble": (p - 1) * (forward + backward - 2 * weight), "activations": p},
+            "DualPipeV": {"bubble": (p - 1) * (fb + b - 3 * w), "activations": p + 0.5}}
