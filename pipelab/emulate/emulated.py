@@ -34,13 +34,23 @@ class Emulated:
         return f"Emulated({self.node!r}{sizes})"
 
     def __eq__(self, other: object) -> bool:
-        return isinstance(other, Emulated) and (self.node, dict(self.size)) == (other.node, dict(other.size))
+        return (isinstance(other, Emulated) and self.node == other.node and self.size.keys() == other.size.keys()
+                and all(_same(self.size[k], other.size[k]) for k in self.size))
 
     def __hash__(self) -> int:
         return hash(str(self.node))
 
     def __reduce__(self):  # ranks receive it inside their Config
         return (_rebuild, (self.node, dict(self.size)))
+
+
+def _same(a: Any, b: Any) -> bool:
+    """Equal sizes: the same object, or equal plain values (a tensor or module compares by identity)."""
+    if a is b:
+        return True
+    if hasattr(a, "shape") or hasattr(a, "parameters") or hasattr(b, "shape") or hasattr(b, "parameters"):
+        return False
+    return bool(a == b)
 
 
 def _rebuild(node: Any, size: dict) -> Emulated:
