@@ -1,6 +1,4 @@
-"""Several values across a cut, as one message: pipelab's runtime sends one tensor per message, so
-where a traced cut carries several (a value that skips a stage is forwarded through it), they
-travel flattened side by side, one row per sample, and are unpacked on arrival."""
+"""Several values across a traced cut as one message, for pipelab's runtime (lesson 09)."""
 
 from __future__ import annotations
 
@@ -11,8 +9,9 @@ from torch import nn
 
 
 class Packed(nn.Module):
-    """A traced stage that takes and gives one tensor: its inputs unpacked from one, its outputs
-    packed into one."""
+    """A traced stage that takes and gives one tensor. pipelab's runtime sends one tensor per
+    message, so where several values cross a cut (one that skips a stage, forwarded through it)
+    they travel flattened side by side, one row per sample, and are unpacked on arrival."""
 
     def __init__(self, stage: nn.Module, shapes: list[tuple[int, ...]]):
         super().__init__()
