@@ -39,12 +39,10 @@ INTEGERS = ("emsize", "nhead", "nhid", "nlayers", "bptt", "batch_size", "eval_ba
 
 @dataclass(frozen=True, kw_only=True)
 class Config(experiments.Config):
-    """The recipe. The tutorial's: emsize=nhid=4096, nhead=16, nlayers=8, dropout=0.2, bptt=35,
-    batch_size=20, lr=5.0, gamma=0.95, clip=0.5, num_microbatches=8, schedule='gpipe'. Dropout is 0
-    here so that the grid can be checked step for step against one process. On a modelled node each
-    stage is timed as the same stage of the model at `SIZE` (micro-batches of `columns` columns of
-    `bptt` tokens). `train` sets `corpus` (the recipe is then checked against the memory there is),
-    `progress` and `stage_costs`."""
+    """The recipe (the tutorial's: emsize=nhid=4096, nhead=16, nlayers=8, dropout=0.2, bptt=35, batch_size=20,
+    lr=5.0, gamma=0.95, clip=0.5, num_microbatches=8, 'gpipe'; dropout 0 here, so the grid can be checked
+    against one process). A modelled node times each stage as the same stage of the model at `SIZE`
+    (`columns` columns of `bptt` tokens per micro-batch). `train` sets `corpus`, `progress`, `stage_costs`."""
 
     emsize: int = 64
     nhead: int = 2
@@ -160,8 +158,7 @@ def emulated_size(cfg: Config) -> str:
 
 
 def big_stages(cfg: Config, ntoken: int) -> list[dict]:
-    """Per stage of the model at SIZE, cut as the real one is: its parameters and modelled F, I, W,
-    B, clipping and SGD seconds on `cfg.node`'s device for one micro-batch (counted once: `train`)."""
+    """Per stage of the model at SIZE, cut as the real one: parameters, modelled F, I, W, B, clip and SGD seconds."""
     if cfg.stage_costs is not None:
         return cfg.stage_costs
     model = big_model(cfg, ntoken)
@@ -188,9 +185,8 @@ def one_device_tokens_per_second(cfg: Config, ntoken: int) -> float:
 
 
 def modelled_step(cfg: Config, ntoken: int) -> dict:
-    """The grid's modelled step from the costs its ranks spend: the schedule simulated with each
-    stage's F and B (free messages), the slowest stage's clipping and SGD step, and the largest
-    stage's gradient bytes (what its data-parallel all-reduce carries)."""
+    """The grid's modelled step from its ranks' costs: the schedule simulated (free messages), the slowest
+    stage's clipping and SGD step, the largest stage's gradient bytes (its all-reduce's message)."""
     stages = big_stages(cfg, ntoken)
     costs = Costs(per_stage={r["stage"]: (r["F"] * 1e3, r["B"] * 1e3, 0.0) for r in stages})  # whole backwards
     sim = simulate(make_schedule(cfg.schedule, cfg.pipe, cfg.num_microbatches), costs)
@@ -242,8 +238,7 @@ def worker(ctx: RankContext, cfg: Config) -> Result:
 
 @dataclass
 class LMRun(TimedSteps):
-    """What the grid brought back: losses, the logged curve, the stages' weights, the log intervals'
-    times, the peak stash per stage, and the steps timed after training."""
+    """What the grid brought back: losses, the logged curve, the stages' weights, timings, the peak stashes."""
 
     cfg: Config
     losses: list[float]  # per step: the batch's loss, the mean of its micro-batches'
@@ -264,8 +259,7 @@ class LMRun(TimedSteps):
 
     @property
     def tokens_per_second(self) -> Measured:
-        """Training tokens/s of each log interval, the first (warm-up) dropped when there are more;
-        on a modelled node, SIZE's step tokens over the modelled time."""
+        """Tokens/s of each log interval but the first (warm-up); modelled: SIZE's step tokens over modelled time."""
         rates = [n * self.cfg.step_tokens(self.modelled) / sec for n, sec in self.intervals]
         return Measured.of(rates[1:] if len(rates) > 1 else rates)
 
@@ -285,8 +279,7 @@ def gather(cfg: Config, results: Sequence[Result]) -> LMRun:
 
 
 def available_memory(world_size: int) -> tuple[int | None, str]:
-    """Bytes one process may use, and where: with a GPU per process, the fullest GPU's free memory;
-    on CPU, its share of the memory available now; None where the machine does not say."""
+    """Bytes one process may use, and where: the fullest GPU's free memory, else its share of the RAM (or None)."""
     if hardware.choose_backend(world_size) == "nccl":
         return min(torch.cuda.mem_get_info(i)[0] for i in range(world_size)), "the fullest GPU"
     free = hardware.available_memory()
@@ -294,8 +287,7 @@ def available_memory(world_size: int) -> tuple[int | None, str]:
 
 
 def memory_plan(cfg: Config, ntoken: int) -> list[dict]:
-    """`lm.stage_memory` for this recipe: the model on meta, cut as the workers cut it, with the
-    schedule's peak stash; SGD keeps no state; the validating process also holds the whole model."""
+    """`lm.stage_memory` for this recipe, cut as the workers cut it (SGD: no state; a validator holds the whole)."""
     model = cfg.model(ntoken, meta=True)
     schedule = make_schedule(cfg.schedule, cfg.pipe, cfg.num_microbatches)
     return stage_memory(model, partition_layers(list(model), cfg.pipe, cfg.partition), schedule,
@@ -310,8 +302,7 @@ def check_memory(cfg: Config, ntoken: int) -> None:
 
 
 def train(cfg: Config, corpus: Corpus, progress: bool = True) -> LMRun:
-    """Train over cfg.pipe x cfg.data processes on `corpus`, with a progress bar here; refuses a
-    recipe whose stages will not fit in memory before starting any."""
+    """Train over cfg.pipe x cfg.data processes on `corpus` with a progress bar; a recipe that will not fit is refused first."""
     cfg = replace(cfg, corpus=corpus, progress=None)  # checks the memory, before any process starts
     if cfg.node is not None:  # the stages at SIZE counted once here, not on every rank
         cfg = replace(cfg, stage_costs=big_stages(cfg, len(corpus.vocab)))

@@ -32,8 +32,7 @@ from pipelab.worker import RankContext
 
 def layer_profile(layers: list, sample: torch.Tensor, device=None, dtype="float32", repeats: int = 3,
                   tries: int = 1) -> list[Measured]:
-    """Each layer's forward+backward ms, the 'profile' method's weights: modelled on `device` (a
-    `specs.Device`), or with device=None measured here on `sample` (`partition.profile_layers`)."""
+    """Each layer's forward+backward ms: modelled on `device`, or (None) measured here on `sample`."""
     if device is not None:
         return [Measured.of([1e3 * (s["F"] + s["B"])]) for s in modelled.layer_seconds(layers, sample, device, dtype)]
     return [t.scaled(1e3) for t in profile_layers(layers, sample, repeats=repeats, tries=tries)]
@@ -55,8 +54,7 @@ def speedup_verdict(speedup: Measured, new: str = "new cut", same_cut: bool = Fa
 
 
 def fastest(times: CutTimes, num_stages: int) -> tuple[str, dict[str, Measured]]:
-    """The method whose cut into `num_stages` has the fastest slowest stage ('profile' on a tie), and
-    every method's slowest stage."""
+    """The method whose cut has the fastest slowest stage ('profile' on a tie); every method's slowest."""
     slowest = {m: t for (s, m), t in times.slowest.items() if s == num_stages}
     return min(slowest, key=lambda m: (slowest[m].median, m != "profile")), slowest
 
@@ -124,11 +122,9 @@ def contrast_table(here: CutTimes, model: CutTimes) -> list[dict]:
 
 @dataclass(frozen=True, kw_only=True)
 class Config(experiments.Config):
-    """One training run of the engine: `steps` SGD steps (rate `lr`) on the same batch, each replica's
-    share cut into `num_microbatches`. `world_size` defaults to the module's topology, else one rank
-    per stage; a larger multiple of num_stages adds data-parallel replicas. A modelled node times
-    each stage at `SIZE`: `layers` (the module's layer list, wider) on micro-batches like
-    `microbatch` (a META tensor will do), in `dtype`."""
+    """`steps` SGD steps of the engine on one batch, each replica's share in `num_microbatches`, on
+    `world_size` ranks (default: the module's topology, else one per stage). A modelled node times each
+    stage at `SIZE`: `layers` (the module's list, wider) on micro-batches like `microbatch`, in `dtype`."""
 
     module: PipelineModule
     inputs: torch.Tensor
@@ -220,8 +216,7 @@ def worker(ctx: RankContext, cfg: Config) -> Result:
 
 @dataclass
 class TrainRun(TimedSteps):
-    """A pipelined training run, gathered from every rank. Gradients and weights are named as in
-    `module.build_reference()` (layer index first: "2.weight")."""
+    """A pipelined training run from every rank; gradients and weights named as `build_reference()` names them."""
 
     parts: list[int]
     topology: ProcessTopology
@@ -245,8 +240,7 @@ def gather(cfg: Config, results: list[Result]) -> TrainRun:
 
 
 def peak_in_flight(timeline: Timeline) -> dict[int, int]:
-    """Per rank, the most micro-batches it held at once (forwards begun whose backward had not yet
-    ended: each fills a pipe buffer), read off the timeline."""
+    """Per rank, the most micro-batches held at once (forward begun, backward not ended), off the timeline."""
     peaks = {}
     for rank in timeline.ranks:
         held = peak = 0
@@ -283,8 +277,7 @@ def require_deepspeed(method: str | None = None) -> None:
 
 @dataclass(frozen=True, kw_only=True)
 class PartitionsConfig(experiments.Config):
-    """Ask `deepspeed.pipe.PipelineModule` for its boundaries of `layers` for each (num_stages, method)
-    in `cuts`, on `world_size` ranks (by default the least common multiple of the stage counts)."""
+    """DeepSpeed's boundaries of `layers` for each (num_stages, method) in `cuts` (default ranks: their lcm)."""
 
     layers: list
     cuts: list[tuple[int, str]]
@@ -355,11 +348,8 @@ DEFAULTS = dict(image_size=224, profile_batch=8, profile_repeats=3, profile_trie
 
 
 def run_flops(params: dict) -> float:
-    """FLOPs of lesson 08 at the notebook parameters `params` (missing: the defaults) with a measured
-    profile, counted on the meta device: AlexNet's forward and backward on `profile_batch` images per
-    round of the layer profile (a warm-up and `profile_repeats`) and per cut and round of `time_cuts`
-    (4 methods x 2 stage counts), each `profile_tries` times; the MLP's `steps` batches three times
-    (the engine, one process, DeepSpeed). The tied model's are too small to count."""
+    """FLOPs of lesson 08 at the notebook parameters `params` (missing: the defaults), counted on the
+    meta device: AlexNet's measured profile and timed cuts, and the MLP's `steps` batches three times."""
     from pipelab.models import alexnet_layers
 
     p = {**DEFAULTS, **params}
