@@ -13,7 +13,7 @@ median tokens/s of both and the median round-by-round ratio with its min-max (ab
 grid is faster).
 
 With `--emulate NODE` the grid runs once on that emulated node (its clocks modelled at the lesson's
-emulated size, `capstone.Config.tutorial`) and the baseline is one emulated device's modelled
+emulated size, `capstone.Config.SIZE`) and the baseline is one emulated device's modelled
 step: both deterministic, so there is one round and no spread.
 """
 

@@ -173,6 +173,7 @@ def test_lessons_06_and_07_pipeline_schedules():
 
 
 def test_lesson_08_deepspeed_engine():
+    from pipelab.emulate import Emulated
     from pipelab.experiments import deepspeed
     from pipelab.pipeline.module import LayerSpec, PipelineModule
 
@@ -184,8 +185,8 @@ def test_lesson_08_deepspeed_engine():
     wide = [LayerSpec(nn.Linear, 1024, 2048), LayerSpec(nn.ReLU, inplace=True), LayerSpec(nn.Linear, 2048, 2048),
             LayerSpec(nn.Tanh), LayerSpec(nn.Linear, 2048, 4)]
     cfg = deepspeed.Config(module=module, inputs=x, targets=y, num_microbatches=4, steps=2, lr=0.1,
-                           emulate="2xH100-nvlink", emulated_layers=wide,
-                           emulated_microbatch=torch.empty(512, 1024, device="meta"), emulated_dtype="bfloat16")
+                           emulate=Emulated("2xH100-nvlink", layers=wide, microbatch=torch.empty(512, 1024, device="meta"),
+                                            dtype="bfloat16"))
     run = experiments.run(deepspeed.worker, cfg, deepspeed.gather)
     check("08", {"timeline": timeline(run.timeline)})
 

@@ -6,6 +6,7 @@ import torch
 import torch.nn as nn
 
 from pipelab import experiments
+from pipelab.emulate import Emulated
 from pipelab.experiments import deepspeed
 from pipelab.experiments.deepspeed import Config, in_flight_verdict, peak_in_flight, speedup_verdict
 from pipelab.measure import Measured
@@ -245,8 +246,8 @@ def test_the_engine_on_an_emulated_node_lasts_the_modelled_stage_times():
     wide = [LayerSpec(nn.Linear, 1024, 2048), LayerSpec(nn.ReLU, inplace=True), LayerSpec(nn.Linear, 2048, 2048),
             LayerSpec(nn.Tanh), LayerSpec(nn.Linear, 2048, 4)]
     big = torch.empty(512, 1024, device="meta")
-    run = train(module, x, y, num_microbatches=4, steps=2, lr=0.1, emulate="2xH100-nvlink", emulated_layers=wide,
-                emulated_microbatch=big, emulated_dtype="bfloat16")
+    run = train(module, x, y, num_microbatches=4, steps=2, lr=0.1,
+                emulate=Emulated("2xH100-nvlink", layers=wide, microbatch=big, dtype="bfloat16"))
     assert_same(run, reference_run(module.build_reference(), x, y, module.loss_fn, steps=2, lr=0.1))
     seconds = layer_seconds(wide, big, parse_node("2xH100-nvlink").device, "bfloat16")
     for stage, (lo, hi) in enumerate(zip(module.parts[:-1], module.parts[1:])):
@@ -259,11 +260,14 @@ def test_the_engine_on_an_emulated_node_lasts_the_modelled_stage_times():
 def test_an_emulated_run_needs_the_layers_at_the_emulated_size():
     module = PipelineModule(mlp_specs(), num_stages=2, loss_fn=nn.MSELoss(), verbose=False)
     x, y = torch.randn(8, 8), torch.randn(8, 4)
-    with pytest.raises(ValueError, match="give emulated_layers="):
+    with pytest.raises(ValueError, match="give the module's layer list at that size"):
         Config(module=module, inputs=x, targets=y, num_microbatches=2, emulate="2xH100-nvlink")
-    with pytest.raises(ValueError, match="emulated_layers has 1 layers and the module 5"):
-        Config(module=module, inputs=x, targets=y, num_microbatches=2, emulate="2xH100-nvlink",
-               emulated_layers=[LayerSpec(nn.Linear, 8, 8)], emulated_microbatch=torch.empty(4, 8, device="meta"))
+    with pytest.raises(ValueError, match="layers has 1 layers and the module 5"):
+        Config(module=module, inputs=x, targets=y, num_microbatches=2,
+               emulate=Emulated("2xH100-nvlink", layers=[LayerSpec(nn.Linear, 8, 8)],
+                                microbatch=torch.empty(4, 8, device="meta")))
+    with pytest.raises(ValueError, match="gives width, which this lesson's emulated size does not have"):
+        Config(module=module, inputs=x, targets=y, num_microbatches=2, emulate=Emulated("2xH100-nvlink", width=8))
 
 
 def test_the_contrast_with_this_machine_names_each_cut_and_why_the_profile_lost():

@@ -12,7 +12,8 @@ import pytest
 import torch
 
 from pipelab.data import batchify, get_batch, load_corpus
-from pipelab.experiments.capstone import Config, TutorialSize, memory_plan, train
+from pipelab.emulate import Emulated
+from pipelab.experiments.capstone import Config, memory_plan, train
 from pipelab.launch import spawn
 from pipelab.lm import (TransformerLM, check_fits, clip_grad_norm_, generate, lm_loss, perplexity, stage_memory, stages_of,
                         tutorial_evaluate_figures, tutorial_perplexity)
@@ -140,7 +141,7 @@ def test_one_emulated_device_does_every_stages_work_on_the_whole_batch():
     by_stage = sum(microbatches * (r["F"] + r["B"]) + r["clip"] + r["optimizer"] for r in stages)
     # the same work in one pass over the whole batch: no more than micro-batch by micro-batch with each
     # stage's backward priced as I + W (as the simulator prices it), and not much less
-    ids = torch.zeros(microbatches * cfg.tutorial.columns, cfg.bptt, dtype=torch.long, device="meta")
+    ids = torch.zeros(microbatches * cfg.size.columns, cfg.bptt, dtype=torch.long, device="meta")
     assert 0.8 * by_stage < one_device_seconds(capstone.big_model(cfg, 3000), ids, lm_loss, node, "bfloat16") <= by_stage
     # clipping and SGD over n bfloat16 parameters read and write 3 x 2n bytes each, at the streaming
     # bandwidth the calibrated model measures (a fraction of the data sheet's)
@@ -154,9 +155,11 @@ def test_one_emulated_device_does_every_stages_work_on_the_whole_batch():
     table = capstone.big_stage_table(cfg, 3000)  # what the notebook prints: 2 bytes per bfloat16 gradient
     assert [row["gradients"] for row in table] == [human_bytes(2 * r["parameters"]) for r in stages]
     with pytest.raises(ValueError, match="emsize=4096 must be a multiple of nhead=3"):
-        Config(emulate="4xH100-nvlink", tutorial=TutorialSize(nhead=3))
-    with pytest.raises(ValueError, match="more tutorial.nlayers"):
-        Config(emulate="8xH100-nvlink", pipe=8, data=1, batch_size=8, nlayers=8, tutorial=TutorialSize(nlayers=1))  # 4 layers, 8 stages
+        Config(emulate=Emulated("4xH100-nvlink", nhead=3))
+    with pytest.raises(ValueError, match="more nlayers at the modelled size"):
+        Config(emulate=Emulated("8xH100-nvlink", nlayers=1), pipe=8, data=1, batch_size=8, nlayers=8)  # 4 layers, 8 stages
+    with pytest.raises(ValueError, match="columns must be a whole number >= 1, got 0"):
+        Config(emulate=Emulated("4xH100-nvlink", columns=0))
 
 
 def test_equality_checks_run_without_tf32_and_the_reference_is_on_the_grids_device():

@@ -3,16 +3,16 @@
     cfg = capstone.Config(pipe=2, data=2, num_microbatches=2, schedule="1f1b", ...)  # refuses a bad recipe here
     run = capstone.train(cfg, load_corpus())  # refuses a recipe that will not fit, then the grid trains
 
-Each process runs `lm_training.GridTrainer`. With `emulate="4xH100-nvlink"` the processes, their
-math and every loss stay real and small while each rank's clock is modelled: its stage lasts what an
-H100 takes for the same stage of the tutorial's model (`pipelab.emulate.training`).
+Each process runs `lm_training.GridTrainer`. On a modelled node (e.g. "4xH100-nvlink") the
+processes, their math and every loss stay real and small while each rank's clock gives its stage
+what an H100 takes for the same stage at `Config.SIZE`, the tutorial's model.
 """
 from __future__ import annotations
 
 import copy
 from contextlib import nullcontext
 from dataclasses import dataclass, field, replace
-from typing import Sequence
+from typing import Any, ClassVar, Mapping, Sequence
 
 import torch
 
@@ -20,7 +20,7 @@ from pipelab import experiments, hardware
 from pipelab.build import materialize, on_meta
 from pipelab.checks import positive_number, whole_number
 from pipelab.data import Corpus, batchify
-from pipelab.emulate import training as modelled
+from pipelab.emulate import cost, training as modelled
 from pipelab.hybrid import check_grid
 from pipelab.lm import TransformerLM, check_fits, lm_loss, load_whole, stage_memory, stages_of
 from pipelab.lm_training import GridTrainer, TrainingLog, windows
@@ -33,31 +33,16 @@ from pipelab.reference import exact_fp32
 from pipelab.worker import RankContext
 
 CAPSTONE_SCHEDULES = ("gpipe", "1f1b")  # one stage per process, whole backwards
-BIG_DTYPE = "bfloat16"  # what the modelled node computes and communicates in
 INTEGERS = ("emsize", "nhead", "nhid", "nlayers", "bptt", "batch_size", "eval_batch_size", "epochs", "num_microbatches",
             "log_interval", "timeline_steps", "check_steps", "speed_steps", "speed_repeats")
 
 
-@dataclass(frozen=True)
-class TutorialSize:
-    """The model whose time a modelled node gives each stage (the tutorial's, by default), on
-    micro-batches of `columns` columns of `bptt` tokens, in bfloat16."""
-
-    emsize: int = 4096
-    nhid: int = 4096
-    nhead: int = 16
-    nlayers: int = 8
-    columns: int = 128
-
-
 @dataclass(frozen=True, kw_only=True)
 class Config(experiments.Config):
-    """The recipe. The tutorial's: emsize=nhid=4096, nhead=16, nlayers=8, dropout=0.2, bptt=35,
-    batch_size=20, lr=5.0, gamma=0.95, clip=0.5, num_microbatches=8, schedule='gpipe'. Dropout is 0
-    here so that the grid can be checked step for step against one process. `check_steps`,
-    `speed_steps` and `speed_repeats` say how the lesson compares the run with one process. On a
-    modelled node (`emulate`) each stage is timed as the same stage of the `tutorial` size. `train`
-    sets `corpus` (the recipe is then checked against the memory there is), `progress` and `stage_costs`."""
+    """The recipe (the tutorial's: emsize=nhid=4096, nhead=16, nlayers=8, dropout=0.2, bptt=35, batch_size=20,
+    lr=5.0, gamma=0.95, clip=0.5, num_microbatches=8, 'gpipe'; dropout 0 here, so the grid can be checked
+    against one process). A modelled node times each stage as the same stage of the model at `SIZE`
+    (`columns` columns of `bptt` tokens per micro-batch). `train` sets `corpus`, `progress`, `stage_costs`."""
 
     emsize: int = 64
     nhead: int = 2
@@ -83,12 +68,13 @@ class Config(experiments.Config):
     check_steps: int = 3  # first steps compared with one process
     speed_steps: int = 10  # one-process steps per timing repeat
     speed_repeats: int = 3
-    tutorial: TutorialSize = TutorialSize()
     timeout: float = 600.0
     corpus: Corpus | None = field(default=None, repr=False)
     progress: str | None = None
     stage_costs: list[dict] | None = field(default=None, repr=False)  # counted once by `train`
     world_size: int = field(init=False, default=0)  # the grid's processes: pipe x data
+    SIZE: ClassVar[Mapping[str, Any]] = {"emsize": 4096, "nhid": 4096, "nhead": 16, "nlayers": 8, "columns": 128,
+                                         "dtype": "bfloat16"}
 
     def __post_init__(self) -> None:
         check_grid(self.pipe, self.data)
@@ -99,10 +85,9 @@ class Config(experiments.Config):
         super().check()
         for name in INTEGERS:
             whole_number(name, getattr(self, name), example=f"{name}=4")
-        if not isinstance(self.tutorial, TutorialSize):
-            raise ValueError(f"tutorial must be a TutorialSize, got {self.tutorial!r}; e.g. tutorial=TutorialSize(nlayers=4)")
-        for name, value in vars(self.tutorial).items():
-            whole_number(f"tutorial.{name}", value, example=f"TutorialSize({name}=4)")
+        for name, value in vars(self.size).items():
+            if name != "dtype":
+                whole_number(name, value, example=f"{name}=4 at the modelled size")
         whole_number("seed", self.seed, minimum=0, example="seed=0")
         if self.max_batches is not None:
             whole_number("max_batches", self.max_batches, example="max_batches=20 (or None: the whole split)")
@@ -120,8 +105,8 @@ class Config(experiments.Config):
         with torch.device("meta"):  # sizes only: refuses emsize % nhead, an unknown partition, too many stages
             layers = TransformerLM(2, self.emsize, self.nhead, self.nhid, self.nlayers, self.dropout)
         check_stages(layers, self.pipe, self.partition, "nlayers")
-        if self.node is not None:  # the tutorial's model is cut the same way
-            check_stages(big_model(self, 2), self.pipe, self.partition, "tutorial.nlayers")
+        if self.node is not None:  # the model at SIZE is cut the same way
+            check_stages(big_model(self, 2), self.pipe, self.partition, "nlayers at the modelled size")
         if self.corpus is not None:
             check_memory(self, len(self.corpus.vocab))
 
@@ -142,8 +127,8 @@ class Config(experiments.Config):
 
     def step_tokens(self, modelled: bool = False) -> int:
         """Tokens one step takes in over the grid: `batch_size` columns of `bptt` tokens; with
-        `modelled`, the tutorial size's `columns` per micro-batch of each replica."""
-        return (self.data * self.num_microbatches * self.tutorial.columns if modelled else self.batch_size) * self.bptt
+        `modelled`, SIZE's `columns` per micro-batch of each replica."""
+        return (self.data * self.num_microbatches * self.size.columns if modelled else self.batch_size) * self.bptt
 
 
 def check_stages(model, pipe: int, partition: str, layers_name: str) -> None:
@@ -155,58 +140,59 @@ def check_stages(model, pipe: int, partition: str, layers_name: str) -> None:
                          f"encoder layers, decoder); use fewer stages (pipe) or more {layers_name}")
 
 
-# --- The tutorial's size, where each rank's time is modelled ---
+# --- The model at SIZE, where each rank's time is modelled ---
 
 
 def big_model(cfg: Config, ntoken: int):
-    """The model at the `cfg.tutorial` size, on the meta device: sizes, no memory."""
-    t = cfg.tutorial
+    """The model at `cfg.size`, on the meta device: sizes, no memory."""
+    s = cfg.size
     with torch.device("meta"):
-        return TransformerLM(ntoken, t.emsize, t.nhead, t.nhid, t.nlayers)
+        return TransformerLM(ntoken, s.emsize, s.nhead, s.nhid, s.nlayers)
 
 
 def emulated_size(cfg: Config) -> str:
     """The modelled size in words, for the lesson's first line."""
-    t = cfg.tutorial
-    return (f"the tutorial's model (emsize {t.emsize}, nhid {t.nhid}, {t.nhead} heads, {t.nlayers} encoder layers) "
-            f"on micro-batches of {t.columns} columns x {cfg.bptt} tokens, in {BIG_DTYPE}")
+    s = cfg.size
+    return (f"the tutorial's model (emsize {s.emsize}, nhid {s.nhid}, {s.nhead} heads, {s.nlayers} encoder layers) "
+            f"on micro-batches of {s.columns} columns x {cfg.bptt} tokens, in {s.dtype}")
 
 
 def big_stages(cfg: Config, ntoken: int) -> list[dict]:
-    """Per stage of the tutorial-size model, cut as the real one is: its parameters and modelled F,
-    I, W, B, clipping and SGD seconds on `cfg.node`'s device for one micro-batch."""
+    """Per stage of the model at SIZE, cut as the real one: parameters, modelled F, I, W, B, clip and SGD seconds."""
+    if cfg.stage_costs is not None:
+        return cfg.stage_costs
     model = big_model(cfg, ntoken)
-    ids = torch.zeros(cfg.tutorial.columns, cfg.bptt, dtype=torch.long, device="meta")
+    ids = torch.zeros(cfg.size.columns, cfg.bptt, dtype=torch.long, device="meta")
     return modelled.stage_rows(stages_of(model, partition_layers(list(model), cfg.pipe, cfg.partition)), ids,
-                               lm_loss, cfg.node, BIG_DTYPE)
+                               lm_loss, cfg.node, cfg.size.dtype)
 
 
 def big_stage_table(cfg: Config, ntoken: int) -> list[dict]:
-    """`big_stages` as the rows the lesson prints (`emulate.training.stage_table_rows`)."""
-    model = cfg.model(ntoken, meta=True)
+    """`big_stages` as the rows the lesson prints, beside the real stages' bytes."""
+    model, s = cfg.model(ntoken, meta=True), cfg.size
     real = [sum(p.numel() * p.element_size() for p in stage.parameters())
             for stage in stages_of(model, partition_layers(list(model), cfg.pipe, cfg.partition))]
-    big = cfg.tutorial.columns * cfg.bptt * cfg.tutorial.emsize * modelled.itemsize(BIG_DTYPE)
-    return modelled.stage_table_rows(cfg.stage_costs or big_stages(cfg, ntoken), real,
-                                     cfg.microbatch_tokens() * cfg.emsize * 4, big, BIG_DTYPE)  # float32 activations
+    big = s.columns * cfg.bptt * s.emsize * modelled.itemsize(s.dtype)
+    return modelled.stage_table_rows(big_stages(cfg, ntoken), real, cfg.microbatch_tokens() * cfg.emsize * 4,
+                                     big, s.dtype)  # float32 activations
 
 
 def one_device_tokens_per_second(cfg: Config, ntoken: int) -> float:
-    """Tokens/s of ONE device of `cfg.node` training the whole big model on the whole step's batch."""
-    ids = torch.zeros(cfg.data * cfg.num_microbatches * cfg.tutorial.columns, cfg.bptt, dtype=torch.long, device="meta")
-    return cfg.step_tokens(modelled=True) / modelled.one_device_seconds(big_model(cfg, ntoken), ids, lm_loss, cfg.node, BIG_DTYPE)
+    """Tokens/s of ONE device of `cfg.node` training the whole model at SIZE on the whole step's batch."""
+    ids = torch.zeros(cfg.data * cfg.num_microbatches * cfg.size.columns, cfg.bptt, dtype=torch.long, device="meta")
+    seconds = modelled.one_device_seconds(big_model(cfg, ntoken), ids, lm_loss, cfg.node, cfg.size.dtype)
+    return cfg.step_tokens(modelled=True) / seconds
 
 
 def modelled_step(cfg: Config, ntoken: int) -> dict:
-    """The grid's modelled step from the same costs its ranks spend: the schedule played by the
-    simulator with each stage's F and B (free messages), the slowest stage's clipping and SGD step,
-    and the largest stage's gradient bytes (what its data-parallel all-reduce carries)."""
-    stages = cfg.stage_costs or big_stages(cfg, ntoken)
+    """The grid's modelled step from its ranks' costs: the schedule simulated (free messages), the slowest
+    stage's clipping and SGD step, the largest stage's gradient bytes (its all-reduce's message)."""
+    stages = big_stages(cfg, ntoken)
     costs = Costs(per_stage={r["stage"]: (r["F"] * 1e3, r["B"] * 1e3, 0.0) for r in stages})  # whole backwards
     sim = simulate(make_schedule(cfg.schedule, cfg.pipe, cfg.num_microbatches), costs)
     return {"schedule_s": sim.makespan_ms / 1e3, "bubble": sim.bubble_fraction,
             "update_s": max(r["clip"] + r["optimizer"] for r in stages), "parameters": sum(r["parameters"] for r in stages),
-            "gradient_bytes": max(r["parameters"] for r in stages) * modelled.itemsize(BIG_DTYPE)}
+            "gradient_bytes": max(r["parameters"] for r in stages) * modelled.itemsize(cfg.size.dtype)}
 
 
 # --- On each process ---
@@ -231,9 +217,10 @@ def worker(ctx: RankContext, cfg: Config) -> Result:
     torch.set_num_threads(1)
     with exact_fp32():  # on a GPU, full float32 products: the losses are compared with one process's
         trainer = GridTrainer(ctx, cfg, cfg.corpus, cfg.progress)
-        if ctx.emulator is not None:  # modelled time: this stage's costs at the tutorial's size
-            modelled.time_stage(ctx.emulator, (cfg.stage_costs or big_stages(cfg, len(cfg.corpus.vocab)))[trainer.place.rank],
-                                sum(p.numel() * p.element_size() for p in trainer.stage.parameters()), trainer.place.rank, BIG_DTYPE)
+        if cfg.stage_costs is not None:  # on a modelled node (`train`): this stage's costs at SIZE
+            modelled.time_stage(ctx.emulator, cfg.stage_costs[trainer.place.rank],
+                                sum(p.numel() * p.element_size() for p in trainer.stage.parameters()), trainer.place.rank,
+                                cfg.size.dtype)
             trainer.ms_label = "modelled ms/batch"  # the bar beside it runs at this machine's real pace
         log, start = TrainingLog(), ctx.now()
         for epoch in range(1, cfg.epochs + 1):
@@ -251,8 +238,7 @@ def worker(ctx: RankContext, cfg: Config) -> Result:
 
 @dataclass
 class LMRun(TimedSteps):
-    """What the grid brought back: losses, the logged curve, the stages' weights, the log intervals'
-    times, the peak stash per stage, and the steps timed after training."""
+    """What the grid brought back: losses, the logged curve, the stages' weights, timings, the peak stashes."""
 
     cfg: Config
     losses: list[float]  # per step: the batch's loss, the mean of its micro-batches'
@@ -268,13 +254,12 @@ class LMRun(TimedSteps):
 
     @property
     def modelled(self) -> bool:
-        """Whether its clocks were modelled (`cfg.emulate`): time at the tutorial's size."""
+        """Whether its clocks were modelled: time at SIZE."""
         return self.cfg.node is not None
 
     @property
     def tokens_per_second(self) -> Measured:
-        """Training tokens/s of each log interval, the first (warm-up) dropped when there are more;
-        on a modelled node, the tutorial size's step tokens over the modelled time."""
+        """Tokens/s of each log interval but the first (warm-up); modelled: SIZE's step tokens over modelled time."""
         rates = [n * self.cfg.step_tokens(self.modelled) / sec for n, sec in self.intervals]
         return Measured.of(rates[1:] if len(rates) > 1 else rates)
 
@@ -294,8 +279,7 @@ def gather(cfg: Config, results: Sequence[Result]) -> LMRun:
 
 
 def available_memory(world_size: int) -> tuple[int | None, str]:
-    """Bytes one process may use, and where: with a GPU per process, the fullest GPU's free memory;
-    on CPU, its share of the memory available now; None where the machine does not say."""
+    """Bytes one process may use, and where: the fullest GPU's free memory, else its share of the RAM (or None)."""
     if hardware.choose_backend(world_size) == "nccl":
         return min(torch.cuda.mem_get_info(i)[0] for i in range(world_size)), "the fullest GPU"
     free = hardware.available_memory()
@@ -303,8 +287,7 @@ def available_memory(world_size: int) -> tuple[int | None, str]:
 
 
 def memory_plan(cfg: Config, ntoken: int) -> list[dict]:
-    """`lm.stage_memory` for this recipe: the model on meta, cut as the workers cut it, with the
-    schedule's peak stash; SGD keeps no state; the validating process also holds the whole model."""
+    """`lm.stage_memory` for this recipe, cut as the workers cut it (SGD: no state; a validator holds the whole)."""
     model = cfg.model(ntoken, meta=True)
     schedule = make_schedule(cfg.schedule, cfg.pipe, cfg.num_microbatches)
     return stage_memory(model, partition_layers(list(model), cfg.pipe, cfg.partition), schedule,
@@ -319,10 +302,9 @@ def check_memory(cfg: Config, ntoken: int) -> None:
 
 
 def train(cfg: Config, corpus: Corpus, progress: bool = True) -> LMRun:
-    """Train over cfg.pipe x cfg.data processes on `corpus`, with a progress bar here; refuses a
-    recipe whose stages will not fit in memory before starting any."""
+    """Train over cfg.pipe x cfg.data processes on `corpus` with a progress bar; a recipe that will not fit is refused first."""
     cfg = replace(cfg, corpus=corpus, progress=None)  # checks the memory, before any process starts
-    if cfg.node is not None:  # the big stages counted once here, not on every rank
+    if cfg.node is not None:  # the stages at SIZE counted once here, not on every rank
         cfg = replace(cfg, stage_costs=big_stages(cfg, len(corpus.vocab)))
     desc = f"{cfg.pipe} x {cfg.data} grid" + (" (the bar: real batch/s on this machine)" if cfg.node else "")
     with progress_bar(cfg.batches(corpus), desc) if progress else nullcontext() as path:
@@ -336,12 +318,9 @@ DEFAULTS = dict(emsize=64, nhid=128, nhead=2, nlayers=4, bptt=35, batch_size=20,
 
 
 def run_flops(params: dict) -> float:
-    """FLOPs of lesson 10 at the notebook parameters `params` (missing names: the notebook's
-    defaults; `vocab`, `train_tokens`, `valid_tokens`: the corpus's, Python's documentation by
-    default), counted on the meta device: every training window's forward and backward, the
-    one-process baseline's and the reference's steps, the Gantt's steps, and the validations."""
-    from pipelab.emulate.cost import count, forward_backward_counts
-
+    """FLOPs of lesson 10 at the notebook parameters `params` (missing: the defaults; `vocab`,
+    `train_tokens`, `valid_tokens`: the corpus's, Python's documentation by default), counted on the
+    meta device: the training, the one-process baseline, the reference, the Gantt, the validations."""
     p = {**DEFAULTS, **params}
     if p["train_tokens"] is None or p["valid_tokens"] is None:
         from pipelab.data import load_corpus
@@ -351,10 +330,10 @@ def run_flops(params: dict) -> float:
     cfg = Config(**{k: v for k, v in p.items() if k in Config.__dataclass_fields__})
     with torch.device("meta"):  # sizes only: a 1B-parameter recipe costs no memory here
         model = TransformerLM(p["vocab"], cfg.emsize, cfg.nhead, cfg.nhid, cfg.nlayers)
-    forward, grad_in, grad_w = forward_backward_counts(model, torch.zeros(cfg.batch_size, cfg.bptt, dtype=torch.long, device="meta"))
+    forward, grad_in, grad_w = cost.forward_backward_counts(model, torch.zeros(cfg.batch_size, cfg.bptt, dtype=torch.long, device="meta"))
     train_windows = len(windows(torch.empty(p["train_tokens"] // cfg.batch_size, 0), cfg.bptt, cfg.max_batches))
     log_lines = -(-train_windows // cfg.log_interval)  # a validation every log_interval windows and at the end
     steps = cfg.epochs * train_windows + cfg.speed_repeats * cfg.speed_steps + 1 + cfg.check_steps + cfg.timeline_steps
-    valid = count(model, torch.zeros(cfg.eval_batch_size, cfg.bptt, dtype=torch.long, device="meta")).flops
+    valid = cost.count(model, torch.zeros(cfg.eval_batch_size, cfg.bptt, dtype=torch.long, device="meta")).flops
     valid_windows = len(range(0, p["valid_tokens"] // cfg.eval_batch_size - 1, cfg.bptt))
     return steps * (forward.flops + grad_in.flops + grad_w.flops) + (cfg.epochs * log_lines + 1) * valid_windows * valid + forward.flops

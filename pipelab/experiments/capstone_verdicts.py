@@ -143,11 +143,22 @@ def evaluate_verdict(figures: dict) -> tuple[str, str, str, dict]:
     return "10.tutorial_evaluate", verdict, text, {k: f[k] for k in ("tutorial", "right", "divisor", "tokens scored")}
 
 
+def late_losses(by_rate: dict[float, list[float]]) -> dict[float, Measured]:
+    """Each rate's training losses over the last half of the steps: what `lr_verdict` reads."""
+    return {rate: Measured.of(losses[len(losses) // 2:]) for rate, losses in by_rate.items()}
+
+
+def lr_table(by_rate: dict[float, list[float]], vocab_size: int) -> list[dict]:
+    """One row per rate: its loss over the last half of the steps beside ln(vocab)."""
+    return [{"lr": rate, "loss, last half of the steps (median, min-max)": f"{late:.2f}",
+             "ln(vocab)": f"{math.log(vocab_size):.2f}"} for rate, late in late_losses(by_rate).items()]
+
+
 def lr_verdict(by_rate: dict[float, list[float]], vocab_size: int, width: int) -> tuple[str, str, str, dict]:
     """On which side of ln(vocab) did the loss stay over the last half of the steps at the
     tutorial's rate (the first of `by_rate`) and at ours (the second)?"""
     guess = math.log(vocab_size)
-    late = {rate: Measured.of(losses[len(losses) // 2:]) for rate, losses in by_rate.items()}
+    late = late_losses(by_rate)
     (tutorial, t), (ours, o) = ((rate, "above" if m.median > guess else "below") for rate, m in late.items())
     text = f"Over the last half of the steps the loss at lr {tutorial} stayed {t} ln(vocab), at lr {ours} {o} it."
     return "10.lr5_wide_model", f"tutorial's rate {t}, ours {o}", text, {

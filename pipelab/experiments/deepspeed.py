@@ -1,6 +1,5 @@
 """Lesson 08 from a notebook: AlexNet's cuts timed (modelled, or measured here), the DeepSpeed-style
-engine trained on real ranks, the real DeepSpeed beside it (`PartitionsConfig`, `DeepSpeedConfig`,
-where it is installed), and the verdicts the lesson concludes.
+engine trained on real ranks, the real DeepSpeed beside it where it is installed, and the verdicts.
 
     cfg = deepspeed.Config(module=mlp, inputs=x, targets=y, num_microbatches=4, steps=8, lr=0.5)
     run = experiments.run(deepspeed.worker, cfg, deepspeed.gather)  # a TrainRun, named as build_reference() names
@@ -9,6 +8,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from typing import Any, ClassVar, Mapping
 
 import torch
 import torch.nn as nn
@@ -32,9 +32,7 @@ from pipelab.worker import RankContext
 
 def layer_profile(layers: list, sample: torch.Tensor, device=None, dtype="float32", repeats: int = 3,
                   tries: int = 1) -> list[Measured]:
-    """Each layer's forward+backward milliseconds, the 'profile' method's weights: modelled on
-    `device` (a `specs.Device`; one exact value per layer) or, with device=None, measured here on
-    `sample` (`partition.profile_layers`: `repeats` rounds, each the fastest of `tries` runs)."""
+    """Each layer's forward+backward ms: modelled on `device`, or (None) measured here on `sample`."""
     if device is not None:
         return [Measured.of([1e3 * (s["F"] + s["B"])]) for s in modelled.layer_seconds(layers, sample, device, dtype)]
     return [t.scaled(1e3) for t in profile_layers(layers, sample, repeats=repeats, tries=tries)]
@@ -55,56 +53,49 @@ def speedup_verdict(speedup: Measured, new: str = "new cut", same_cut: bool = Fa
     return "within noise", f"the rounds disagree ({speedup.median:.2f}x by the median), within this machine's noise"
 
 
+def fastest(times: CutTimes, num_stages: int) -> tuple[str, dict[str, Measured]]:
+    """The method whose cut has the fastest slowest stage ('profile' on a tie); every method's slowest."""
+    slowest = {m: t for (s, m), t in times.slowest.items() if s == num_stages}
+    return min(slowest, key=lambda m: (slowest[m].median, m != "profile")), slowest
+
+
 def profile_verdict(times: CutTimes, num_stages: int = 2) -> tuple[str, str, str, dict]:
     """(key, verdict, text, figures): is the 'profile' cut's slowest stage of `num_stages` faster than the
     'parameters' cut's (modelled: exactly; measured: in every round)? Where another cut's is, why."""
     S, w = num_stages, times.layer_ms
     by_params, by_profile = times.cuts[S, "parameters"], times.cuts[S, "profile"]
-    slowest, speedup = {m: t for (s, m), t in times.slowest.items() if s == S}, times.speedup(S)
-    predicted = max(stage_sums(w, by_params)) / max(stage_sums(w, by_profile))
-    same = by_params == by_profile
+    (winner, slowest), speedup = fastest(times, S), times.speedup(S)
+    heaviest = {m: max(stage_sums(w, times.cuts[S, m])) for m in slowest}
     if times.modelled:  # exact: one value decides
-        verdict = "same cut" if same else "as fast" if speedup.median == 1 else "faster" if speedup.median > 1 else "slower"
-        how = f"the parameters cut's slowest stage takes {speedup.median:.2f}x the profile cut's (modelled)"
+        r = speedup.median
+        verdict = "same cut" if by_params == by_profile else "as fast" if r == 1 else "faster" if r > 1 else "slower"
+        how = f"the parameters cut's slowest stage takes {r:.2f}x the profile cut's (modelled)"
     else:
-        verdict, how = speedup_verdict(speedup, "profile cut", same_cut=same)
-    winner = min(slowest, key=lambda m: (slowest[m].median, m != "profile"))
+        verdict, how = speedup_verdict(speedup, "profile cut", same_cut=by_params == by_profile)
     best_ms, best_cut = lightest_heaviest(w, S)
-    text = f"{S} stages: {how}"
-    if winner != "profile":
-        text += f"; the {winner} cut's is the fastest" + why_not_profile(times, S, winner)
-    elif max(stage_sums(w, by_profile)) > best_ms * (1 + 1e-9):
-        text += f"; a lighter heaviest stage exists, {BALANCED_RULE}"
+    balanced = "as partition_balanced minimises heaviest minus lightest"
+    if winner != "profile":  # by the profile's own weights, or (measured) against them
+        why = f", {balanced}" if heaviest[winner] < heaviest["profile"] else ": layers timed alone do not add up to a stage"
+        how += f"; the {winner} cut's is the fastest{why}"
+    elif heaviest["profile"] > best_ms * (1 + 1e-9):
+        how += f"; a lighter heaviest stage exists, {balanced}"
     else:
-        text += "; by its weights no cut of whole layers could do better"
-    return f"08.profile_{S}_stages", verdict, text + ".", {
-        "speedup": speedup, "predicted": predicted, "parameters_ms": slowest["parameters"],
-        "profile_ms": slowest["profile"], "fastest": winner, "best_possible_ms": best_ms, "best_cut": str(best_cut)}
-
-
-BALANCED_RULE = "as partition_balanced minimises heaviest minus lightest"
-
-
-def why_not_profile(times: CutTimes, num_stages: int, winner: str) -> str:
-    """Why the `winner` cut's slowest stage beat the 'profile' cut's: by the profile's own weights
-    (the rule balances the spread), or, where the weights predicted the opposite, measurement."""
-    w = times.layer_ms
-    if max(stage_sums(w, times.cuts[num_stages, winner])) < max(stage_sums(w, times.cuts[num_stages, "profile"])):
-        return ", " + BALANCED_RULE
-    return ": layers timed alone do not add up to a stage"
+        how += "; by its weights no cut of whole layers could do better"
+    return f"08.profile_{S}_stages", verdict, f"{S} stages: {how}.", {
+        "speedup": speedup, "predicted": heaviest["parameters"] / heaviest["profile"],
+        "parameters_ms": slowest["parameters"], "profile_ms": slowest["profile"], "fastest": winner,
+        "best_possible_ms": best_ms, "best_cut": str(best_cut)}
 
 
 def contrast_verdict(here: CutTimes, model: CutTimes, layers: list, device_name: str,
                      kind: str = "Conv2d") -> tuple[str, str, str, dict]:
     """(key, verdict, text, figures): the `kind` layers' share of the time measured here (`here`) and
-    modelled on `device_name` (`model`), and the measured rounds' spread (`contrast_table`: the cuts)."""
+    modelled on `device_name` (`model`), and whether the measured rounds moved."""
     which = [i for i, layer in enumerate(layers) if layer_name(layer) == kind]
-    share_here = sum(here.layer_ms[i] for i in which) / sum(here.layer_ms)
-    share_there = sum(model.layer_ms[i] for i in which) / sum(model.layer_ms)
+    share_here, share_there = (sum(t.layer_ms[i] for i in which) / sum(t.layer_ms) for t in (here, model))
     noise = max(t.relative_spread for t in here.slowest.values())
-    rounds = min(len(t.values) for t in here.slowest.values())
     text = f"The {kind} layers take {share_here:.0%} of the time measured here and {share_there:.0%} on the {device_name}"
-    if rounds < 2:
+    if min(len(t.values) for t in here.slowest.values()) < 2:
         verdict, text = "one round", text + "; one measured round cannot show how much a measurement moves."
     else:
         verdict = "noisier than modelled" if noise > 0 else "as steady as modelled"
@@ -114,12 +105,11 @@ def contrast_verdict(here: CutTimes, model: CutTimes, layers: list, device_name:
 
 
 def contrast_table(here: CutTimes, model: CutTimes) -> list[dict]:
-    """Per stage count: where the profile cuts here and by the modelled times (`model`), the fastest cut
-    here, and how far a measured slowest stage moved between rounds."""
+    """Per stage count: the profile's cut here and modelled, the fastest cut here, how far a
+    measured slowest stage moved between rounds."""
     rows = []
     for S in sorted({S for S, _ in here.cuts}):
-        slowest = {m: t for (s, m), t in here.slowest.items() if s == S}
-        winner = min(slowest, key=lambda m: (slowest[m].median, m != "profile"))
+        winner, slowest = fastest(here, S)
         rows.append({"stages": S, "profile cut here": str(here.cuts[S, "profile"]),
                      "modelled": str(model.cuts[S, "profile"]), "fastest cut here": winner,
                      "its slowest stage (ms)": f"{slowest[winner]:.4g}",
@@ -132,11 +122,9 @@ def contrast_table(here: CutTimes, model: CutTimes) -> list[dict]:
 
 @dataclass(frozen=True, kw_only=True)
 class Config(experiments.Config):
-    """One training run of the engine: `steps` SGD steps (learning rate `lr`) on the same batch,
-    each replica's share cut into `num_microbatches`. `world_size` defaults to the module's
-    topology, else one rank per stage; a larger multiple of num_stages adds data-parallel replicas.
-    On a modelled node (`emulate`) each stage is timed at the size of `emulated_layers` (the module's
-    layer list, wider) on micro-batches like `emulated_microbatch` (a META tensor will do), in `emulated_dtype`."""
+    """`steps` SGD steps of the engine on one batch, each replica's share in `num_microbatches`, on
+    `world_size` ranks (default: the module's topology, else one per stage). A modelled node times each
+    stage at `SIZE`: `layers` (the module's list, wider) on micro-batches like `microbatch`, in `dtype`."""
 
     module: PipelineModule
     inputs: torch.Tensor
@@ -145,9 +133,7 @@ class Config(experiments.Config):
     steps: int = 1
     lr: float = 0.1
     world_size: int | None = None
-    emulated_layers: list | None = None
-    emulated_microbatch: torch.Tensor | None = None
-    emulated_dtype: str = "float32"
+    SIZE: ClassVar[Mapping[str, Any]] = {"layers": None, "microbatch": None, "dtype": "float32"}
 
     @property
     def topology(self) -> ProcessTopology:
@@ -188,14 +174,14 @@ class Config(experiments.Config):
         dp = self.world_size // S
         divides("batch", same_batch(self.inputs, self.targets),
                 "num_microbatches" if dp == 1 else f"num_microbatches x {dp} replicas", dp * self.num_microbatches)
-        big, example = self.emulated_layers, self.emulated_microbatch
+        big, example = self.size.layers, self.size.microbatch
         if self.node is not None and (big is None or example is None):
-            raise ValueError("a modelled node times each stage at the modelled size: give emulated_layers= (the "
-                             "module's layer list at that size) and emulated_microbatch= (one micro-batch there, "
-                             "e.g. torch.empty(1024, 4096, device='meta')), or leave emulate out")
+            raise ValueError("a modelled node times each stage at its size: give the module's layer list at that "
+                             "size and one micro-batch there, e.g. Emulated(node, layers=wide_specs, microbatch=torch."
+                             "empty(1024, 4096, device='meta')); or run on this machine's clock (no node)")
         if big is not None and len(big) != len(module):
-            raise ValueError(f"emulated_layers has {len(big)} layers and the module {len(module)}: give "
-                             "the module's own layer list at the modelled size, layer for layer")
+            raise ValueError(f"the modelled size's layers has {len(big)} layers and the module {len(module)}: "
+                             "give the module's own layer list at the modelled size, layer for layer")
 
 
 @dataclass
@@ -214,13 +200,13 @@ class Result:
 def worker(ctx: RankContext, cfg: Config) -> Result:
     """Build this rank's stage, train `cfg.steps` batches on its replica's share of the batch."""
     topology, M = cfg.topology, cfg.num_microbatches
-    node, big = ctx.emulator, (cfg.emulated_layers, cfg.emulated_microbatch, cfg.emulated_dtype)
-    if node is not None and big[0] is not None:  # modelled time: this stage at the big size
-        real = cfg.inputs[: cfg.inputs.shape[0] // (topology.get_dim("data") * M)]
-        modelled.time_stage(node, *big, cfg.module._layer_specs, real, cfg.module.partitions(), topology.get_coord(ctx.rank).pipe)
+    dp, coord = topology.get_dim("data"), topology.get_coord(ctx.rank)
+    if cfg.node is not None:  # modelled time: this stage at the modelled size, its messages too
+        size, real = cfg.size, cfg.inputs[: cfg.inputs.shape[0] // (dp * M)]
+        modelled.time_stage(ctx.emulator, size.layers, size.microbatch, size.dtype, cfg.module._layer_specs, real,
+                            cfg.module.partitions(), coord.pipe)
     engine = PipelineEngine(ctx, cfg.module, topology, M, cfg.lr)
-    dp, replica = topology.get_dim("data"), topology.get_coord(ctx.rank).data
-    x, y = cfg.inputs.chunk(dp)[replica], cfg.targets.chunk(dp)[replica]
+    x, y = cfg.inputs.chunk(dp)[coord.data], cfg.targets.chunk(dp)[coord.data]
     data = list(zip(x.chunk(M), y.chunk(M)))
     measured = time_steps(ctx, lambda _: (engine.train_batch(data), engine.micro_batch_losses), cfg.steps)
     weights = {n: p.detach().cpu().clone() for n, p in engine.module.named_parameters()}
@@ -230,8 +216,7 @@ def worker(ctx: RankContext, cfg: Config) -> Result:
 
 @dataclass
 class TrainRun(TimedSteps):
-    """A pipelined training run, gathered from every rank. Gradients and weights are named as in
-    `module.build_reference()` (layer index first: "2.weight")."""
+    """A pipelined training run from every rank; gradients and weights named as `build_reference()` names them."""
 
     parts: list[int]
     topology: ProcessTopology
@@ -255,8 +240,7 @@ def gather(cfg: Config, results: list[Result]) -> TrainRun:
 
 
 def peak_in_flight(timeline: Timeline) -> dict[int, int]:
-    """Per rank, the most micro-batches it held at once: forwards begun whose backward had not
-    yet ended (each one fills a pipe buffer until its backward frees it), read off the timeline."""
+    """Per rank, the most micro-batches held at once (forward begun, backward not ended), off the timeline."""
     peaks = {}
     for rank in timeline.ranks:
         held = peak = 0
@@ -293,9 +277,7 @@ def require_deepspeed(method: str | None = None) -> None:
 
 @dataclass(frozen=True, kw_only=True)
 class PartitionsConfig(experiments.Config):
-    """Ask `deepspeed.pipe.PipelineModule` for its boundaries of `layers` for each (num_stages,
-    method) in `cuts` ('uniform', 'parameters' or 'type:REGEX'), on `world_size` ranks (by default
-    the least common multiple of the stage counts)."""
+    """DeepSpeed's boundaries of `layers` for each (num_stages, method) in `cuts` (default ranks: their lcm)."""
 
     layers: list
     cuts: list[tuple[int, str]]
@@ -354,8 +336,7 @@ def deepspeed_worker(ctx: RankContext, cfg: DeepSpeedConfig) -> DeepSpeedRun:
 
 
 def gather_deepspeed(cfg: DeepSpeedConfig, results: list[DeepSpeedRun]) -> DeepSpeedRun:
-    topology = cfg.topology
-    last = topology.get_rank(pipe=topology.get_dim("pipe") - 1, data=0)
+    last = cfg.topology.get_rank(pipe=cfg.topology.get_dim("pipe") - 1, data=0)
     return DeepSpeedRun(results[0].parts, results[last].losses, [w for r in results for w in r.weights])
 
 
@@ -367,20 +348,16 @@ DEFAULTS = dict(image_size=224, profile_batch=8, profile_repeats=3, profile_trie
 
 
 def run_flops(params: dict) -> float:
-    """FLOPs of lesson 08 at the notebook parameters `params` (missing names: the notebook's
-    defaults) with its profile measured (a GPU node), counted on the meta device: AlexNet's forward
-    and backward on `profile_batch` images once per round of the layer profile (a warm-up and
-    `profile_repeats` rounds) and once per cut and round of `time_cuts` (4 methods x 2 stage
-    counts), each `profile_tries` times; and the MLP's `steps` batches three times (the engine, one
-    process, DeepSpeed). The tied model's are too small to count."""
+    """FLOPs of lesson 08 at the notebook parameters `params` (missing: the defaults), counted on the
+    meta device: AlexNet's measured profile and timed cuts, and the MLP's `steps` batches three times."""
     from pipelab.models import alexnet_layers
 
     p = {**DEFAULTS, **params}
     image = torch.empty(p["profile_batch"], 3, p["image_size"], p["image_size"], device="meta")
-    alexnet = modelled.chained_flops(alexnet_layers(num_classes=10), image)
     passes = p["profile_tries"] * ((1 + p["profile_repeats"]) + p["profile_repeats"] * 4 * 2)
     width = p["width"]
     with torch.device("meta"):  # the lesson's MLP, never allocated
         mlp = nn.Sequential(*[m for _ in range(3) for m in (nn.Linear(width, width), nn.ReLU())], nn.Linear(width, 8))
     rows = torch.empty(p["num_microbatches"] * p["microbatch_size"], width, device="meta")
-    return passes * alexnet + 3 * p["steps"] * modelled.chained_flops([mlp], rows)
+    return (passes * modelled.chained_flops(alexnet_layers(num_classes=10), image)
+            + 3 * p["steps"] * modelled.chained_flops([mlp], rows))

@@ -1,15 +1,11 @@
-"""Lesson 09 from a notebook (automatic splitting): the Transformer cut by hand, by torch's tracer
-(`torch.distributed.pipelining.pipeline`) and by pipelab's (`pipeline.trace.split`), each run on
-real processes; the standalone torchrun script; the verdicts the lesson concludes.
+"""Lesson 09 from a notebook: the Transformer cut by hand, by torch's tracer (`pipeline()`) and by
+pipelab's (`pipeline.trace.split`), each run on real processes; the standalone torchrun script; the
+verdicts. Every `SplitRun` carries its micro-batches' losses and each stage's gradients, named as in
+the whole model, for `reference.assert_same(run, reference_run(model, x, y, token_loss, lr=None))`.
 
-    cfg = splitting.Config(model=model, x=x, y=y, num_microbatches=4)  # by hand, and torch's tracer
-    manual, torch_traced = experiments.run(splitting.worker, cfg, splitting.gather)
+    manual, torch_traced = experiments.run(splitting.worker, splitting.Config(model=model, x=x, y=y), splitting.gather)
     cfg = splitting.TracedConfig(model=model, split_points=["layers.2"], x=x, y=y, schedules=["1f1b"])
     runs = experiments.run(splitting.traced_worker, cfg, splitting.gather_traced)  # pipelab's tracer
-
-Every `SplitRun` carries each micro-batch's loss (`mb_losses`, as the last stage computed it), the
-batch's (`losses`) and `grads` (one dict per stage, named as in the whole model), so
-`reference.assert_same(run, reference_run(model, x, y, token_loss, lr=None))` checks it.
 """
 
 from __future__ import annotations
@@ -17,8 +13,8 @@ from __future__ import annotations
 import contextlib
 import copy
 import inspect
-import math
 import os
+import subprocess
 import sys
 import warnings
 from dataclasses import dataclass, field
@@ -31,6 +27,9 @@ from torch import nn
 from pipelab import experiments
 from pipelab.checks import divides, mean_loss, same_batch, whole_number
 from pipelab.experiments import pipeline
+from pipelab.launch import _free_port
+from pipelab.pipeline.manual_split import example_io, layer_split_points, manual_stage
+from pipelab.pipeline.packed import Packed, packed_stages  # noqa: F401 - the lesson shows Packed
 from pipelab.pipeline.schedules import Schedule
 from pipelab.pipeline.trace import Split, check_stages, split
 from pipelab.transformer import ModelArgs, Transformer, token_loss
@@ -44,59 +43,22 @@ def make_batch(args: ModelArgs, batch: int, seq_len: int, seed: int = 0) -> tupl
     return tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
 
 
-def manual_stage(model: Transformer, stage: int, num_stages: int) -> Transformer:
-    """The example's split by hand: keep this stage's share of the layers (names unchanged), the
-    embedding on the first stage only, the norm and output on the last only."""
-    mod = copy.deepcopy(model)
-    n = len(mod.layers)
-    keep = range(stage * n // num_stages, (stage + 1) * n // num_stages)
-    for i in range(n):
-        if i not in keep:
-            del mod.layers[str(i)]
-    if stage > 0:
-        mod.tok_embeddings = None
-    if stage < num_stages - 1:
-        mod.norm, mod.output = None, None
-    return mod
-
-
-def layer_split_points(model: Transformer, num_stages: int) -> list[str]:
-    """The names of the layers that start stages 1, 2, ...: the layers shared out evenly."""
-    n = len(model.layers)
-    return [f"layers.{s * n // num_stages}" for s in range(1, num_stages)]
-
-
 def stage_grads(module: nn.Module) -> dict[str, torch.Tensor | None]:
     return {n: None if p.grad is None else p.grad.detach().cpu() for n, p in module.named_parameters()}
 
 
-def example_io(model: Transformer, stage: int, num_stages: int, mb: torch.Tensor) -> tuple:
-    """Example input and output of a manual stage on micro-batch `mb` (run in a row, no gradients).
-    Given to `PipelineStage`, they fix the shapes up front ("static mode") with contiguous buffers:
-    inferred from a backward, the gradient buffer of a decoder layer's input is not contiguous and
-    gloo refuses to receive into it."""
-    h = mb
-    with torch.no_grad():
-        for s in range(stage + 1):
-            inputs, h = h, manual_stage(model, s, num_stages)(h)
-    # Floating-point tensors are marked as wanting gradients: torch sizes the gradient buffers after them.
-    return tuple(t.contiguous().requires_grad_(t.is_floating_point()) for t in (inputs, h))
-
-
 @contextlib.contextmanager
 def quiet_tracer():
-    """torch's tracer copies pytree specs, and each copy warns (FutureWarning) that torch's own
-    internals still call `isinstance(treespec, LeafSpec)`: a note to torch's developers that a
-    lesson's reader can do nothing about. Ignore just that warning, just here."""
+    """Silence the FutureWarning torch's tracer gives for its own `isinstance(treespec, LeafSpec)`
+    calls: a note to torch's developers, nothing a reader can act on. Just that warning, just here."""
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=r".*LeafSpec.*", category=FutureWarning)
         yield
 
 
 def torch_pipe(model: nn.Module, mb: torch.Tensor, split_points: list[str] | None = None):
-    """torch's tracer in this process: `pipeline(model, mb_args=(mb,), split_spec=...)` on a copy
-    (it rewrites the forwards of the modules it splits at). Without split points, the model must
-    mark them itself (`pipe_split()` in its forward, or `annotate_split_points`)."""
+    """torch's tracer here: `pipeline(model, mb_args=(mb,), split_spec=...)` on a copy (it rewrites the
+    forwards it splits at). Without split points the model marks them (`pipe_split()`, `annotate_split_points`)."""
     from torch.distributed.pipelining import SplitPoint, pipeline as trace_pipeline
 
     spec = {name: SplitPoint.BEGINNING for name in split_points} if split_points else None
@@ -104,9 +66,7 @@ def torch_pipe(model: nn.Module, mb: torch.Tensor, split_points: list[str] | Non
         return trace_pipeline(copy.deepcopy(model), mb_args=(mb,), split_spec=spec)
 
 
-# ---------------------------------------------------------------------------------------------
-# By hand and by torch's tracer, run with torch's ScheduleGPipe
-# ---------------------------------------------------------------------------------------------
+# --- By hand and by torch's tracer, run with torch's ScheduleGPipe ---
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -146,15 +106,9 @@ class StageResult:
     grads: dict[str, torch.Tensor | None]  # this stage's, named as in the whole model
 
 
-@dataclass
-class Result:
-    manual: StageResult  # the split by hand
-    traced: StageResult  # torch's pipeline()
-
-
 def run_gpipe(ctx: RankContext, cfg: Config, stage) -> StageResult:
-    """One GPipe step of a torch `PipelineStage` with the config's loss. ScheduleGPipe divides each
-    micro-batch's loss by their number, so the gradients are the batch mean's."""
+    """One GPipe step of a torch `PipelineStage`; ScheduleGPipe divides each micro-batch's loss by
+    their number, so the gradients are the batch mean's."""
     from torch.distributed.pipelining import ScheduleGPipe
 
     schedule = ScheduleGPipe(stage, cfg.num_microbatches, loss_fn=cfg.loss_fn)
@@ -165,7 +119,7 @@ def run_gpipe(ctx: RankContext, cfg: Config, stage) -> StageResult:
     return StageResult([loss.item() for loss in losses], stage_grads(stage.submod))
 
 
-def worker(ctx: RankContext, cfg: Config) -> Result:
+def worker(ctx: RankContext, cfg: Config) -> tuple[StageResult, StageResult]:
     """This rank's stage split by hand, then by torch's tracer: one GPipe step each."""
     from torch.distributed.pipelining import PipelineStage
 
@@ -178,7 +132,7 @@ def worker(ctx: RankContext, cfg: Config) -> Result:
     pipe = torch_pipe(cfg.model, mb, layer_split_points(cfg.model, ctx.world_size))
     with quiet_tracer():
         stage = pipe.build_stage(ctx.rank, ctx.device)
-    return Result(manual, run_gpipe(ctx, cfg, stage))
+    return manual, run_gpipe(ctx, cfg, stage)
 
 
 @dataclass
@@ -190,27 +144,23 @@ class SplitRun:
     grads: list[dict[str, torch.Tensor | None]]  # one per stage, named as in the whole model
 
     @property
-    def losses(self) -> list[float]:
-        """The batch's loss: the mean of the micro-batches' (equal sizes, mean loss)."""
+    def losses(self) -> list[float]:  # the batch's: the mean of its equal micro-batches'
         return [sum(self.mb_losses) / len(self.mb_losses)]
 
 
-def gather(cfg: Config, results: list[Result]) -> list[SplitRun]:
+def gather(cfg: Config, results: list[tuple[StageResult, StageResult]]) -> list[SplitRun]:
     """[the split by hand, torch's pipeline()], each gathered from every rank."""
-    return [SplitRun("manual", results[-1].manual.mb_losses, [r.manual.grads for r in results]),
-            SplitRun("torch pipeline()", results[-1].traced.mb_losses, [r.traced.grads for r in results])]
+    return [SplitRun(name, results[-1][i].mb_losses, [r[i].grads for r in results])
+            for i, name in enumerate(("manual", "torch pipeline()"))]
 
 
-# ---------------------------------------------------------------------------------------------
-# pipelab's tracer, run with pipelab's runtime
-# ---------------------------------------------------------------------------------------------
+# --- pipelab's tracer, run with pipelab's runtime ---
 
 
 @dataclass(frozen=True, kw_only=True)
 class TracedConfig(experiments.Config):
-    """`model` traced and cut before each of `split_points` by pipelab's tracer (one stage per rank),
-    then run by pipelab's runtime with each of `schedules` (lesson 07's names, or `Schedule`s) for
-    `steps` steps on the batch `x`, `y` in `num_microbatches`, with the mean loss `loss_fn`."""
+    """`model` cut before each of `split_points` by pipelab's tracer (one stage per rank), run by
+    pipelab's runtime with each of `schedules` for `steps` steps on `x`, `y` in `num_microbatches`."""
 
     model: nn.Module = field(repr=False)
     split_points: Sequence[str]
@@ -236,9 +186,8 @@ class TracedConfig(experiments.Config):
 
     @cached_property
     def pipeline(self) -> pipeline.Config:
-        """The pipeline run of the traced stages (several values across a cut packed into one
-        message): lesson 07's, checked as there."""
-        stages = packed_stages(self.parts, self.x.chunk(self.num_microbatches)[0])
+        """Lesson 07's pipeline run of the traced stages (several values across a cut packed into one)."""
+        stages = packed_stages(self.parts.stages, self.x.chunk(self.num_microbatches)[0])
         return pipeline.Config(stages=stages, x=self.x, y=self.y, schedules=list(self.schedules),
                                num_microbatches=self.num_microbatches, loss_fn=self.loss_fn, steps=self.steps,
                                world_size=self.world_size, backend=self.backend, timeout=self.timeout)
@@ -256,44 +205,13 @@ def gather_traced(cfg: TracedConfig, results: list[list[pipeline.Result]]) -> li
 
 
 def unprefixed(grads: list[dict[str, torch.Tensor | None]]) -> list[dict[str, torch.Tensor | None]]:
-    """Stage s's "s.layers.0.weight" (or packed, "s.stage.layers.0.weight") as "layers.0.weight":
-    the traced stages keep the model's names."""
+    """Stage s's "s.layers.0.weight" (packed: "s.stage.layers.0.weight") as the model's "layers.0.weight"."""
     return [{name.split(".", 1)[1].removeprefix("stage."): g for name, g in stage.items()} for stage in grads]
 
 
-class Packed(nn.Module):
-    """A traced stage that takes and gives one tensor. pipelab's runtime sends one tensor per
-    message, so where several values cross a cut (one that skips a stage, forwarded through it)
-    they travel flattened side by side, one row per sample, and are unpacked on arrival."""
-
-    def __init__(self, stage: nn.Module, shapes: list[tuple[int, ...]]):
-        super().__init__()
-        self.stage, self.shapes = stage, shapes  # each input's shape after the batch dimension
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        sizes = [math.prod(shape) for shape in self.shapes]
-        inputs = [x] if len(sizes) == 1 else [t.reshape(-1, *shape) for t, shape in
-                                               zip(x.split(sizes, dim=1), self.shapes)]
-        out = self.stage(*inputs)
-        return torch.cat([t.flatten(1) for t in out], dim=1) if isinstance(out, tuple) else out
-
-
-def packed_stages(parts: Split, mb: torch.Tensor) -> list[nn.Module]:
-    """The traced stages, those that receive or send several values wrapped in `Packed` (the
-    shapes from a run of micro-batch `mb` through them)."""
-    stages, values = [], (mb,)
-    with torch.no_grad():
-        for stage in parts.stages:
-            out = stage(*values)
-            several = len(values) > 1 or isinstance(out, tuple)
-            stages.append(Packed(stage, [tuple(v.shape[1:]) for v in values]) if several else stage)
-            values = out if isinstance(out, tuple) else (out,)
-    return stages
-
-
 def skip_verdict(parts: Split, run: SplitRun, worst: float) -> tuple[str, str, str, dict]:
-    """Whether a value made on the first stage crossed every cut (forwarded by the stages between)
-    and the ranks still gave one process's losses and gradients (`worst`: the largest difference)."""
+    """Did a value made on stage 0 cross every cut (forwarded between), the ranks still giving one
+    process's losses and gradients (`worst`: the largest difference)?"""
     skipping = set(parts.receives[1]).intersection(*parts.receives[2:]) if len(parts) > 2 else set()
     verdict = "forwarded, same" if skipping and worst <= 1e-5 else "not shown"
     names = ", ".join(sorted(skipping)) or "no value"
@@ -301,21 +219,18 @@ def skip_verdict(parts: Split, run: SplitRun, worst: float) -> tuple[str, str, s
             f"process's losses and gradients within {worst:.1e}", {"skipping": names, "largest_difference": worst})
 
 
-# ---------------------------------------------------------------------------------------------
-# Reading the cuts, and the verdicts
-# ---------------------------------------------------------------------------------------------
+# --- Reading the cuts, and the verdicts ---
 
 
 def pipe_crossings(pipe) -> list[list[str]]:
-    """What each of torch's stages receives: the arguments of its call in `pipe.split_gm`."""
+    """What each of torch's stages receives: its call's arguments in `pipe.split_gm`."""
     calls = [n for n in pipe.split_gm.graph.nodes if n.op == "call_module" and n.target.startswith("submod_")]
     return [[str(a) for a in n.args] for n in calls]
 
 
 def predicted_stage(name: str, cut_layers: list[int]) -> int:
-    """The stage a Transformer parameter should land on, cut before each of `cut_layers`: the
-    embedding on the first, a layer one stage further for each cut at or before it, the norm and
-    the output on the last."""
+    """The stage a Transformer parameter should land on, cut before each of `cut_layers`: the embedding
+    on the first, a layer one further per cut at or before it, the norm and output on the last."""
     if name.startswith("tok_embeddings."):
         return 0
     if name.startswith("layers."):
@@ -324,8 +239,7 @@ def predicted_stage(name: str, cut_layers: list[int]) -> int:
 
 
 def cut_rows(model: Transformer, pipe, split_points: list[str]) -> list[dict]:
-    """Per torch stage: its parameters, those `predicted_stage` counts from the model's modules,
-    and how many tensors cross into it."""
+    """Per torch stage: its parameters, those `predicted_stage` counts, the tensors crossing into it."""
     cut_layers = [int(p.split(".")[1]) for p in split_points]  # "layers.2" -> 2
     crossing = pipe_crossings(pipe)
     return [{"stage": s, "parameters": sum(p.numel() for p in pipe.get_stage_module(s).parameters()),
@@ -334,8 +248,7 @@ def cut_rows(model: Transformer, pipe, split_points: list[str]) -> list[dict]:
 
 
 def cut_verdict(model: Transformer, pipe, split_points: list[str]) -> tuple[str, str, str, dict]:
-    """Did torch's tracer give each stage the parameters `predicted_stage` counts, and one tensor
-    across each cut?"""
+    """Did torch's tracer give each stage the parameters `predicted_stage` counts, one tensor per cut?"""
     rows = cut_rows(model, pipe, split_points)
     as_predicted = all(r["parameters"] == r["predicted"] for r in rows) and all(r["tensors in"] == 1 for r in rows[1:])
     text = ("torch's tracer gave every stage the parameters its modules predict, and one tensor crosses each cut"
@@ -353,41 +266,34 @@ def compare_with_torch(parts: Split, pipe, mb: torch.Tensor) -> float:
     with torch.no_grad():
         for s, stage in enumerate(parts.stages):
             torch_stage = pipe.get_stage_module(s)
-            mine = sorted(n for n, _ in stage.named_parameters())
-            its = sorted(n for n, _ in torch_stage.named_parameters())
-            if mine != its:
-                raise AssertionError(f"stage {s}: pipelab holds {sorted(set(mine) - set(its))} that torch "
-                                     f"does not, torch {sorted(set(its) - set(mine))}")
+            mine, its = ({n for n, _ in m.named_parameters()} for m in (stage, torch_stage))
+            assert mine == its, f"stage {s}: pipelab alone holds {sorted(mine - its)}, torch alone {sorted(its - mine)}"
             ours, theirs = stage(ours), torch_stage(theirs)
             torch.testing.assert_close(ours, theirs, msg=lambda m, s=s: f"stage {s}'s output: {m}")
             worst = max(worst, (ours - theirs).abs().max().item())
     return worst
 
 
-def single_process_losses(model: nn.Module, x, y, num_microbatches: int,
-                          loss_fn: Callable = token_loss) -> list[float]:
+def single_process_losses(model: nn.Module, x, y, num_microbatches: int, loss_fn: Callable = token_loss) -> list[float]:
     """The per-micro-batch losses of the unsplit model, in this process."""
     with torch.no_grad():
         return [float(loss_fn(model(xm), ym)) for xm, ym in zip(x.chunk(num_microbatches), y.chunk(num_microbatches))]
 
 
 def tied_gradient(grads: list[dict[str, torch.Tensor | None]], names: list[str]) -> torch.Tensor:
-    """The gradient of a weight tied across stages: the sum of its copies' gradients, each named
-    in `names` on the stage that holds it (what DeepSpeed's ReduceTiedGrads all-reduces)."""
+    """A weight tied across stages: the sum of its copies' gradients, each named in `names` on the
+    stage holding it (what DeepSpeed's ReduceTiedGrads all-reduces)."""
     parts = [g[n] for g in grads for n in names if g.get(n) is not None]
     if not parts:
         raise ValueError(f"no stage holds a gradient named in {names}")
     return sum(parts)
 
 
-# ---------------------------------------------------------------------------------------------
-# Outside Jupyter: the worker as a torchrun script
-# ---------------------------------------------------------------------------------------------
+# --- Outside Jupyter: the worker as a torchrun script ---
 
 SCRIPT = '''\
-"""Lesson 09's worker on its own: the Transformer split by hand into one stage per process, one
-GPipe step with torch.distributed.pipelining. Run: python -m torch.distributed.run --nproc-per-node 2 {name}
-(torchrun's own module, so no torchrun executable needs to be on the path)."""
+"""Lesson 09's worker on its own: the Transformer split by hand, one stage per process, one GPipe step.
+Run: python -m torch.distributed.run --nproc-per-node 2 {name}  (torchrun's own module: no executable needed)"""
 import copy
 import os
 from dataclasses import dataclass
@@ -414,16 +320,11 @@ def main():
     inputs, outputs = example_io(model, rank, world, x.chunk({num_microbatches})[0])
     stage = PipelineStage(manual_stage(model, rank, world).to(device), rank, world, device,
                           input_args=inputs.to(device), output_args=outputs.to(device))
-    schedule = ScheduleGPipe(stage, {num_microbatches}, loss_fn=token_loss)
-    last = rank == world - 1
-    losses = []
-    if rank == 0:
-        schedule.step(x.to(device), target=y.to(device) if last else None)
-    else:
-        schedule.step(target=y.to(device) if last else None, losses=losses if last else None)
-    if last:
-        for mb, loss in enumerate(losses):
-            print(f"micro-batch {{mb}} loss {{loss.item():.6f}}")
+    last, losses = rank == world - 1, []
+    ScheduleGPipe(stage, {num_microbatches}, loss_fn=token_loss).step(
+        *([x.to(device)] if rank == 0 else []), target=y.to(device) if last else None, losses=losses if last else None)
+    for mb, loss in enumerate(losses):
+        print(f"micro-batch {{mb}} loss {{loss.item():.6f}}")
     dist.destroy_process_group()
 
 
@@ -434,8 +335,8 @@ if __name__ == "__main__":
 
 def standalone_script(args: ModelArgs, batch: int, seq_len: int, num_microbatches: int, seed: int = 0,
                       name: str = "lesson09_worker.py") -> str:
-    """The text of a torchrun script that builds the same model and batch and runs the manual split:
-    the model code is copied in, so the script needs torch only."""
+    """A torchrun script building the same model and batch and running the manual split (the model
+    code copied in: it needs torch only)."""
     source = "\n\n".join(inspect.getsource(obj) for obj in (ModelArgs, Transformer, token_loss, make_batch,
                                                              manual_stage, example_io))
     return SCRIPT.format(name=name, source=source,
@@ -451,22 +352,13 @@ def write_script(path: str, text: str) -> str:
 
 
 def torchrun_command(script: str, nproc: int = 2) -> list[str]:
-    """`torchrun --nproc-per-node N --master-port PORT script`, as `python -m torch.distributed.run`
-    with this Python (torchrun's own module: no `torchrun` executable needs to be on a path) and a
-    port free right now."""
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    """torchrun as this Python's `-m torch.distributed.run` (no executable on a path), on a free port."""
     return [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc), "--master-port",
-            str(port), script]
+            str(_free_port()), script]
 
 
 def run_torchrun(command: list[str], timeout: float = 120.0) -> str:
     """Run a torchrun command; return what it printed, or raise with its output if it failed."""
-    import subprocess
-
     done = subprocess.run(command, capture_output=True, text=True, timeout=timeout)
     if done.returncode:
         raise RuntimeError(f"{' '.join(command)} exited with {done.returncode}:\n{done.stdout}\n{done.stderr}")
@@ -478,24 +370,17 @@ def parse_losses(output: str) -> list[float]:
     return [float(line.split()[-1]) for line in output.splitlines() if line.startswith("micro-batch ")]
 
 
-# ---------------------------------------------------------------------------------------------
-# What the lesson costs at a profile's size
-# ---------------------------------------------------------------------------------------------
-
+# --- What the lesson costs at a profile's size ---
 
 # The notebook's parameters run_flops reads, with their defaults (the parameters cell's).
 DEFAULTS = dict(dim=32, n_layers=4, n_heads=4, vocab_size=100, batch=8, seq_len=16)
 
 
 def run_flops(params: dict) -> float:
-    """FLOPs of the lesson's run at the notebook parameters `params` (missing names take the
-    defaults), counted on the meta device (no memory): the whole
-    batch's forward and backward nine times (the one-process reference and the tied model's; the
-    manual split, torch's and the standalone script's GPipe steps; pipelab's tracer under GPipe,
-    1F1B, ZB-H1 and, tied, 1F1B) and four forwards more (the one-process micro-batch losses, and
-    the micro-batch forwards that trace and compare the splits, about three batches' worth). What
-    the `gpu` profile's time budget is estimated from (`pipelab profiles`). Micro-batches change
-    how the work is cut, not how much of it there is."""
+    """FLOPs of lesson 09 at the notebook parameters `params` (missing: the defaults), counted on the
+    meta device: the batch's forward and backward nine times (the references, the manual, torch's and
+    the script's GPipe steps, pipelab's tracer under four schedules) and four forwards (the micro-batch
+    losses; tracing and comparing the splits)."""
     from pipelab.emulate.cost import count, forward_backward_counts
 
     p = {**DEFAULTS, **params}
