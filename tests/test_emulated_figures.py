@@ -132,13 +132,13 @@ def test_lessons_02_to_04_resnet_halves_on_paced_devices():
 
 def test_lesson_05_grid_layouts():
     from pipelab.emulate import Emulated
-    from pipelab.experiments import grid
+    from pipelab.experiments import grid, layouts
 
     model, x, y = mlp_problem(8, 16)
     cfg = grid.Config(model=model, x=x, y=y, layouts=grid.layouts_of(2, 2, 2), steps=1, rounds=1,
                       emulate=Emulated("4xH100-nvlink", scale=32))
     runs = experiments.run(grid.worker, cfg, grid.gather)
-    prediction = grid.predict(cfg)
+    prediction = layouts.predict(cfg)
     check("05", {**{f"{r.name} step": fig(r.step_time) for r in runs},
                  **{f"{r.name} timeline": timeline(r.timeline) for r in runs},
                  "one device": fig(prediction.one_device)})

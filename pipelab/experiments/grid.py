@@ -7,7 +7,7 @@ The processes start once and run the layouts in alternating rounds, so a busy ma
 alike. In each, a process finds its place (`hybrid.grid_place`), cuts its stages (`split_model`),
 takes its replica's share of the batch and trains (`hybrid.run_grid_step`). On an emulated node its
 clock times the same layers `scale` times wider (`emulate.widened`). Part 4, the layouts beside their
-prediction and beside this machine's cores, is `experiments.layouts`, read through this module.
+prediction and beside this machine's cores, is `experiments.layouts`, which the notebook reads.
 """
 
 from __future__ import annotations
@@ -25,9 +25,6 @@ from pipelab.build import materialize, name_modules
 from pipelab.checks import divisors, mean_loss, positive_number, same_batch, whole_number
 from pipelab.emulate.widened import Widened, widen
 from pipelab.experiments.hybrid import REPLICA_VARIANTS, hidden_share, is_compute
-from pipelab.experiments.layouts import Verdict, clock
-from pipelab.experiments.layouts import (cores_contrast, cores_rows, gpu_outlook, layouts_table,  # noqa: F401 - part 4,
-                                         layouts_vs_prediction, predict)  # read as the notebook's lesson_parts
 from pipelab.hybrid import check_grid, grid_place, microbatch_losses, run_grid_step
 from pipelab.measure import Measured, RankSteps, Steps, TimedSteps, alternate, compare, gather_steps, ratios, time_steps
 from pipelab.pipeline.p2p import message_specs
@@ -38,6 +35,9 @@ from pipelab.pipeline.topology import ProcessTopology
 from pipelab.reference import Reference, reference_run
 from pipelab.timeline import Span, Timeline
 from pipelab.worker import RankContext
+
+Verdict = tuple[str, str, str, dict]  # (key, verdict, text, figures): a cell calls pipelab.conclude(*it)
+
 
 @dataclass(frozen=True)
 class Layout:
@@ -55,6 +55,7 @@ class Layout:
     def schedule(self, name: str):
         """The schedule each pipeline runs (one stage needs none: 1F1B of one rank)."""
         return make_schedule(name if self.pipe > 1 else "1f1b", self.pipe, self.num_microbatches)
+
 
 
 def layouts_of(pipe: int, data: int, num_microbatches: int) -> tuple[Layout, ...]:
@@ -306,6 +307,11 @@ def gather(cfg: Config, results: Sequence[list[Result]]) -> list[GridRun]:
 
 
 # --- verdicts ---------------------------------------------------------------------------------
+
+
+def clock(run: GridRun) -> str:
+    """How the run's times came about, for its sentences."""
+    return " (modelled on the emulated node)" if run.node else " (measured)"
 
 
 def groups_verdict(topology: ProcessTopology) -> Verdict:

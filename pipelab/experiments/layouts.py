@@ -3,14 +3,14 @@
 `predict(cfg)` gives the whole model's step on one device (the node's device model, or timed here);
 a layout of p stages, d pipelines and m micro-batches then takes (m + p - 1) / (m p d) of it on
 independent devices. The verdicts set each `grid.GridRun` against that and against the same layouts
-timed on this machine's own cores. The notebook reads these through `pipelab.experiments.grid`.
+timed on this machine's own cores. The notebook reads these, and the grid's run, through this module (its `lesson_parts`).
 """
 
 from __future__ import annotations
 
 import copy
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Callable, Sequence
+from typing import Callable, Sequence
 
 import torch
 from torch import nn
@@ -23,16 +23,9 @@ from pipelab.measure import Measured, best_of, compare
 from pipelab.models import trainable_parameters
 from pipelab.pipeline.simulate import gpipe_bubble
 
-if TYPE_CHECKING:
-    from pipelab.experiments.grid import Config, GridRun, Layout
-
-Verdict = tuple[str, str, str, dict]  # (key, verdict, text, figures): a cell calls pipelab.conclude(*it)
-
-
-def clock(run: GridRun) -> str:
-    """How the run's times came about, for its sentences."""
-    return " (modelled on the emulated node)" if run.node else " (measured)"
-
+from pipelab.experiments.grid import Config, GridRun, Layout, Verdict, clock
+from pipelab.experiments.grid import (gather, grid_vs, groups_verdict, launched_after_last_backward,  # noqa: F401
+                                      layouts_of, overlap_verdict, reference, worker)  # the notebook's lesson_parts
 
 def ideal_fraction(layout: Layout) -> float:
     """A layout's step on p x d devices over the whole step on one, messages left out: each does 1/(p d)
