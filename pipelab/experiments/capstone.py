@@ -12,6 +12,7 @@ from __future__ import annotations
 import copy
 from contextlib import nullcontext
 from dataclasses import dataclass, field, replace
+from functools import cached_property
 from typing import Any, ClassVar, Mapping, Sequence
 
 import torch
@@ -42,7 +43,7 @@ class Config(experiments.Config):
     """The recipe (the tutorial's: emsize=nhid=4096, nhead=16, nlayers=8, dropout=0.2, bptt=35, batch_size=20,
     lr=5.0, gamma=0.95, clip=0.5, num_microbatches=8, 'gpipe'; dropout 0 here, so the grid can be checked
     against one process). A modelled node times each stage as the same stage of the model at `SIZE`
-    (`columns` columns of `bptt` tokens per micro-batch). `train` sets `corpus`, `progress`, `stage_costs`."""
+    (`columns` columns of `bptt` tokens per micro-batch). `train` sets `corpus` and `progress`."""
 
     emsize: int = 64
     nhead: int = 2
@@ -71,10 +72,15 @@ class Config(experiments.Config):
     timeout: float = 600.0
     corpus: Corpus | None = field(default=None, repr=False)
     progress: str | None = None
-    stage_costs: list[dict] | None = field(default=None, repr=False)  # counted once by `train`
     world_size: int = field(init=False, default=0)  # the grid's processes: pipe x data
     SIZE: ClassVar[Mapping[str, Any]] = {"emsize": 4096, "nhid": 4096, "nhead": 16, "nlayers": 8, "columns": 128,
                                          "dtype": "bfloat16"}
+
+    @cached_property
+    def stage_costs(self) -> list[dict] | None:
+        """On a modelled node with a corpus: each stage at `SIZE`, modelled (`big_stages`). `train`
+        counts it once, before the ranks start; the counted value travels with the Config."""
+        return None if self.node is None or self.corpus is None else big_stages(self, len(self.corpus.vocab))
 
     def __post_init__(self) -> None:
         check_grid(self.pipe, self.data)
@@ -159,8 +165,6 @@ def emulated_size(cfg: Config) -> str:
 
 def big_stages(cfg: Config, ntoken: int) -> list[dict]:
     """Per stage of the model at SIZE, cut as the real one: parameters, modelled F, I, W, B, clip and SGD seconds."""
-    if cfg.stage_costs is not None:
-        return cfg.stage_costs
     model = big_model(cfg, ntoken)
     ids = torch.zeros(cfg.size.columns, cfg.bptt, dtype=torch.long, device="meta")
     return modelled.stage_rows(stages_of(model, partition_layers(list(model), cfg.pipe, cfg.partition)), ids,
@@ -304,11 +308,11 @@ def check_memory(cfg: Config, ntoken: int) -> None:
 def train(cfg: Config, corpus: Corpus, progress: bool = True) -> LMRun:
     """Train over cfg.pipe x cfg.data processes on `corpus` with a progress bar; a recipe that will not fit is refused first."""
     cfg = replace(cfg, corpus=corpus, progress=None)  # checks the memory, before any process starts
-    if cfg.node is not None:  # the stages at SIZE counted once here, not on every rank
-        cfg = replace(cfg, stage_costs=big_stages(cfg, len(corpus.vocab)))
     desc = f"{cfg.pipe} x {cfg.data} grid" + (" (the bar: real batch/s on this machine)" if cfg.node else "")
     with progress_bar(cfg.batches(corpus), desc) if progress else nullcontext() as path:
-        return experiments.run(worker, replace(cfg, progress=path), gather)
+        cfg = replace(cfg, progress=path)
+        cfg.stage_costs  # the stages at SIZE counted once here, not on every rank
+        return experiments.run(worker, cfg, gather)
 
 
 # The parameters cell's defaults that `run_flops` reads.
