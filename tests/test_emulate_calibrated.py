@@ -222,3 +222,24 @@ def test_anchors_name_the_published_hardware_where_it_is_modelled():
     assert "Tesla P40" in anchors.hardware_text("torchgpipe_amoebanet_n2_m4")
     assert "not named" in anchors.hardware_text("tutorial_pipeline_split20_speedup")
     assert anchors.beside("torchgpipe_amoebanet_n2_m4", 1.5)["published hardware"] == anchors.P40_NODE
+
+
+def test_the_model_table_a_lesson_shows_is_the_calibrated_model_it_runs_on(monkeypatch):
+    """Every emulated lesson's first table: the fitted figures the clock uses, each citing the
+    published table it was fitted on; the data sheet's peak only as the limit."""
+    from pipelab.emulate import calibrated, model_table
+
+    rows = {r["figure"]: r for r in model_table("2xH100-nvlink", "8 layers", "bfloat16")}
+    e_max, _ = calibrated.EFFICIENCIES["h100"].matmul["bfloat16"]
+    matmul = next(r for f, r in rows.items() if f.startswith("matrix products in bfloat16"))
+    assert matmul["value"].startswith(f"{e_max:.0%} of the peak")
+    assert "pipelab/emulate/published/h100_matmul_zzc0721.csv" in matmul["source"]
+    simple = next(r for f, r in rows.items() if "Simple protocol" in f)
+    assert f"{calibrated.NVLINK4.simple_busbw / 1e9:.3g} GB/s" in simple["value"]
+    assert "published/h200_allreduce_bench.csv" in simple["source"]
+    assert any("NVLS" in f for f in rows) and not any("efficiency (fraction" in f for f in rows)
+    borrowed = {r["figure"]: r for r in model_table("2xT4-pcie", None, "float16")}
+    assert any("no measured table for this device" in r["source"] for r in borrowed.values())
+    monkeypatch.setenv("PIPELAB_EMULATE_MODEL", "datasheet")
+    before = {r["figure"]: r["value"] for r in model_table("2xH100-nvlink", None, "bfloat16")}
+    assert before["efficiency (fraction of the peak reached)"] == "50%"
