@@ -1,27 +1,19 @@
-"""Lesson 14 from a notebook: one attention layer's sequence split over ranks, ring and all-to-all.
-
-Each rank runs every variant on the same data (ring attention on contiguous and zig-zag shards,
-causal and not; all-to-all (Ulysses); torch's `context_parallel` where it runs on CPU), returns its
-outputs and the gradients of its queries, keys and values, the bytes its messages carried and the
-bytes its forward kept for backward, then times causal ring steps both ways on the timeline.
-`gather` checks every variant against one process's attention and builds the `ContextParallelRun`.
-Modelled times (part 5) come from `pipelab.emulate`'s flash-attention and message models alone.
-"""
+"""Lesson 14 from a notebook: one attention layer's sequence split over ranks, ring and all-to-all,
+every variant checked against one process's attention; the 128K-token figures are modelled."""
 
 from __future__ import annotations
 
+from contextlib import nullcontext
 from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
 
 from pipelab import experiments
-from pipelab.checks import whole_number
+from pipelab.checks import divides, whole_number
 from pipelab.context_parallel import Layout, Ring, ring_attention, ulysses_attention
-from pipelab.emulate import seconds
-from pipelab.emulate.attention import attention_flops, flash_attention_seconds
+from pipelab.emulate.attention import attention_flops, ring_step_seconds
 from pipelab.experiments.tensor_parallel import saved_activation_bytes
-from pipelab.experiments.torch_context_parallel import torch_context_parallel
 from pipelab.measure import Measured, time_steps
 from pipelab.tensor_parallel.comm import CommMeter
 from pipelab.timeline import Timeline
@@ -52,18 +44,12 @@ class Config(experiments.Config):
         super().check()
         for name in ("batch", "heads", "head_dim", "seq_len", "timed_seq_len", "steps"):
             whole_number(name, getattr(self, name))
-        n = self.world_size
-        if self.heads % n:
-            raise ValueError(f"heads={self.heads} does not divide by world_size={n}: all-to-all (Ulysses) "
-                             f"gives each rank heads / world_size whole heads; use heads that is a multiple "
-                             f"of {n}, or world_size in {[k for k in range(1, self.heads + 1) if self.heads % k == 0]}")
-        for name in ("seq_len", "timed_seq_len"):
-            if getattr(self, name) % (2 * n):
-                raise ValueError(f"{name}={getattr(self, name)} does not divide by 2 x world_size = {2 * n}: "
-                                 f"zig-zag cuts the sequence into 2n chunks (rank r holds r and 2n-1-r); use "
-                                 f"a multiple of {2 * n}")
-        bad = [v for v in self.variants if v not in VARIANTS]
-        if bad or not self.variants:
+        divides("heads", self.heads, "world_size", self.world_size)  # all-to-all: heads / world_size each
+        for name, n in (("seq_len", self.seq_len), ("timed_seq_len", self.timed_seq_len)):
+            if n % (2 * self.world_size):  # zig-zag: 2n chunks, rank r holds r and 2n-1-r
+                raise ValueError(f"{name}={n} does not split into 2 x world_size = {2 * self.world_size} zig-zag "
+                                 f"chunks; use a multiple of {2 * self.world_size}")
+        if not self.variants or any(v not in VARIANTS for v in self.variants):
             raise ValueError(f"variants must be some of {list(VARIANTS)}, got {list(self.variants)!r}")
 
     def data(self, seq_len: int | None = None) -> list[torch.Tensor]:
@@ -78,14 +64,35 @@ def layout_of(variant: str, ranks: int) -> Layout:
 
 
 def attention(variant: str, q, k, v, ring: Ring):
-    """One variant's attention on this rank's shards."""
     method, name, causal = VARIANTS[variant]
     if method == "ring":
         return ring_attention(q, k, v, ring, Layout(name, ring.size), causal)
     return ulysses_attention(q, k, v, ring, causal)
 
 
-# ---- On each rank -----------------------------------------------------------------------------------
+def torch_context_parallel(ctx: RankContext, cfg) -> tuple[torch.Tensor, dict[str, str]]:
+    """torch's `context_parallel` (it shards q, k, v in place, head-tail: our zig-zag) non-causal with the
+    math backend, as runs on CPU: this rank's output, and per backend what causal attention answered."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.experimental import context_parallel
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    mesh = init_device_mesh(ctx.device.type, (ctx.world_size,))
+
+    def attend(causal: bool, kernel) -> torch.Tensor:
+        q, k, v = (t.to(ctx.device) for t in cfg.data()[:3])
+        with context_parallel(mesh, buffers=[q, k, v], buffer_seq_dims=[2, 2, 2]), kernel:
+            return F.scaled_dot_product_attention(q, k, v, is_causal=causal)
+
+    out = attend(False, sdpa_kernel(SDPBackend.MATH)).detach().cpu()
+    answers = {}
+    for backend in ("math", "default"):
+        try:
+            attend(True, sdpa_kernel(SDPBackend.MATH) if backend == "math" else nullcontext())
+            answers[f"causal, {backend} backend"] = "ran"
+        except Exception as e:  # noqa: BLE001 - what torch raised is the lesson's figure
+            answers[f"causal, {backend} backend"] = f"{type(e).__name__}: {str(e).strip().splitlines()[0]}"
+    return out, answers
 
 
 @dataclass
@@ -132,9 +139,6 @@ def worker(ctx: RankContext, cfg: Config) -> Result:
     return Result(ctx.rank, variants, seconds, timelines, refusals)
 
 
-# ---- The parent side --------------------------------------------------------------------------------
-
-
 @dataclass
 class VariantRun:
     name: str
@@ -144,7 +148,6 @@ class VariantRun:
 
     @property
     def difference(self) -> float:
-        """The largest of `differences`."""
         return max(self.differences.values())
 
 
@@ -158,27 +161,24 @@ class ContextParallelRun:
     timelines: dict[str, Timeline] = field(repr=False, default_factory=dict)
     torch_refusals: dict[str, str] = field(default_factory=dict)
 
-    def __getitem__(self, name: str) -> VariantRun:
-        return self.variants[name]
-
 
 def run(cfg: Config) -> ContextParallelRun:
     return experiments.run(worker, cfg, gather)
 
 
-def reference(cfg: Config, causal: bool) -> list[torch.Tensor]:
-    """Attention over the whole sequence in this process: output, dQ, dK, dV."""
-    q, k, v, g = cfg.data()
-    q, k, v = (t.requires_grad_() for t in (q, k, v))
-    out = F.scaled_dot_product_attention(q, k, v, is_causal=causal)
-    (out * g).sum().backward()
-    return [out.detach(), q.grad, k.grad, v.grad]
+def reference(cfg: Config) -> dict[bool, list[torch.Tensor]]:
+    """Attention over the whole sequence in this process, not causal and causal: output, dQ, dK, dV."""
+    def once(causal: bool) -> list[torch.Tensor]:
+        q, k, v, g = cfg.data()
+        q, k, v = (t.requires_grad_() for t in (q, k, v))
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=causal)
+        (out * g).sum().backward()
+        return [out.detach(), q.grad, k.grad, v.grad]
+    return {causal: once(causal) for causal in (False, True)}
 
 
 def gather(cfg: Config, results: list[Result]) -> ContextParallelRun:
-    n = cfg.world_size
-    want = {causal: reference(cfg, causal) for causal in (False, True)}
-    variants = {}
+    n, want, variants = cfg.world_size, reference(cfg), {}
     for name in cfg.variants:
         per_rank = [r.variants[name] for r in results]
         layout = layout_of(name, n)
@@ -207,25 +207,14 @@ def one_process_memory(cfg: Config) -> tuple[int, int]:
     return ring_bytes, math_bytes
 
 
-# ---- Formulas: bytes each rank sends, work each rank does -------------------------------------------
-
-
-def shard_bytes(cfg: Config) -> int:
-    """B: the bytes of one rank's shard of K (or of Q, V, O): batch x heads x s/n x head_dim floats."""
-    return cfg.batch * cfg.heads * cfg.seq_len // cfg.world_size * cfg.head_dim * 4
-
-
-def ring_formula(cfg: Config) -> dict[str, int]:
-    """Ring: forward passes K and V on n-1 times (2B each); backward passes K, V, dK, dV on n-1
-    times (4B) and dK, dV home once more (2B)."""
-    n, b = cfg.world_size, shard_bytes(cfg)
-    return {"forward": (n - 1) * 2 * b, "backward": (n - 1) * 4 * b + 2 * b}
-
-
-def ulysses_formula(cfg: Config) -> dict[str, int]:
-    """All-to-all: forward re-shards Q, K, V and O back (4 tensors of B), each rank keeping 1/n of
-    each and sending (n-1)/n; backward the same four, in reverse."""
-    n, b = cfg.world_size, shard_bytes(cfg)
+def formula(method: str, cfg: Config) -> dict[str, int]:
+    """Bytes a rank sends, with B one rank's shard of K (batch x heads x s/n x head_dim floats).
+    Ring: forward K and V on n-1 times (2B each); backward K, V, dK, dV on n-1 times and dK, dV home
+    once more. All-to-all: Q, K, V and O back re-sharded, (n-1)/n of each sent; backward the same."""
+    n = cfg.world_size
+    b = cfg.batch * cfg.heads * cfg.seq_len // n * cfg.head_dim * 4
+    if method == "ring":
+        return {"forward": (n - 1) * 2 * b, "backward": (n - 1) * 4 * b + 2 * b}
     return {"forward": 4 * b * (n - 1) // n, "backward": 4 * b * (n - 1) // n}
 
 
@@ -233,12 +222,10 @@ def bytes_table(run: ContextParallelRun) -> list[dict]:
     """Per variant: bytes rank 0 sent forward and backward, counted from its messages, beside the formula."""
     rows = []
     for name, v in run.variants.items():
-        method = VARIANTS[name][0]
-        if method == "torch":
-            continue
-        formula = (ring_formula if method == "ring" else ulysses_formula)(run.cfg)
-        rows.append({"variant": name, "sent forward": v.sent["forward"], "formula forward": formula["forward"],
-                     "sent backward": v.sent["backward"], "formula backward": formula["backward"]})
+        if (method := VARIANTS[name][0]) != "torch":
+            want = formula(method, run.cfg)
+            rows.append({"variant": name, "sent forward": v.sent["forward"], "formula forward": want["forward"],
+                         "sent backward": v.sent["backward"], "formula backward": want["backward"]})
     return rows
 
 
@@ -253,30 +240,18 @@ def blocks_per_rank(layout: str, ranks: int, causal: bool = True) -> dict[int, f
     return {r: size * sum(1 for k in range(ranks) for _ in _pairs(lay, r, k, 1, causal)) for r in range(ranks)}
 
 
-# ---- Modelled time at 128K tokens of a 7B-sized layer -----------------------------------------------
-
-LAYER_7B = {"heads": 32, "head_dim": 128, "hidden": 4096}  # Llama 2 7B's attention
-
-
 def ring_overlap(tokens: int = 128 * 1024, ranks: tuple[int, ...] = (2, 4, 8, 16, 32, 64),
                  per_node: int = 8) -> list[dict]:
-    """Per ring size n: one causal zig-zag ring step of a 7B-sized attention layer (each rank s/n
-    tokens; a step attends them to half a block of keys), its K/V transfer beside it, and how much
-    of the transfer the attention hides. Up to `per_node` ranks the ring runs over NVLink; beyond,
-    a ring step waits for the hop between nodes, over InfiniBand NDR. Modelled, not measured."""
-    h, d = LAYER_7B["heads"], LAYER_7B["head_dim"]
+    """Per ring size n: one modelled causal zig-zag ring step of Llama 2 7B's attention (32 heads of
+    128) on s/n tokens per rank, its K/V passing, and how much of it the attention hides. Beyond
+    `per_node` ranks a ring step waits for the hop between nodes, over InfiniBand NDR."""
     rows = []
     for n in ranks:
-        c = tokens // n
-        node = f"{n}xH100-nvlink" if n <= per_node else f"{n}xH100-ib"
-        kv = 2 * c * LAYER_7B["hidden"] * 2  # K and V of s/n tokens in bf16
-        fwd, bwd = (flash_attention_seconds(kind, (1, h, c, c // 2, d), node) for kind in ("forward", "backward"))
-        fwd_comm, bwd_comm = (seconds("send", nbytes=b, node=node) for b in (kv, 2 * kv))  # backward: dK, dV too
-        hidden = min(1.0, (fwd + bwd) / (fwd_comm + bwd_comm))
-        rows.append({"ranks": n, "tokens per rank": c, "link": "NVLink 4" if n <= per_node else "InfiniBand NDR",
-                     "attention fwd+bwd (ms)": round((fwd + bwd) * 1e3, 3),
-                     "K/V passing fwd+bwd (ms)": round((fwd_comm + bwd_comm) * 1e3, 3),
-                     "hidden": f"{hidden:.0%}"})
+        nvlink = n <= per_node
+        attention, kv = ring_step_seconds(tokens // n, 32, 128, f"{n}xH100-{'nvlink' if nvlink else 'ib'}")
+        rows.append({"ranks": n, "tokens per rank": tokens // n, "link": "NVLink 4" if nvlink else "InfiniBand NDR",
+                     "attention fwd+bwd (ms)": round(attention * 1e3, 3), "K/V passing fwd+bwd (ms)": round(kv * 1e3, 3),
+                     "hidden": f"{min(1.0, attention / kv):.0%}"})
     return rows
 
 
@@ -287,8 +262,6 @@ NEMO_CP = [{"sequence": "128K", "without CP (TFLOP/s per GPU)": 424, "with CP": 
            {"sequence": "512K", "without CP (TFLOP/s per GPU)": 104, "with CP": 549},
            {"sequence": "1M", "without CP (TFLOP/s per GPU)": 26.5, "with CP": 536}]
 
-
-# ---- Verdicts ---------------------------------------------------------------------------------------
 
 TOLERANCE = 1e-4  # float32 sums in another order: far above rounding, far below a wrong block
 
@@ -303,7 +276,6 @@ def same_as_one_process(run: ContextParallelRun) -> tuple[str, str, str, dict]:
 
 
 def balance_verdict(run: ContextParallelRun) -> tuple[str, str, str, dict]:
-    """The measured causal step both ways (the blocks each rank computes are in the table above it)."""
     from pipelab.measure import compare
 
     contiguous, zigzag = run.step_time["contiguous"], run.step_time["zigzag"]
@@ -316,8 +288,7 @@ def balance_verdict(run: ContextParallelRun) -> tuple[str, str, str, dict]:
 def bytes_verdict(run: ContextParallelRun) -> tuple[str, str, str, dict]:
     rows = bytes_table(run)
     exact = all(r["sent forward"] == r["formula forward"] and r["sent backward"] == r["formula backward"] for r in rows)
-    ring, a2a = ring_formula(run.cfg), ulysses_formula(run.cfg)
-    ratio = sum(ring.values()) / sum(a2a.values())
+    ratio = sum(formula("ring", run.cfg).values()) / sum(formula("ulysses", run.cfg).values())
     verdict = "as the formulas count" if exact else "differs from the formulas"
     text = (f"counted from the messages, {verdict}: per layer the ring sends (6n-4)B per rank, "
             f"all-to-all 8(n-1)B/n, {ratio:.1f}x less at n={run.cfg.world_size}")
@@ -334,7 +305,6 @@ def memory_verdict(run: ContextParallelRun) -> tuple[str, str, str, dict]:
 
 
 def overlap_verdict(rows: list[dict]) -> tuple[str, str, str, dict]:
-    """Where the modelled K/V passing stops hiding behind the modelled attention as n grows."""
     at8 = next(r for r in rows if r["ranks"] == 8)
     exposed = next((r for r in rows if r["hidden"] != "100%"), None)
     where = f"n={exposed['ranks']} ({exposed['link']})" if exposed else f"none up to n={rows[-1]['ranks']}"
@@ -344,7 +314,7 @@ def overlap_verdict(rows: list[dict]) -> tuple[str, str, str, dict]:
 
 
 def torch_verdict(run: ContextParallelRun) -> tuple[str, str, str, dict]:
-    diff = run["torch"].difference
+    diff = run.variants["torch"].difference
     verdict = "same" if diff <= TOLERANCE else "different"
     refused = [k for k, a in run.torch_refusals.items() if a != "ran"]
     text = (f"torch's context_parallel (non-causal, math backend) gives one process's output ({verdict}, "
@@ -353,7 +323,6 @@ def torch_verdict(run: ContextParallelRun) -> tuple[str, str, str, dict]:
 
 
 def nemo_verdict(rows: list[dict]) -> tuple[str, str, str, dict]:
-    """What the modelled ring step can say beside NeMo's published figures, and what it cannot."""
     with_cp = [r["with CP"] for r in NEMO_CP]
     at8 = next(r for r in rows if r["ranks"] == 8)
     verdict = "consistent" if at8["hidden"] == "100%" else "K/V passing exposed"
@@ -363,9 +332,8 @@ def nemo_verdict(rows: list[dict]) -> tuple[str, str, str, dict]:
 
 
 def run_flops(params: dict) -> float:
-    """FLOPs of one run of lesson 14 at the notebook parameters `params` (missing names: the defaults),
-    counted on the meta device: a forward and backward of the whole sequence per variant, and
-    `steps` causal passes per layout (a causal pass does about half the work)."""
+    """FLOPs of one run of lesson 14 at the notebook parameters `params` (missing names: the defaults):
+    a forward and backward of the whole sequence per variant, `steps` causal passes (half that) per layout."""
     cfg = Config(**{k: v for k, v in params.items() if k in Config.__dataclass_fields__})
 
     def pass_flops(s: int) -> float:  # as torch's counter counts attend_block and block_grads
