@@ -35,7 +35,8 @@ def flash_attention_seconds(kind: str, shape: tuple[int, int, int, int, int], no
     return compute_seconds(Counts(attention_flops(kind, shape), io, 1), parse_node(node).device, dtype)
 
 
-def ring_step_seconds(tokens: int, heads: int, head_dim: int, node: str, dtype: str = "bfloat16") -> tuple[float, float]:
+def ring_step_seconds(tokens: int, heads: int, head_dim: int, node: str,
+                      dtype: str = "bfloat16") -> tuple[float, float]:
     """Modelled seconds of one causal zig-zag ring step, forward + backward, of a rank holding `tokens`
     tokens (it attends them to half a block of keys), and of the K/V passing beside it (forward K and
     V; backward dK and dV too), one message each way to the next rank of `node`."""

@@ -14,7 +14,7 @@ from pipelab.checks import divides, whole_number
 from pipelab.context_parallel import Layout, Ring, ring_attention, ulysses_attention
 from pipelab.emulate.attention import attention_flops, ring_step_seconds
 from pipelab.experiments.tensor_parallel import saved_activation_bytes
-from pipelab.measure import Measured, time_steps
+from pipelab.measure import Measured, RankSteps, gather_steps, time_steps
 from pipelab.tensor_parallel.comm import CommMeter
 from pipelab.timeline import Timeline
 from pipelab.worker import RankContext
@@ -24,6 +24,7 @@ VARIANTS = {"ring": ("ring", "contiguous", False), "ring causal": ("ring", "cont
             "ring zigzag": ("ring", "zigzag", False), "ring zigzag causal": ("ring", "zigzag", True),
             "ulysses": ("ulysses", "contiguous", False), "ulysses causal": ("ulysses", "contiguous", True),
             "torch": ("torch", "zigzag", False)}  # torch's default "head-tail" load balancer is zig-zag
+LAYOUTS = ("contiguous", "zigzag")  # of the timed causal passes
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -105,10 +106,8 @@ class VariantResult:
 
 @dataclass
 class Result:
-    rank: int
     variants: dict[str, VariantResult]
-    seconds: dict[str, list[float]]  # layout -> timed causal ring passes
-    timelines: dict[str, Timeline]  # layout -> the last timed pass
+    steps: dict[str, RankSteps]  # layout -> the timed causal ring passes
     torch_refusals: dict[str, str]
 
 
@@ -128,15 +127,14 @@ def worker(ctx: RankContext, cfg: Config) -> Result:
         (out * g).sum().backward()
         variants[variant] = VariantResult(out.detach().cpu(), tuple(t.grad.cpu() for t in (q, k, v)),
                                           dict(ring.meter.bytes), kept)
-    seconds, timelines = {}, {}
-    for name in ("contiguous", "zigzag"):
+    steps = {}
+    for name in LAYOUTS:
         ring, layout = Ring.world(rec=ctx.rec), Layout(name, ctx.world_size)
         q, k, v, g = (layout.shard(t, ctx.rank).to(ctx.device) for t in cfg.data(cfg.timed_seq_len))
         q.requires_grad_()
-        steps = time_steps(ctx, lambda i: (ring_attention(q, k, v, ring, layout, True) * g).sum().backward(),
-                           cfg.steps)
-        seconds[name], timelines[name] = steps.seconds, steps.timelines[-1]
-    return Result(ctx.rank, variants, seconds, timelines, refusals)
+        steps[name] = time_steps(ctx, lambda i: (ring_attention(q, k, v, ring, layout, True) * g).sum().backward(),
+                                 cfg.steps)
+    return Result(variants, steps, refusals)
 
 
 @dataclass
@@ -188,10 +186,9 @@ def gather(cfg: Config, results: list[Result]) -> ContextParallelRun:
                 for t, a, b in zip(("output", "dQ", "dK", "dV"), got, want[VARIANTS[name][2]])}
         sent = {d: sum(b for (_, dd), b in per_rank[0].sent.items() if dd == d) for d in ("forward", "backward")}
         variants[name] = VariantRun(name, diff, sent, per_rank[0].activation_bytes)
-    step_time = {name: Measured.of([max(s) for s in zip(*(r.seconds[name] for r in results))])
-                 for name in ("contiguous", "zigzag")}
-    timelines = {name: Timeline.merge(r.timelines[name] for r in results) for name in ("contiguous", "zigzag")}
-    return ContextParallelRun(cfg, variants, *one_process_memory(cfg), step_time, timelines, results[0].torch_refusals)
+    steps = {name: gather_steps([r.steps[name] for r in results]) for name in LAYOUTS}
+    return ContextParallelRun(cfg, variants, *one_process_memory(cfg), {n: s.step_time for n, s in steps.items()},
+                              {n: s.timelines[-1] for n, s in steps.items()}, results[0].torch_refusals)
 
 
 def one_process_memory(cfg: Config) -> tuple[int, int]:
@@ -250,7 +247,8 @@ def ring_overlap(tokens: int = 128 * 1024, ranks: tuple[int, ...] = (2, 4, 8, 16
         nvlink = n <= per_node
         attention, kv = ring_step_seconds(tokens // n, 32, 128, f"{n}xH100-{'nvlink' if nvlink else 'ib'}")
         rows.append({"ranks": n, "tokens per rank": tokens // n, "link": "NVLink 4" if nvlink else "InfiniBand NDR",
-                     "attention fwd+bwd (ms)": round(attention * 1e3, 3), "K/V passing fwd+bwd (ms)": round(kv * 1e3, 3),
+                     "attention fwd+bwd (ms)": round(attention * 1e3, 3),
+                     "K/V passing fwd+bwd (ms)": round(kv * 1e3, 3),
                      "hidden": f"{min(1.0, attention / kv):.0%}"})
     return rows
 

@@ -115,7 +115,6 @@ SYNC = {"reduce_gradients": reduce_gradients, "as_plain_data_parallel": reduce_a
 
 @dataclass
 class Result:
-    rank: int
     y: torch.Tensor
     keep: torch.Tensor  # (tokens, k) the assignments within capacity
     loss: float
@@ -149,7 +148,7 @@ def worker(ctx: RankContext, cfg: Config) -> Result:
         out, loss = step(SYNC[name])
         grads[name] = {n: p.grad.detach().cpu().clone() for n, p in moe.named_parameters()}
     seconds = time_steps(ctx, lambda i: step(SYNC[cfg.syncs[0]]), cfg.steps, prepare=prepare).seconds
-    return Result(ctx.rank, out.y.detach().cpu(), out.routing.keep.cpu(), float(loss.detach()), x.grad.detach().cpu(),
+    return Result(out.y.detach().cpu(), out.routing.keep.cpu(), float(loss.detach()), x.grad.detach().cpu(),
                   grads, moe.first, out.tokens_per_expert.cpu(), seconds)
 
 

@@ -1,15 +1,10 @@
-"""Lesson 16's harness: the runs behind mixed precision's claims, each beside its reference, and the
-verdicts that RETURN what a run shows (`pipelab.conclude` states them).
-
-- training curves in fp32, bf16 (autocast; bf16 weights with fp32 masters) and fp16 (our loss
-  scaler and torch.amp.GradScaler, step for step), and a small-gradient model fp16 needs scaling for;
-- memory per parameter from tensor storages: one process, and ZeRO-1/2/3 in mixed precision on
-  real ranks (`precision_parts` holds recomputation, FP8 and the bf16 all-reduce).
-"""
+"""Lesson 16's training curves (fp32, bf16, fp16 with our loss scaler and GradScaler step for step, a
+small-gradient model) and memory per parameter, one process and ZeRO in mixed precision on real ranks;
+`precision_parts` holds the formats, recomputation, FP8 and the bf16 all-reduce."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 from torch import nn
@@ -26,7 +21,6 @@ CURVES = ("fp32", "bf16 autocast", "bf16 + fp32 master", "fp16 + our scaler", "f
 
 @dataclass(frozen=True, kw_only=True)
 class Config(experiments.Config):
-    """The lesson's sizes; checked when built, before any rank starts."""
 
     width: int = 64  # the MLP: width -> width -> width -> 1
     batch: int = 64  # rows per step, split over the ranks in the multi-rank runs
@@ -54,28 +48,24 @@ class Config(experiments.Config):
                                  f"{n}, e.g. batch={n * max(1, self.batch // n)}")
 
     def data(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """The regression batch: inputs, and a teacher's outputs as targets."""
+        """Inputs, and a teacher's outputs as targets."""
         g = torch.Generator().manual_seed(self.seed)
         x = torch.randn(self.batch, self.width, generator=g)
         return x, torch.tanh(x @ torch.randn(self.width, 1, generator=g) / self.width ** 0.5)
 
     def model(self) -> nn.Module:
-        """The MLP, the same weights at every call."""
         torch.manual_seed(self.seed)
         return nn.Sequential(nn.Linear(self.width, self.width), nn.Tanh(), nn.Linear(self.width, self.width),
                              nn.Tanh(), nn.Linear(self.width, 1))
 
     def loss(self, out: torch.Tensor, y: torch.Tensor, small: bool = False) -> torch.Tensor:
-        """Mean squared error in fp32; `small`: times `loss_weight`, so every gradient is that small."""
+        """Mean squared error in fp32; `small`: times `loss_weight`, and every gradient as small."""
         loss = nn.functional.mse_loss(out.float(), y)
         return loss * self.loss_weight if small else loss
 
 
 def adam(cfg: Config):
     return lambda params: torch.optim.Adam(params, lr=cfg.lr, foreach=False)
-
-
-# ---- Training curves --------------------------------------------------------------------------------
 
 
 @dataclass
@@ -86,7 +76,7 @@ class Curve:
     losses: list[float] = field(default_factory=list)
     scales: list[float] = field(default_factory=list)
     skipped: list[int] = field(default_factory=list)  # steps whose update was skipped (inf/nan)
-    weights: list[dict] = field(default_factory=list)  # after every step (fp16 runs, for step-for-step equality)
+    weights: list[dict] = field(default_factory=list)  # after every step (fp16: step-for-step equality)
 
 
 @one_thread()
@@ -112,11 +102,17 @@ def train(cfg: Config, recipe: str, small: bool = False, scaling: bool = True) -
         if scaler is None:
             loss.backward()
             trainer.step() if optimizer is None else optimizer.step()
-        else:
-            curve.scales.append(float(scaler.get_scale() if hasattr(scaler, "get_scale") else scaler.scale))
-            scaler.scale(loss).backward() if hasattr(scaler, "get_scale") else scaler.scale_loss(loss).backward()
-            taken = _gradscaler_step(scaler, optimizer) if hasattr(scaler, "get_scale") else scaler.step(optimizer)
-            if not taken:
+        elif isinstance(scaler, DynamicLossScaler):
+            curve.scales.append(scaler.scale)
+            scaler.scale_loss(loss).backward()
+            if not scaler.step(optimizer):
+                curve.skipped.append(step)
+        else:  # torch's recipe, step then update: the step was skipped if the scale backed off
+            curve.scales.append(scaler.get_scale())
+            scaler.scale(loss).backward()
+            scaler.step(optimizer)
+            scaler.update()
+            if scaler.get_scale() < curve.scales[-1]:
                 curve.skipped.append(step)
         if fp16:
             curve.weights.append({n: p.detach().clone() for n, p in model.named_parameters()})
@@ -125,22 +121,12 @@ def train(cfg: Config, recipe: str, small: bool = False, scaling: bool = True) -
     return curve
 
 
-def _gradscaler_step(scaler: torch.amp.GradScaler, optimizer) -> bool:
-    """torch's recipe (step, then update); whether the step was taken, read from the scale it backed off."""
-    before = scaler.get_scale()
-    scaler.step(optimizer)
-    scaler.update()
-    return not scaler.get_scale() < before
-
-
 def curves(cfg: Config) -> dict[str, Curve]:
-    """Every recipe of CURVES trained from the same weights on the same batch."""
     return {r: train(cfg, r) for r in CURVES}
 
 
 def taken(curve: Curve) -> list[float]:
-    """The losses after 0, 1, 2, ... updates taken: a skipped step took none, so the loss after it
-    belongs to the same update count as the loss before it (the last of them counts)."""
+    """The losses after 0, 1, 2, ... updates taken (a skipped step took none: the last loss counts)."""
     by_updates: dict[int, float] = {}
     for step, loss in enumerate(curve.losses):
         by_updates[step - sum(s < step for s in curve.skipped)] = loss
@@ -148,20 +134,17 @@ def taken(curve: Curve) -> list[float]:
 
 
 def agreement(runs: dict[str, Curve]) -> dict[str, float]:
-    """Per 16-bit recipe, the largest relative gap of its loss from fp32's after the same number of
-    updates (fp16's skipped steps are not updates)."""
+    """Per 16-bit recipe, the largest relative gap of its loss from fp32's after as many updates."""
     ref = runs["fp32"].losses
     return {r: max(abs(a - b) / abs(b) for a, b in zip(taken(c), ref)) for r, c in runs.items() if r != "fp32"}
 
 
 def bitwise_equal_steps(runs: dict[str, Curve]) -> dict[str, int]:
-    """Per recipe, on how many steps its loss equals fp32's bit for bit."""
     ref = runs["fp32"].losses
     return {r: sum(a == b for a, b in zip(c.losses, ref)) for r, c in runs.items() if r != "fp32"}
 
 
 def curves_verdict(runs: dict[str, Curve], rtol: float) -> tuple:
-    """Whether every 16-bit curve stays within `rtol` of fp32's; bitwise they all differ."""
     gaps, equal = agreement(runs), bitwise_equal_steps(runs)
     worst = max(gaps, key=gaps.get)
     within = gaps[worst] <= rtol
@@ -172,7 +155,6 @@ def curves_verdict(runs: dict[str, Curve], rtol: float) -> tuple:
 
 
 def scalers_verdict(runs: dict[str, Curve]) -> tuple:
-    """Whether our loss scaler and torch's GradScaler took the same steps: scales, skips, weights."""
     ours, torchs = runs["fp16 + our scaler"], runs["fp16 + GradScaler"]
     same = ours.scales == torchs.scales and ours.skipped == torchs.skipped and all(
         torch.equal(a[n], b[n]) for a, b in zip(ours.weights, torchs.weights) for n in a)
@@ -183,15 +165,14 @@ def scalers_verdict(runs: dict[str, Curve]) -> tuple:
 
 
 def small_gradients(cfg: Config) -> dict[str, Curve]:
-    """The small-gradient model in fp32, fp16 without loss scaling, and fp16 with our scaler."""
     return {"fp32": train(cfg, "fp32", small=True), "fp16, no scaling": train(cfg, "fp16 + our scaler", True, False),
             "fp16 + our scaler": train(cfg, "fp16 + our scaler", small=True)}
 
 
 @one_thread()
 def zero_gradient_share(cfg: Config, scale: float = 1.0) -> float:
-    """The share of the small-gradient run's first-layer weight gradients that are exactly 0 in
-    fp16 autocast, with the loss times `scale`."""
+    """The share of the small-gradient run's first-layer weight gradients exactly 0 in fp16 autocast,
+    the loss times `scale`."""
     x, y = cfg.data()
     model = cfg.model()
     with torch.autocast("cpu", dtype=torch.float16):
@@ -201,7 +182,6 @@ def zero_gradient_share(cfg: Config, scale: float = 1.0) -> float:
 
 
 def small_gradients_verdict(runs: dict[str, Curve]) -> tuple:
-    """How much of fp32's loss drop each fp16 run kept."""
     def drop(c: Curve) -> float:
         return 1 - c.losses[-1] / c.losses[0]
     base = drop(runs["fp32"])
@@ -210,9 +190,6 @@ def small_gradients_verdict(runs: dict[str, Curve]) -> tuple:
     text = (f"fp16 without scaling kept {kept['fp16, no scaling']:.0%} of fp32's loss drop, with our loss scaler "
             f"{kept['fp16 + our scaler']:.0%}.")
     return "16.small_gradients", "scaling needed" if stops else "no difference", text, kept
-
-
-# ---- Memory per parameter ---------------------------------------------------------------------------
 
 
 @one_thread()
@@ -240,7 +217,6 @@ def held_per_parameter(cfg: Config, recipe: str) -> tuple[float, float, float]:
 
 
 def memory_rows(cfg: Config) -> list[dict]:
-    """Per recipe, bytes per parameter counted from tensor storages (one process) beside the formula."""
     rows = []
     for recipe in ("fp32", "bf16 autocast", "bf16 + fp32 master"):
         got, want = held_per_parameter(cfg, recipe), bytes_per_parameter(recipe)
@@ -252,7 +228,7 @@ def memory_rows(cfg: Config) -> list[dict]:
 
 @dataclass
 class ZeroResult:
-    """One rank's ZeRO runs: per stage, losses, bytes held, gathered fp32 masters, bytes sent."""
+    """One rank's ZeRO runs, per stage."""
 
     losses: dict[int, list[float]]
     held: dict[int, tuple[float, float, float]]
@@ -261,8 +237,8 @@ class ZeroResult:
 
 
 def zero_worker(ctx: RankContext, cfg: Config) -> dict[int, ZeroResult]:
-    """Worker: for each size n of cfg.zero_world_sizes, ZeRO stages 0-3 in mixed precision on this
-    rank's group of n ranks (the world cut into groups of n), each stage from the same weights."""
+    """Per size n of cfg.zero_world_sizes, ZeRO stages 0-3 in mixed precision from the same weights on
+    this rank's group of n ranks."""
     import torch.distributed as dist
 
     torch.set_num_threads(1)
@@ -299,18 +275,16 @@ def reference(cfg: Config) -> tuple[list[float], dict[str, torch.Tensor]]:
 
 
 def zero_runs(cfg: Config) -> dict[int, list[ZeroResult]]:
-    """ZeRO 0-3 in mixed precision on groups of each of cfg.zero_world_sizes ranks, all in one start
-    of max(zero_world_sizes) real gloo ranks; per size, the results of the first group's ranks."""
-    from dataclasses import replace
-
+    """ZeRO 0-3 in mixed precision on groups of each of cfg.zero_world_sizes ranks, all in one start of
+    max(zero_world_sizes) ranks; per size, the first group's results."""
     world = max(cfg.zero_world_sizes)
     per_rank = experiments.run(zero_worker, replace(cfg, world_size=world))
     return {n: [per_rank[r][n] for r in range(n)] for n in cfg.zero_world_sizes}
 
 
 def zero_rows(cfg: Config, runs: dict[int, list[ZeroResult]]) -> list[dict]:
-    """Per ranks and stage: the fullest rank's bytes per parameter, counted beside the formula
-    (2 + 2 + 12 in mixed precision), and how far its losses and masters are from one process."""
+    """Per ranks and stage: the fullest rank's bytes per parameter counted beside the formula (2 + 2 + 12),
+    and how far its losses and masters are from one process."""
     psi = sum(p.numel() for p in cfg.model().parameters())
     ref_losses, ref_masters = reference(cfg)
     rows = []
