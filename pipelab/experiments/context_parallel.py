@@ -14,7 +14,7 @@ from pipelab.checks import divides, whole_number
 from pipelab.context_parallel import Layout, Ring, ring_attention, ulysses_attention
 from pipelab.emulate.attention import attention_flops, ring_step_seconds
 from pipelab.experiments.tensor_parallel import saved_activation_bytes
-from pipelab.measure import Measured, RankSteps, gather_steps, time_steps
+from pipelab.measure import Measured, RankSteps, compare, gather_steps, time_steps
 from pipelab.tensor_parallel.comm import CommMeter
 from pipelab.timeline import Timeline
 from pipelab.worker import RankContext
@@ -58,17 +58,6 @@ class Config(experiments.Config):
         g = torch.Generator().manual_seed(self.seed)
         shape = (self.batch, self.heads, seq_len or self.seq_len, self.head_dim)
         return [torch.randn(shape, generator=g) for _ in range(4)]
-
-
-def layout_of(variant: str, ranks: int) -> Layout:
-    return Layout(VARIANTS[variant][1], ranks)
-
-
-def attention(variant: str, q, k, v, ring: Ring):
-    method, name, causal = VARIANTS[variant]
-    if method == "ring":
-        return ring_attention(q, k, v, ring, Layout(name, ring.size), causal)
-    return ulysses_attention(q, k, v, ring, causal)
 
 
 def torch_context_parallel(ctx: RankContext, cfg) -> tuple[torch.Tensor, dict[str, str]]:
@@ -119,11 +108,12 @@ def worker(ctx: RankContext, cfg: Config) -> Result:
             out, refusals = torch_context_parallel(ctx, cfg)
             variants[variant] = VariantResult(out, (), {}, 0)
             continue
-        ring = Ring.world(meter=CommMeter())
-        layout = layout_of(variant, ctx.world_size)
+        method, name, causal = VARIANTS[variant]
+        ring, layout = Ring.world(meter=CommMeter()), Layout(name, ctx.world_size)
         q, k, v, g = (layout.shard(t, ctx.rank).to(ctx.device) for t in cfg.data())
         q, k, v = (t.requires_grad_() for t in (q, k, v))
-        out, kept = saved_activation_bytes(lambda: attention(variant, q, k, v, ring), set())
+        out, kept = saved_activation_bytes(lambda: ring_attention(q, k, v, ring, layout, causal) if method == "ring"
+                                           else ulysses_attention(q, k, v, ring, causal), set())
         (out * g).sum().backward()
         variants[variant] = VariantResult(out.detach().cpu(), tuple(t.grad.cpu() for t in (q, k, v)),
                                           dict(ring.meter.bytes), kept)
@@ -179,7 +169,7 @@ def gather(cfg: Config, results: list[Result]) -> ContextParallelRun:
     n, want, variants = cfg.world_size, reference(cfg), {}
     for name in cfg.variants:
         per_rank = [r.variants[name] for r in results]
-        layout = layout_of(name, n)
+        layout = Layout(VARIANTS[name][1], n)
         got = [layout.unshard([r.output for r in per_rank])]
         got += [layout.unshard([r.grads[i] for r in per_rank]) for i in range(len(per_rank[0].grads))]
         diff = {t: float((a - b).abs().max())  # torch's: the output only
@@ -192,8 +182,8 @@ def gather(cfg: Config, results: list[Result]) -> ContextParallelRun:
 
 
 def one_process_memory(cfg: Config) -> tuple[int, int]:
-    """Bytes kept for backward in one process: by the ring code on a ring of one, and by torch's
-    math attention (which keeps the probabilities, s x s per head)."""
+    """Bytes kept for backward in one process: by the ring code on a ring of one, and by torch's math
+    attention, which keeps the s x s probabilities."""
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
     q, k, v, _ = (t.requires_grad_() for t in cfg.data())
@@ -227,9 +217,8 @@ def bytes_table(run: ContextParallelRun) -> list[dict]:
 
 
 def blocks_per_rank(layout: str, ranks: int, causal: bool = True) -> dict[int, float]:
-    """Per rank: the work its ring attention does in one forward, in blocks of (s/n)^2 token pairs,
-    counted from the algorithm's own pairing of query and key chunks (a zig-zag chunk pair is a
-    quarter block; a diagonal pair counts whole, as a block kernel computes it masked)."""
+    """Per rank: its ring attention's work in one forward in blocks of (s/n)^2 token pairs, counted from the
+    algorithm's own pairing of chunks (a zig-zag pair is a quarter block; a masked diagonal pair counts whole)."""
     from pipelab.context_parallel.ring import _pairs
 
     lay = Layout(layout, ranks)
@@ -239,9 +228,8 @@ def blocks_per_rank(layout: str, ranks: int, causal: bool = True) -> dict[int, f
 
 def ring_overlap(tokens: int = 128 * 1024, ranks: tuple[int, ...] = (2, 4, 8, 16, 32, 64),
                  per_node: int = 8) -> list[dict]:
-    """Per ring size n: one modelled causal zig-zag ring step of Llama 2 7B's attention (32 heads of
-    128) on s/n tokens per rank, its K/V passing, and how much of it the attention hides. Beyond
-    `per_node` ranks a ring step waits for the hop between nodes, over InfiniBand NDR."""
+    """Per ring size n: a modelled causal zig-zag ring step of Llama 2 7B's attention (32 heads of 128) on s/n
+    tokens per rank, its K/V passing, and the share hidden; beyond `per_node` ranks over InfiniBand NDR."""
     rows = []
     for n in ranks:
         nvlink = n <= per_node
@@ -274,8 +262,6 @@ def same_as_one_process(run: ContextParallelRun) -> tuple[str, str, str, dict]:
 
 
 def balance_verdict(run: ContextParallelRun) -> tuple[str, str, str, dict]:
-    from pipelab.measure import compare
-
     contiguous, zigzag = run.step_time["contiguous"], run.step_time["zigzag"]
     verdict = compare(zigzag, contiguous)
     text = (f"measured, a causal pass took {zigzag.median * 1e3:.0f} ms with zig-zag shards, which even out the "
@@ -284,8 +270,8 @@ def balance_verdict(run: ContextParallelRun) -> tuple[str, str, str, dict]:
 
 
 def bytes_verdict(run: ContextParallelRun) -> tuple[str, str, str, dict]:
-    rows = bytes_table(run)
-    exact = all(r["sent forward"] == r["formula forward"] and r["sent backward"] == r["formula backward"] for r in rows)
+    exact = all(r["sent forward"] == r["formula forward"] and r["sent backward"] == r["formula backward"]
+                for r in bytes_table(run))
     ratio = sum(formula("ring", run.cfg).values()) / sum(formula("ulysses", run.cfg).values())
     verdict = "as the formulas count" if exact else "differs from the formulas"
     text = (f"counted from the messages, {verdict}: per layer the ring sends (6n-4)B per rank, "
@@ -314,17 +300,16 @@ def overlap_verdict(rows: list[dict]) -> tuple[str, str, str, dict]:
 def torch_verdict(run: ContextParallelRun) -> tuple[str, str, str, dict]:
     diff = run.variants["torch"].difference
     verdict = "same" if diff <= TOLERANCE else "different"
-    refused = [k for k, a in run.torch_refusals.items() if a != "ran"]
+    refused = sum(a != "ran" for a in run.torch_refusals.values())
     text = (f"torch's context_parallel (non-causal, math backend) gives one process's output ({verdict}, "
-            f"largest difference {diff:.1e}); on CPU it refused {len(refused)} of {len(run.torch_refusals)} causal tries")
+            f"largest difference {diff:.1e}); on CPU it refused {refused} of {len(run.torch_refusals)} causal tries")
     return "14.torch_context_parallel", verdict, text, {"difference": diff}
 
 
 def nemo_verdict(rows: list[dict]) -> tuple[str, str, str, dict]:
-    with_cp = [r["with CP"] for r in NEMO_CP]
     at8 = next(r for r in rows if r["ranks"] == 8)
     verdict = "consistent" if at8["hidden"] == "100%" else "K/V passing exposed"
-    text = (f"NeMo keeps {min(with_cp):g}+ TFLOP/s per GPU with CP up to 1M tokens; the model hides K/V passing at "
+    text = (f"NeMo keeps {min(r['with CP'] for r in NEMO_CP):g}+ TFLOP/s per GPU with CP up to 1M tokens; the model hides K/V passing at "
             f"8 ranks ({verdict}) but cannot explain throughput without CP")
     return "14.nemo", verdict, text, {"hidden_at_8": at8["hidden"]}
 

@@ -5,7 +5,6 @@ and leaves no process behind; "measured" times are the call's wall clock, rank s
 from __future__ import annotations
 
 import functools
-import shutil
 import tempfile
 from dataclasses import dataclass, field
 
@@ -99,7 +98,6 @@ def p2p_deadlock(cfg: Config) -> list[Outcome]:
 
 @dataclass
 class HangRun:
-
     outcome: Outcome
     dumps: dict[int, dict]
     diagnosis: object = field(repr=False)
@@ -109,13 +107,10 @@ def planted_hang(cfg: Config, plant: str = "microbatches") -> HangRun:
     """The pipeline with its planted hang, and the dumps the ranks left, read."""
     if plant not in ("microbatches", "stall"):
         raise ValueError(f"plant must be 'microbatches' or 'stall', got {plant!r}")
-    dump_dir = tempfile.mkdtemp(prefix="pipelab-flight-")
-    try:
+    with tempfile.TemporaryDirectory(prefix="pipelab-flight-", ignore_cleanup_errors=True) as dump_dir:
         outcome = attempt(f"pipeline, {plant}", pipeline_with_planted_hang, cfg.world_size, cfg, dump_dir, plant,
                           timeout=cfg.timeout)
         dumps = load_dumps(dump_dir)
-    finally:
-        shutil.rmtree(dump_dir, ignore_errors=True)
     return HangRun(outcome, dumps, diagnose(dumps))
 
 

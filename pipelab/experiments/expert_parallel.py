@@ -9,16 +9,15 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
+from torch import nn
 
 from pipelab import experiments
 from pipelab.checks import divides, positive_number, whole_number
+from pipelab.emulate.cost import step_flops
 from pipelab.emulate.specs import parse_node
 from pipelab.expert_parallel import ExpertParallelGroups, ExpertParallelMoE, MoELayer, reduce_gradients
 from pipelab.measure import Measured, time_steps
 from pipelab.worker import RankContext
-
-SYNCS = ("reduce_gradients", "as_plain_data_parallel")
-
 
 @dataclass(frozen=True, kw_only=True)
 class Config(experiments.Config):
@@ -57,15 +56,14 @@ class Config(experiments.Config):
         positive_number("capacity_factor", self.capacity_factor, example="capacity_factor=1.25")
         ep = whole_number("ep", self.ep_size, example=f"ep={self.world_size}")
         divides("world_size", self.world_size, "ep", ep)  # world_size / ep expert-parallel groups
-        if self.experts % ep:
-            raise ValueError(f"experts={self.experts} do not divide over ep={ep} ranks: each rank holds experts / ep "
-                             f"of them; use experts={ep * max(1, round(self.experts / ep))} or an ep that divides "
-                             f"{self.experts}")
+        if self.experts % ep:  # each rank holds experts / ep of them
+            raise ValueError(f"experts={self.experts} do not divide over ep={ep} ranks; use experts="
+                             f"{ep * max(1, round(self.experts / ep))} or an ep that divides {self.experts}")
         if self.top_k > self.experts:
             raise ValueError(f"top_k={self.top_k} is more than the experts={self.experts} a token can go to; "
                              f"use top_k <= {self.experts} (Switch Transformer 1, Mixtral 2)")
-        if not self.syncs or any(s not in SYNCS for s in self.syncs):
-            raise ValueError(f"syncs must be some of {SYNCS}, got {self.syncs!r}")
+        if not self.syncs or any(s not in SYNC for s in self.syncs):
+            raise ValueError(f"syncs must be some of {tuple(SYNC)}, got {self.syncs!r}")
         parse_node(f"{ep}x{self.link}")  # a bad name lists the known devices and links
 
     def layer(self) -> MoELayer:
@@ -227,8 +225,7 @@ TOLERANCE = 1e-4  # float32 sums in another order: far above rounding, far below
 def same_as_one_process(run: ExpertParallelRun) -> tuple[str, str, str, dict]:
     worst = max(run.difference.values())
     ok = worst <= TOLERANCE and run.same_dropped
-    cfg = run.cfg
-    text = (f"on {cfg.world_size} ranks (ep={cfg.ep_size}), outputs, loss and every gradient match one process "
+    text = (f"on {run.cfg.world_size} ranks (ep={run.cfg.ep_size}), outputs, loss and every gradient match one process "
             f"(largest difference {worst:.1e}), with the same {run.dropped} assignments dropped" if ok else
             f"{max(run.difference, key=run.difference.get)} differ from one process by {worst:.1e}"
             + ("" if run.same_dropped else ", and the dropped assignments differ"))
@@ -251,10 +248,6 @@ def run_flops(params: dict) -> float:
     """FLOPs of one run of lesson 15 at the notebook parameters `params` (missing names: the defaults),
     counted on the meta device: per rank and pass the router and each token's k experts (none dropped);
     2 + `steps` passes on `world_size` ranks, 1 + `steps` on `grid_world_size`."""
-    from torch import nn
-
-    from pipelab.emulate.cost import step_flops
-
     p = {"world_size": 2, "grid_world_size": 4, **params}
     cfg = Config(**{k: v for k, v in p.items() if k in ("experts", "top_k", "dim", "hidden", "tokens", "steps")})
     with torch.device("meta"):

@@ -7,6 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from pipelab import experiments
@@ -21,7 +22,6 @@ CURVES = ("fp32", "bf16 autocast", "bf16 + fp32 master", "fp16 + our scaler", "f
 
 @dataclass(frozen=True, kw_only=True)
 class Config(experiments.Config):
-
     width: int = 64  # the MLP: width -> width -> width -> 1
     batch: int = 64  # rows per step, split over the ranks in the multi-rank runs
     steps: int = 30  # optimizer steps per training curve
@@ -31,11 +31,12 @@ class Config(experiments.Config):
     loss_weight: float = 1e-6  # the small-gradient run's loss is multiplied by this (a mean over ~1e6 values)
     loss_rtol: float = 0.05  # how far a 16-bit curve may stray from fp32's, relative
     zero_world_sizes: tuple = (2, 4)  # ranks of the ZeRO runs in mixed precision
+    numel: int = 4096  # the gradient of the bf16 all-reduce on world_size ranks
     seed: int = 0
 
     def check(self) -> None:
         super().check()
-        for name in ("width", "batch", "steps", "growth_interval"):
+        for name in ("width", "batch", "steps", "growth_interval", "numel"):
             whole_number(name, getattr(self, name), example=f"{name}={getattr(Config, name)}")
         for name in ("lr", "init_scale", "loss_weight", "loss_rtol"):
             positive_number(name, getattr(self, name), example=f"{name}={getattr(Config, name)}")
@@ -239,8 +240,6 @@ class ZeroResult:
 def zero_worker(ctx: RankContext, cfg: Config) -> dict[int, ZeroResult]:
     """Per size n of cfg.zero_world_sizes, ZeRO stages 0-3 in mixed precision from the same weights on
     this rank's group of n ranks."""
-    import torch.distributed as dist
-
     torch.set_num_threads(1)
     groups = {n: [dist.new_group(list(range(i, i + n))) for i in range(0, ctx.world_size, n)]
               for n in cfg.zero_world_sizes}  # every rank creates every group, in the same order

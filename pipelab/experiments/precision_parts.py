@@ -7,25 +7,18 @@ from dataclasses import dataclass
 
 import torch
 
-from pipelab import experiments
 from pipelab.checks import divides, whole_number
-from pipelab.emulate.cost import Counts, compute_seconds, count, forward_backward_counts, meta_module
+from pipelab.emulate.cost import compute_seconds, count, forward_backward_counts, meta_module
+from pipelab.emulate.fp8 import fp8_rates  # noqa: F401 - the lesson's modelled FP8 product
 from pipelab.emulate.specs import parse_node
 from pipelab.experiments.expert_parallel import one_thread
+from pipelab.experiments.precision import Config
 from pipelab.experiments.tensor_parallel import parameter_storages, saved_activation_bytes
 from pipelab.precision import (FORMATS, DelayedScaling, MODES, RecomputedBlock, amax, attention_core, dequantize,
                                fp8_matmul, quantize, rounding_effect, scale_for)
 from pipelab.sharding import Collectives
 from pipelab.transformer import Block
 from pipelab.worker import RankContext
-
-NODE = "1xH100-nvlink4"  # the device of the modelled step times
-
-
-def modelled_seconds(counts: Counts, dtype: str, node: str = NODE) -> float:
-    """Modelled seconds of work `counts` in `dtype` on `node`'s device, by the calibrated roofline."""
-    return compute_seconds(counts, parse_node(node).device, dtype)
-
 
 def format_rows() -> list[dict]:
     """Each format's bits, range and precision, from torch.finfo."""
@@ -37,14 +30,11 @@ def format_rows() -> list[dict]:
 
 def rounding_rows(named: dict[str, torch.Tensor]) -> list[dict]:
     """Per set of gradients and 16/8-bit format: what rounding into it did."""
-    rows = []
-    for what, grads in named.items():
-        for fmt in ("bf16", "fp16", "fp8 e4m3"):
-            e = rounding_effect(grads, FORMATS[fmt].dtype)
-            rows.append({"gradients": what, "format": fmt, **{k: f"{v:.2%}" if k != "median relative error"
-                                                               else f"{v:.1e}" if v == v else "none left"
-                                                               for k, v in e.items()}})
-    return rows
+    def shown(k: str, v: float) -> str:
+        return f"{v:.2%}" if k != "median relative error" else f"{v:.1e}" if v == v else "none left"
+    return [{"gradients": what, "format": fmt,
+             **{k: shown(k, v) for k, v in rounding_effect(g, FORMATS[fmt].dtype).items()}}
+            for what, g in named.items() for fmt in ("bf16", "fp16", "fp8 e4m3")]
 
 
 @dataclass(frozen=True)
@@ -96,7 +86,7 @@ def recompute_rows(size: BlockSize) -> tuple[list[dict], bool]:
 
 
 @one_thread()
-def recompute_times(size: BlockSize, node: str = NODE) -> list[dict]:
+def recompute_times(size: BlockSize, node: str = "1xH100-nvlink4") -> list[dict]:
     """Per mode, the modelled step time of one bf16 block at `size` on `node`: forward + backward,
     plus the forward again (full) or the attention core again (selective)."""
     block = RecomputedBlock(meta_module(Block(size.dim, size.n_heads), torch.bfloat16))
@@ -106,7 +96,7 @@ def recompute_times(size: BlockSize, node: str = NODE) -> list[dict]:
     core = count(attention_core, q, q, q, size.n_heads)
     base = forward + grad_in + grad_w
     work = {"none": base, "full": base + forward, "selective": base + core}
-    ms = {mode: modelled_seconds(w, "bf16", node) * 1e3 for mode, w in work.items()}
+    ms = {mode: compute_seconds(w, parse_node(node).device, "bf16") * 1e3 for mode, w in work.items()}
     return [{"recomputation": m, "FLOPs": f"{work[m].flops:.3g}", "modelled step (ms)": float(f"{ms[m]:.3g}"),
              "FLOPs vs none": round(work[m].flops / base.flops - 1, 4),
              "overhead vs none": round(ms[m] / ms["none"] - 1, 4)}
@@ -170,18 +160,6 @@ def scaling_over_steps(tensors: list[torch.Tensor], history: int = 4) -> list[di
     return rows
 
 
-def fp8_rates(shape: tuple[int, int, int], node: str = NODE) -> dict[str, float]:
-    """Modelled times of an m x k by k x n product in bf16 and FP8 on `node`, and of FP8's extra passes:
-    amax (read) and cast (read bf16, write fp8) of both operands."""
-    m, k, n = shape
-    flops, operands = 2 * m * k * n, m * k + k * n
-    product = {d: modelled_seconds(Counts(flops, nbytes * operands + 2 * m * n, 1), d, node)
-               for d, nbytes in (("bf16", 2), ("fp8", 1))}
-    cast = modelled_seconds(Counts(0, 2 * operands + (2 + 1) * operands, 4), "bf16", node)
-    return {"bf16 product (us, modelled)": product["bf16"] * 1e6, "fp8 product (us, modelled)": product["fp8"] * 1e6,
-            "amax + cast of both operands (us, modelled)": cast * 1e6}
-
-
 @dataclass
 class AllReduced:
     """One rank's gradient all-reduced in fp32 and in bf16, and the bytes each call sent."""
@@ -196,18 +174,7 @@ def gradient_of_rank(rank: int, numel: int) -> torch.Tensor:
     return torch.randn(numel, generator=torch.Generator().manual_seed(100 + rank)) * 1e-3
 
 
-@dataclass(frozen=True, kw_only=True)
-class AllReduceConfig(experiments.Config):
-    """Ranks and gradient size of the bf16 all-reduce; checked before ranks start."""
-
-    numel: int = 4096
-
-    def check(self) -> None:
-        super().check()
-        whole_number("numel", self.numel, example="numel=4096")
-
-
-def allreduce_worker(ctx: RankContext, cfg: AllReduceConfig) -> AllReduced:
+def allreduce_worker(ctx: RankContext, cfg: Config) -> AllReduced:
     """All-reduce (sum) this rank's gradient in fp32 and again cast to bf16, each call's bytes counted by
     lesson 11's `Collectives`."""
     g = gradient_of_rank(ctx.rank, cfg.numel)
@@ -220,7 +187,7 @@ def allreduce_worker(ctx: RankContext, cfg: AllReduceConfig) -> AllReduced:
     return AllReduced(full, half.float(), *sent)
 
 
-def allreduce_verdict(results: list[AllReduced], cfg: AllReduceConfig) -> tuple:
+def allreduce_verdict(results: list[AllReduced], cfg: Config) -> tuple:
     """bf16's bytes beside fp32's, and the error bf16 added to one process's exact sum."""
     r0, exact = results[0], sum(gradient_of_rank(r, cfg.numel).double() for r in range(cfg.world_size))
     ratio, err16 = r0.bytes_bf16 / r0.bytes_fp32, relative_error(r0.bf16, exact)
