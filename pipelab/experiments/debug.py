@@ -75,6 +75,7 @@ def collective_mismatch(cfg: Config, torch_runs: bool = True) -> list[Outcome]:
 
 
 def names_both_calls(outcome: Outcome) -> bool:
+    """Whether what the run said names both ranks' collectives."""
     text = outcome.message.lower().replace("allreduce", "all_reduce")
     return outcome.ended == "raised" and "all_reduce" in text and "broadcast" in text
 
@@ -98,6 +99,8 @@ def p2p_deadlock(cfg: Config) -> list[Outcome]:
 
 @dataclass
 class HangRun:
+    """A planted hang: how the run ended, every rank's dump, and what the reader says."""
+
     outcome: Outcome
     dumps: dict[int, dict]
     diagnosis: object = field(repr=False)
@@ -179,6 +182,7 @@ def silent_bugs(cfg: Config) -> list[BugRow]:
 
 
 def bug_table(rows: list[BugRow]) -> list[dict]:
+    """One row per case and variant: the loss, the replica check, the comparison's first finding."""
     return [{"bug": r.name, "issue": r.issue, "variant": "fix" if r.fixed else "bug",
              "loss = one process": "yes" if r.loss_same else "no", "replicas": r.replicas,
              "one-process comparison": "same" if r.comparison.same else str(r.comparison).splitlines()[-1]}

@@ -4,7 +4,7 @@ small-gradient model) and memory per parameter, one process and ZeRO in mixed pr
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, replace
+from dataclasses import astuple, dataclass, field, replace
 
 import torch
 import torch.distributed as dist
@@ -123,6 +123,7 @@ def train(cfg: Config, recipe: str, small: bool = False, scaling: bool = True) -
 
 
 def curves(cfg: Config) -> dict[str, Curve]:
+    """Every recipe of CURVES trained from the same weights on the same batch."""
     return {r: train(cfg, r) for r in CURVES}
 
 
@@ -141,6 +142,7 @@ def agreement(runs: dict[str, Curve]) -> dict[str, float]:
 
 
 def bitwise_equal_steps(runs: dict[str, Curve]) -> dict[str, int]:
+    """Per recipe, on how many steps its loss equals fp32's bit for bit."""
     ref = runs["fp32"].losses
     return {r: sum(a == b for a, b in zip(c.losses, ref)) for r, c in runs.items() if r != "fp32"}
 
@@ -166,6 +168,7 @@ def scalers_verdict(runs: dict[str, Curve]) -> tuple:
 
 
 def small_gradients(cfg: Config) -> dict[str, Curve]:
+    """The small-gradient model in fp32, fp16 without loss scaling, and fp16 with our scaler."""
     return {"fp32": train(cfg, "fp32", small=True), "fp16, no scaling": train(cfg, "fp16 + our scaler", True, False),
             "fp16 + our scaler": train(cfg, "fp16 + our scaler", small=True)}
 
@@ -174,8 +177,7 @@ def small_gradients(cfg: Config) -> dict[str, Curve]:
 def zero_gradient_share(cfg: Config, scale: float = 1.0) -> float:
     """The share of the small-gradient run's first-layer weight gradients exactly 0 in fp16 autocast,
     the loss times `scale`."""
-    x, y = cfg.data()
-    model = cfg.model()
+    model, (x, y) = cfg.model(), cfg.data()
     with torch.autocast("cpu", dtype=torch.float16):
         loss = cfg.loss(model(x), y, small=True)
     (loss * scale).backward()
@@ -218,6 +220,7 @@ def held_per_parameter(cfg: Config, recipe: str) -> tuple[float, float, float]:
 
 
 def memory_rows(cfg: Config) -> list[dict]:
+    """Per recipe, bytes per parameter counted from tensor storages (one process) beside the formula."""
     rows = []
     for recipe in ("fp32", "bf16 autocast", "bf16 + fp32 master"):
         got, want = held_per_parameter(cfg, recipe), bytes_per_parameter(recipe)
@@ -252,8 +255,7 @@ def zero_worker(ctx: RankContext, cfg: Config) -> dict[int, ZeroResult]:
             comm = Collectives(ctx.rec, group)
             trainer = MixedZero(cfg.model(), comm, stage, cfg.lr)
             result.losses[stage] = [trainer.step(x.bfloat16(), y, nn.functional.mse_loss) for _ in range(3)]
-            h = trainer.held()
-            result.held[stage] = (h.parameters, h.gradients, h.optimizer_state)
+            result.held[stage] = astuple(trainer.held())
             result.sent[stage] = comm.bytes_sent() / 3
             result.masters[stage] = trainer.full_parameters()
     return out

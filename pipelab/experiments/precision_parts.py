@@ -81,8 +81,7 @@ def recompute_rows(size: BlockSize) -> tuple[list[dict], bool]:
         rows.append({"recomputation": mode, "counted (bytes/sbh)": round(kept / size.sbh, 3),
                      "Korthikanti, no dropout (bytes/sbh)": korthikanti_per_mode(size, mode, False) / size.sbh,
                      "Korthikanti, with dropout (bytes/sbh)": korthikanti_per_mode(size, mode, True) / size.sbh})
-    same = all(torch.equal(a, b) for g in grads[1:] for a, b in zip(g, grads[0]))
-    return rows, same
+    return rows, all(torch.equal(a, b) for g in grads[1:] for a, b in zip(g, grads[0]))
 
 
 @one_thread()
@@ -171,6 +170,7 @@ class AllReduced:
 
 
 def gradient_of_rank(rank: int, numel: int) -> torch.Tensor:
+    """Rank `rank`'s gradient: the same on every call, different across ranks."""
     return torch.randn(numel, generator=torch.Generator().manual_seed(100 + rank)) * 1e-3
 
 
