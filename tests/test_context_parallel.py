@@ -33,9 +33,9 @@ def test_every_variant_equals_one_process(world_size):
 
 
 def test_bad_input_is_refused_before_ranks_start():
-    with pytest.raises(ValueError, match="heads=3 does not divide by world_size=2"):
+    with pytest.raises(ValueError, match="heads=3 does not divide evenly by world_size=2"):
         cpx.Config(world_size=2, heads=3)
-    with pytest.raises(ValueError, match="seq_len=12 does not divide by 2 x world_size = 8"):
+    with pytest.raises(ValueError, match="seq_len=12 does not split into 2 x world_size = 8"):
         cpx.Config(world_size=4, seq_len=12)
     with pytest.raises(ValueError, match="variants must be some of"):
         cpx.Config(variants=("ring", "rings"))

@@ -234,7 +234,46 @@ def test_lesson_13_v_schedules():
                  for name, r in run.schedules.items()})
 
 
+def row(r: dict) -> dict:
+    """A printed table row as pinned: its figures to six digits, its words as they are."""
+    return {k: v if isinstance(v, str) and not v.replace(".", "").replace("e+", "").isdigit() else fig(v)
+            for k, v in r.items()}
+
+
+def test_lesson_14_ring_step_at_128k_tokens():
+    from pipelab.experiments import context_parallel as lesson
+
+    check("14", {"ring overlap": [row(r) for r in lesson.ring_overlap(128 * 1024)]})
+
+
+def test_lesson_15_modelled_steps_capacity_and_hiding():
+    from pipelab.experiments import expert_load as lesson_parts, expert_parallel as lesson
+
+    cfg = lesson.Config(world_size=2)  # the notebook's defaults
+    counts, _ = lesson_parts.routed_counts(cfg)  # what each rank routes: the run's counts, in one process
+    out = {}
+    for name, load in (("routed", counts), ("even", lesson_parts.evenly(counts))):
+        step = lesson_parts.modelled_step(cfg, load)
+        out[name] = {"step": fig(step.step), "all-to-all": fig(step.all_to_all), "experts": fig(step.experts),
+                     "assignments": step.assignments, "timeline": timeline(step.timeline)}
+    links = ("H100-nvlink", "H100-ib", "H100-100gbe")
+    for link in links:
+        step = lesson_parts.modelled_step(cfg, counts, link)
+        out[f"{link} compute / all-to-all"] = fig(max(step.experts) / step.communication)
+    out["capacity sweep"] = [row(r) for r in lesson_parts.capacity_sweep(cfg, (0.5, 0.75, 1.0, 1.25, 1.5, 2.0))]
+    out["hiding"] = [row(r) for r in lesson_parts.hiding_table(cfg, counts, links)]
+    check("15", out)
+
+
+def test_lesson_16_recomputation_and_fp8_modelled():
+    from pipelab.experiments import precision_parts as lesson_parts
+
+    big, node = lesson_parts.BlockSize(2048, 4, 4096, 32), "1xH100-nvlink4"  # the notebook's defaults
+    check("16", {"recomputation": [row(r) for r in lesson_parts.recompute_times(big, node)],
+                 "fp8": fig(lesson_parts.fp8_rates((big.seq_len * big.batch, big.dim, 4 * big.dim), node))})
+
+
 @pytest.mark.skipif(REPIN, reason="pinning")
 def test_every_lesson_is_pinned():
     pinned = json.loads(PINNED.read_text())
-    assert set(pinned) == {"00", "01", "02-04", "05", "06-07", "08", "10", "11", "12", "13"}
+    assert set(pinned) == {"00", "01", "02-04", "05", "06-07", "08", "10", "11", "12", "13", "14", "15", "16"}

@@ -118,7 +118,7 @@ def test_fp8_scaling():
 
 
 def test_bf16_all_reduce_halves_the_bytes():
-    acfg = pp.AllReduceConfig(world_size=2, numel=1024)
+    acfg = px.Config(world_size=2, numel=1024)
     results = run(pp.allreduce_worker, acfg)
     key, verdict, text, figures = pp.allreduce_verdict(results, acfg)
     assert figures["ratio"] == 0.5 and 0 < figures["error_bf16"] < 2 ** -7, text
@@ -136,7 +136,7 @@ def test_bad_input_is_refused_before_ranks_start():
     with pytest.raises(ValueError, match="stage must be"):
         MixedZero(None, None, stage=4)
     with pytest.raises(ValueError, match="numel"):
-        pp.AllReduceConfig(numel=-1)
+        px.Config(numel=-1)
 
 
 # ---- the exercise: its solution, another correct answer, and wrong ones named ---------------------

@@ -1,9 +1,10 @@
-"""Modelled time of a Mixture-of-Experts layer's parts on an emulated node (lesson 15): an expert
-MLP's forward or backward on so many tokens, and one rank's all-to-all; and the scaling book's
-condition for the all-to-alls to hide behind the experts' compute."""
+"""Modelled time of a Mixture-of-Experts layer on an emulated node (lesson 15): an expert MLP's
+forward or backward on so many tokens, one rank's all-to-all, a whole expert-parallel step from
+where the tokens went, and the scaling book's condition for the all-to-alls to hide."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from functools import lru_cache
 
 import torch
@@ -11,6 +12,7 @@ from torch import nn
 
 from pipelab.emulate.cost import Counts, compute_seconds, forward_backward_counts, message_seconds
 from pipelab.emulate.specs import parse_node, torch_dtype
+from pipelab.timeline import Span, Timeline
 
 
 def all_to_all_seconds(nbytes: float, node: str) -> float:
@@ -62,3 +64,48 @@ def hiding_condition(node: str, tokens: int, top_k: int, experts: int, dim: int,
     bandwidth = sent / all_to_all_seconds(sent, node)
     threshold = (n.count - 1) / n.count * b * rate / (3 * bandwidth)
     return {"link": n.link.name, "threshold F": threshold, "formula: compute / all-to-all": hidden / threshold}
+
+
+@dataclass
+class ModelledStep:
+    """One step of an expert-parallel layer in modelled time, from where the tokens really went."""
+
+    timeline: Timeline
+    node: str
+    all_to_all: float  # seconds of one all-to-all (the busiest rank's share sets it)
+    experts: list[float]  # per rank: its experts' forward + backward seconds
+    assignments: list[int]  # per rank: the assignments its experts computed
+
+    @property
+    def step(self) -> float:
+        return self.timeline.makespan
+
+    @property
+    def communication(self) -> float:
+        return 4 * self.all_to_all  # dispatch and combine, forward and backward
+
+
+def moe_step(counts: torch.Tensor, node: str, dim: int, hidden: int, dtype: str = "bfloat16") -> ModelledStep:
+    """The step of an expert-parallel group of `node`'s ranks, `counts` (ranks, experts) the assignments
+    each rank sends each expert: dispatch, the experts' forward, combine; in backward the combine's and
+    dispatch's all-to-alls the other way around the experts' backward. An all-to-all ends for all
+    when the last rank reaches it."""
+    n = parse_node(node).count
+    local = counts.shape[1] // n
+    between = counts.view(n, n, local).sum(2) * (1 - torch.eye(n, dtype=counts.dtype))  # [source, dest], off-rank
+    row = dim * torch_dtype(dtype).itemsize
+    a2a = all_to_all_seconds(float(torch.maximum(between.sum(1), between.sum(0)).max()) * row, node)
+    arrived = counts.sum(0).view(n, local).round().long()  # per rank, per local expert
+
+    def experts(kind: str, rank: int) -> float:
+        return sum(expert_seconds(kind, int(t), dim, hidden, node, dtype) for t in arrived[rank])
+
+    fwd, bwd = [experts("forward", r) for r in range(n)], [experts("backward", r) for r in range(n)]
+    spans, t = [], 0.0
+    for phase in ("dispatch", "F", "combine", "combine backward", "B", "dispatch backward"):
+        lengths = {"F": fwd, "B": bwd}.get(phase, [a2a] * n)
+        lane = "compute" if phase in ("F", "B") else "comm"
+        spans += [Span(r, lane, phase, t, t + lengths[r]) for r in range(n) if lengths[r] > 0]
+        t += max(lengths)
+    return ModelledStep(Timeline(spans), node, a2a, [f + b for f, b in zip(fwd, bwd)],
+                        [int(a) for a in arrived.sum(1)])

@@ -1,28 +1,20 @@
-"""Lesson 14 from a notebook: one attention layer's sequence split over ranks, ring and all-to-all.
-
-Each rank runs every variant on the same data (ring attention on contiguous and zig-zag shards,
-causal and not; all-to-all (Ulysses); torch's `context_parallel` where it runs on CPU), returns its
-outputs and the gradients of its queries, keys and values, the bytes its messages carried and the
-bytes its forward kept for backward, then times causal ring steps both ways on the timeline.
-`gather` checks every variant against one process's attention and builds the `ContextParallelRun`.
-Modelled times (part 5) come from `pipelab.emulate`'s flash-attention and message models alone.
-"""
+"""Lesson 14 from a notebook: one attention layer's sequence split over ranks, ring and all-to-all,
+every variant checked against one process's attention; the 128K-token figures are modelled."""
 
 from __future__ import annotations
 
+from contextlib import nullcontext
 from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
 
 from pipelab import experiments
-from pipelab.checks import whole_number
+from pipelab.checks import divides, whole_number
 from pipelab.context_parallel import Layout, Ring, ring_attention, ulysses_attention
-from pipelab.emulate import seconds
-from pipelab.emulate.attention import attention_flops, flash_attention_seconds
+from pipelab.emulate.attention import attention_flops, ring_step_seconds
 from pipelab.experiments.tensor_parallel import saved_activation_bytes
-from pipelab.experiments.torch_context_parallel import torch_context_parallel
-from pipelab.measure import Measured, time_steps
+from pipelab.measure import Measured, RankSteps, compare, gather_steps, time_steps
 from pipelab.tensor_parallel.comm import CommMeter
 from pipelab.timeline import Timeline
 from pipelab.worker import RankContext
@@ -32,6 +24,7 @@ VARIANTS = {"ring": ("ring", "contiguous", False), "ring causal": ("ring", "cont
             "ring zigzag": ("ring", "zigzag", False), "ring zigzag causal": ("ring", "zigzag", True),
             "ulysses": ("ulysses", "contiguous", False), "ulysses causal": ("ulysses", "contiguous", True),
             "torch": ("torch", "zigzag", False)}  # torch's default "head-tail" load balancer is zig-zag
+LAYOUTS = ("contiguous", "zigzag")  # of the timed causal passes
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -52,18 +45,12 @@ class Config(experiments.Config):
         super().check()
         for name in ("batch", "heads", "head_dim", "seq_len", "timed_seq_len", "steps"):
             whole_number(name, getattr(self, name))
-        n = self.world_size
-        if self.heads % n:
-            raise ValueError(f"heads={self.heads} does not divide by world_size={n}: all-to-all (Ulysses) "
-                             f"gives each rank heads / world_size whole heads; use heads that is a multiple "
-                             f"of {n}, or world_size in {[k for k in range(1, self.heads + 1) if self.heads % k == 0]}")
-        for name in ("seq_len", "timed_seq_len"):
-            if getattr(self, name) % (2 * n):
-                raise ValueError(f"{name}={getattr(self, name)} does not divide by 2 x world_size = {2 * n}: "
-                                 f"zig-zag cuts the sequence into 2n chunks (rank r holds r and 2n-1-r); use "
-                                 f"a multiple of {2 * n}")
-        bad = [v for v in self.variants if v not in VARIANTS]
-        if bad or not self.variants:
+        divides("heads", self.heads, "world_size", self.world_size)  # all-to-all: heads / world_size each
+        for name, n in (("seq_len", self.seq_len), ("timed_seq_len", self.timed_seq_len)):
+            if n % (2 * self.world_size):  # zig-zag: 2n chunks, rank r holds r and 2n-1-r
+                raise ValueError(f"{name}={n} does not split into 2 x world_size = {2 * self.world_size} zig-zag "
+                                 f"chunks; use a multiple of {2 * self.world_size}")
+        if not self.variants or any(v not in VARIANTS for v in self.variants):
             raise ValueError(f"variants must be some of {list(VARIANTS)}, got {list(self.variants)!r}")
 
     def data(self, seq_len: int | None = None) -> list[torch.Tensor]:
@@ -73,19 +60,29 @@ class Config(experiments.Config):
         return [torch.randn(shape, generator=g) for _ in range(4)]
 
 
-def layout_of(variant: str, ranks: int) -> Layout:
-    return Layout(VARIANTS[variant][1], ranks)
+def torch_context_parallel(ctx: RankContext, cfg) -> tuple[torch.Tensor, dict[str, str]]:
+    """torch's `context_parallel` (it shards q, k, v in place, head-tail: our zig-zag) non-causal with the
+    math backend, as runs on CPU: this rank's output, and per backend what causal attention answered."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.experimental import context_parallel
+    from torch.nn.attention import SDPBackend, sdpa_kernel
 
+    mesh = init_device_mesh(ctx.device.type, (ctx.world_size,))
 
-def attention(variant: str, q, k, v, ring: Ring):
-    """One variant's attention on this rank's shards."""
-    method, name, causal = VARIANTS[variant]
-    if method == "ring":
-        return ring_attention(q, k, v, ring, Layout(name, ring.size), causal)
-    return ulysses_attention(q, k, v, ring, causal)
+    def attend(causal: bool, kernel) -> torch.Tensor:
+        q, k, v = (t.to(ctx.device) for t in cfg.data()[:3])
+        with context_parallel(mesh, buffers=[q, k, v], buffer_seq_dims=[2, 2, 2]), kernel:
+            return F.scaled_dot_product_attention(q, k, v, is_causal=causal)
 
-
-# ---- On each rank -----------------------------------------------------------------------------------
+    out = attend(False, sdpa_kernel(SDPBackend.MATH)).detach().cpu()
+    answers = {}
+    for backend in ("math", "default"):
+        try:
+            attend(True, sdpa_kernel(SDPBackend.MATH) if backend == "math" else nullcontext())
+            answers[f"causal, {backend} backend"] = "ran"
+        except Exception as e:  # noqa: BLE001 - what torch raised is the lesson's figure
+            answers[f"causal, {backend} backend"] = f"{type(e).__name__}: {str(e).strip().splitlines()[0]}"
+    return out, answers
 
 
 @dataclass
@@ -98,10 +95,8 @@ class VariantResult:
 
 @dataclass
 class Result:
-    rank: int
     variants: dict[str, VariantResult]
-    seconds: dict[str, list[float]]  # layout -> timed causal ring passes
-    timelines: dict[str, Timeline]  # layout -> the last timed pass
+    steps: dict[str, RankSteps]  # layout -> the timed causal ring passes
     torch_refusals: dict[str, str]
 
 
@@ -113,26 +108,23 @@ def worker(ctx: RankContext, cfg: Config) -> Result:
             out, refusals = torch_context_parallel(ctx, cfg)
             variants[variant] = VariantResult(out, (), {}, 0)
             continue
-        ring = Ring.world(meter=CommMeter())
-        layout = layout_of(variant, ctx.world_size)
+        method, name, causal = VARIANTS[variant]
+        ring, layout = Ring.world(meter=CommMeter()), Layout(name, ctx.world_size)
         q, k, v, g = (layout.shard(t, ctx.rank).to(ctx.device) for t in cfg.data())
         q, k, v = (t.requires_grad_() for t in (q, k, v))
-        out, kept = saved_activation_bytes(lambda: attention(variant, q, k, v, ring), set())
+        out, kept = saved_activation_bytes(lambda: ring_attention(q, k, v, ring, layout, causal) if method == "ring"
+                                           else ulysses_attention(q, k, v, ring, causal), set())
         (out * g).sum().backward()
         variants[variant] = VariantResult(out.detach().cpu(), tuple(t.grad.cpu() for t in (q, k, v)),
                                           dict(ring.meter.bytes), kept)
-    seconds, timelines = {}, {}
-    for name in ("contiguous", "zigzag"):
+    steps = {}
+    for name in LAYOUTS:
         ring, layout = Ring.world(rec=ctx.rec), Layout(name, ctx.world_size)
         q, k, v, g = (layout.shard(t, ctx.rank).to(ctx.device) for t in cfg.data(cfg.timed_seq_len))
         q.requires_grad_()
-        steps = time_steps(ctx, lambda i: (ring_attention(q, k, v, ring, layout, True) * g).sum().backward(),
-                           cfg.steps)
-        seconds[name], timelines[name] = steps.seconds, steps.timelines[-1]
-    return Result(ctx.rank, variants, seconds, timelines, refusals)
-
-
-# ---- The parent side --------------------------------------------------------------------------------
+        steps[name] = time_steps(ctx, lambda i: (ring_attention(q, k, v, ring, layout, True) * g).sum().backward(),
+                                 cfg.steps)
+    return Result(variants, steps, refusals)
 
 
 @dataclass
@@ -144,7 +136,6 @@ class VariantRun:
 
     @property
     def difference(self) -> float:
-        """The largest of `differences`."""
         return max(self.differences.values())
 
 
@@ -158,45 +149,41 @@ class ContextParallelRun:
     timelines: dict[str, Timeline] = field(repr=False, default_factory=dict)
     torch_refusals: dict[str, str] = field(default_factory=dict)
 
-    def __getitem__(self, name: str) -> VariantRun:
-        return self.variants[name]
-
 
 def run(cfg: Config) -> ContextParallelRun:
     return experiments.run(worker, cfg, gather)
 
 
-def reference(cfg: Config, causal: bool) -> list[torch.Tensor]:
-    """Attention over the whole sequence in this process: output, dQ, dK, dV."""
-    q, k, v, g = cfg.data()
-    q, k, v = (t.requires_grad_() for t in (q, k, v))
-    out = F.scaled_dot_product_attention(q, k, v, is_causal=causal)
-    (out * g).sum().backward()
-    return [out.detach(), q.grad, k.grad, v.grad]
+def reference(cfg: Config) -> dict[bool, list[torch.Tensor]]:
+    """Attention over the whole sequence in this process, not causal and causal: output, dQ, dK, dV."""
+    def once(causal: bool) -> list[torch.Tensor]:
+        q, k, v, g = cfg.data()
+        q, k, v = (t.requires_grad_() for t in (q, k, v))
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=causal)
+        (out * g).sum().backward()
+        return [out.detach(), q.grad, k.grad, v.grad]
+    return {causal: once(causal) for causal in (False, True)}
 
 
 def gather(cfg: Config, results: list[Result]) -> ContextParallelRun:
-    n = cfg.world_size
-    want = {causal: reference(cfg, causal) for causal in (False, True)}
-    variants = {}
+    n, want, variants = cfg.world_size, reference(cfg), {}
     for name in cfg.variants:
         per_rank = [r.variants[name] for r in results]
-        layout = layout_of(name, n)
+        layout = Layout(VARIANTS[name][1], n)
         got = [layout.unshard([r.output for r in per_rank])]
         got += [layout.unshard([r.grads[i] for r in per_rank]) for i in range(len(per_rank[0].grads))]
         diff = {t: float((a - b).abs().max())  # torch's: the output only
                 for t, a, b in zip(("output", "dQ", "dK", "dV"), got, want[VARIANTS[name][2]])}
         sent = {d: sum(b for (_, dd), b in per_rank[0].sent.items() if dd == d) for d in ("forward", "backward")}
         variants[name] = VariantRun(name, diff, sent, per_rank[0].activation_bytes)
-    step_time = {name: Measured.of([max(s) for s in zip(*(r.seconds[name] for r in results))])
-                 for name in ("contiguous", "zigzag")}
-    timelines = {name: Timeline.merge(r.timelines[name] for r in results) for name in ("contiguous", "zigzag")}
-    return ContextParallelRun(cfg, variants, *one_process_memory(cfg), step_time, timelines, results[0].torch_refusals)
+    steps = {name: gather_steps([r.steps[name] for r in results]) for name in LAYOUTS}
+    return ContextParallelRun(cfg, variants, *one_process_memory(cfg), {n: s.step_time for n, s in steps.items()},
+                              {n: s.timelines[-1] for n, s in steps.items()}, results[0].torch_refusals)
 
 
 def one_process_memory(cfg: Config) -> tuple[int, int]:
-    """Bytes kept for backward in one process: by the ring code on a ring of one, and by torch's
-    math attention (which keeps the probabilities, s x s per head)."""
+    """Bytes kept for backward in one process: by the ring code on a ring of one, and by torch's math
+    attention, which keeps the s x s probabilities."""
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
     q, k, v, _ = (t.requires_grad_() for t in cfg.data())
@@ -207,25 +194,14 @@ def one_process_memory(cfg: Config) -> tuple[int, int]:
     return ring_bytes, math_bytes
 
 
-# ---- Formulas: bytes each rank sends, work each rank does -------------------------------------------
-
-
-def shard_bytes(cfg: Config) -> int:
-    """B: the bytes of one rank's shard of K (or of Q, V, O): batch x heads x s/n x head_dim floats."""
-    return cfg.batch * cfg.heads * cfg.seq_len // cfg.world_size * cfg.head_dim * 4
-
-
-def ring_formula(cfg: Config) -> dict[str, int]:
-    """Ring: forward passes K and V on n-1 times (2B each); backward passes K, V, dK, dV on n-1
-    times (4B) and dK, dV home once more (2B)."""
-    n, b = cfg.world_size, shard_bytes(cfg)
-    return {"forward": (n - 1) * 2 * b, "backward": (n - 1) * 4 * b + 2 * b}
-
-
-def ulysses_formula(cfg: Config) -> dict[str, int]:
-    """All-to-all: forward re-shards Q, K, V and O back (4 tensors of B), each rank keeping 1/n of
-    each and sending (n-1)/n; backward the same four, in reverse."""
-    n, b = cfg.world_size, shard_bytes(cfg)
+def formula(method: str, cfg: Config) -> dict[str, int]:
+    """Bytes a rank sends, with B one rank's shard of K (batch x heads x s/n x head_dim floats).
+    Ring: forward K and V on n-1 times (2B each); backward K, V, dK, dV on n-1 times and dK, dV home
+    once more. All-to-all: Q, K, V and O back re-sharded, (n-1)/n of each sent; backward the same."""
+    n = cfg.world_size
+    b = cfg.batch * cfg.heads * cfg.seq_len // n * cfg.head_dim * 4
+    if method == "ring":
+        return {"forward": (n - 1) * 2 * b, "backward": (n - 1) * 4 * b + 2 * b}
     return {"forward": 4 * b * (n - 1) // n, "backward": 4 * b * (n - 1) // n}
 
 
@@ -233,19 +209,16 @@ def bytes_table(run: ContextParallelRun) -> list[dict]:
     """Per variant: bytes rank 0 sent forward and backward, counted from its messages, beside the formula."""
     rows = []
     for name, v in run.variants.items():
-        method = VARIANTS[name][0]
-        if method == "torch":
-            continue
-        formula = (ring_formula if method == "ring" else ulysses_formula)(run.cfg)
-        rows.append({"variant": name, "sent forward": v.sent["forward"], "formula forward": formula["forward"],
-                     "sent backward": v.sent["backward"], "formula backward": formula["backward"]})
+        if (method := VARIANTS[name][0]) != "torch":
+            want = formula(method, run.cfg)
+            rows.append({"variant": name, "sent forward": v.sent["forward"], "formula forward": want["forward"],
+                         "sent backward": v.sent["backward"], "formula backward": want["backward"]})
     return rows
 
 
 def blocks_per_rank(layout: str, ranks: int, causal: bool = True) -> dict[int, float]:
-    """Per rank: the work its ring attention does in one forward, in blocks of (s/n)^2 token pairs,
-    counted from the algorithm's own pairing of query and key chunks (a zig-zag chunk pair is a
-    quarter block; a diagonal pair counts whole, as a block kernel computes it masked)."""
+    """Per rank: its ring attention's work in one forward in blocks of (s/n)^2 token pairs, counted from the
+    algorithm's own pairing of chunks (a zig-zag pair is a quarter block; a masked diagonal pair counts whole)."""
     from pipelab.context_parallel.ring import _pairs
 
     lay = Layout(layout, ranks)
@@ -253,30 +226,18 @@ def blocks_per_rank(layout: str, ranks: int, causal: bool = True) -> dict[int, f
     return {r: size * sum(1 for k in range(ranks) for _ in _pairs(lay, r, k, 1, causal)) for r in range(ranks)}
 
 
-# ---- Modelled time at 128K tokens of a 7B-sized layer -----------------------------------------------
-
-LAYER_7B = {"heads": 32, "head_dim": 128, "hidden": 4096}  # Llama 2 7B's attention
-
-
 def ring_overlap(tokens: int = 128 * 1024, ranks: tuple[int, ...] = (2, 4, 8, 16, 32, 64),
                  per_node: int = 8) -> list[dict]:
-    """Per ring size n: one causal zig-zag ring step of a 7B-sized attention layer (each rank s/n
-    tokens; a step attends them to half a block of keys), its K/V transfer beside it, and how much
-    of the transfer the attention hides. Up to `per_node` ranks the ring runs over NVLink; beyond,
-    a ring step waits for the hop between nodes, over InfiniBand NDR. Modelled, not measured."""
-    h, d = LAYER_7B["heads"], LAYER_7B["head_dim"]
+    """Per ring size n: a modelled causal zig-zag ring step of Llama 2 7B's attention (32 heads of 128) on s/n
+    tokens per rank, its K/V passing, and the share hidden; beyond `per_node` ranks over InfiniBand NDR."""
     rows = []
     for n in ranks:
-        c = tokens // n
-        node = f"{n}xH100-nvlink" if n <= per_node else f"{n}xH100-ib"
-        kv = 2 * c * LAYER_7B["hidden"] * 2  # K and V of s/n tokens in bf16
-        fwd, bwd = (flash_attention_seconds(kind, (1, h, c, c // 2, d), node) for kind in ("forward", "backward"))
-        fwd_comm, bwd_comm = (seconds("send", nbytes=b, node=node) for b in (kv, 2 * kv))  # backward: dK, dV too
-        hidden = min(1.0, (fwd + bwd) / (fwd_comm + bwd_comm))
-        rows.append({"ranks": n, "tokens per rank": c, "link": "NVLink 4" if n <= per_node else "InfiniBand NDR",
-                     "attention fwd+bwd (ms)": round((fwd + bwd) * 1e3, 3),
-                     "K/V passing fwd+bwd (ms)": round((fwd_comm + bwd_comm) * 1e3, 3),
-                     "hidden": f"{hidden:.0%}"})
+        nvlink = n <= per_node
+        attention, kv = ring_step_seconds(tokens // n, 32, 128, f"{n}xH100-{'nvlink' if nvlink else 'ib'}")
+        rows.append({"ranks": n, "tokens per rank": tokens // n, "link": "NVLink 4" if nvlink else "InfiniBand NDR",
+                     "attention fwd+bwd (ms)": round(attention * 1e3, 3),
+                     "K/V passing fwd+bwd (ms)": round(kv * 1e3, 3),
+                     "hidden": f"{min(1.0, attention / kv):.0%}"})
     return rows
 
 
@@ -287,8 +248,6 @@ NEMO_CP = [{"sequence": "128K", "without CP (TFLOP/s per GPU)": 424, "with CP": 
            {"sequence": "512K", "without CP (TFLOP/s per GPU)": 104, "with CP": 549},
            {"sequence": "1M", "without CP (TFLOP/s per GPU)": 26.5, "with CP": 536}]
 
-
-# ---- Verdicts ---------------------------------------------------------------------------------------
 
 TOLERANCE = 1e-4  # float32 sums in another order: far above rounding, far below a wrong block
 
@@ -303,9 +262,6 @@ def same_as_one_process(run: ContextParallelRun) -> tuple[str, str, str, dict]:
 
 
 def balance_verdict(run: ContextParallelRun) -> tuple[str, str, str, dict]:
-    """The measured causal step both ways (the blocks each rank computes are in the table above it)."""
-    from pipelab.measure import compare
-
     contiguous, zigzag = run.step_time["contiguous"], run.step_time["zigzag"]
     verdict = compare(zigzag, contiguous)
     text = (f"measured, a causal pass took {zigzag.median * 1e3:.0f} ms with zig-zag shards, which even out the "
@@ -314,10 +270,9 @@ def balance_verdict(run: ContextParallelRun) -> tuple[str, str, str, dict]:
 
 
 def bytes_verdict(run: ContextParallelRun) -> tuple[str, str, str, dict]:
-    rows = bytes_table(run)
-    exact = all(r["sent forward"] == r["formula forward"] and r["sent backward"] == r["formula backward"] for r in rows)
-    ring, a2a = ring_formula(run.cfg), ulysses_formula(run.cfg)
-    ratio = sum(ring.values()) / sum(a2a.values())
+    exact = all(r["sent forward"] == r["formula forward"] and r["sent backward"] == r["formula backward"]
+                for r in bytes_table(run))
+    ratio = sum(formula("ring", run.cfg).values()) / sum(formula("ulysses", run.cfg).values())
     verdict = "as the formulas count" if exact else "differs from the formulas"
     text = (f"counted from the messages, {verdict}: per layer the ring sends (6n-4)B per rank, "
             f"all-to-all 8(n-1)B/n, {ratio:.1f}x less at n={run.cfg.world_size}")
@@ -334,7 +289,6 @@ def memory_verdict(run: ContextParallelRun) -> tuple[str, str, str, dict]:
 
 
 def overlap_verdict(rows: list[dict]) -> tuple[str, str, str, dict]:
-    """Where the modelled K/V passing stops hiding behind the modelled attention as n grows."""
     at8 = next(r for r in rows if r["ranks"] == 8)
     exposed = next((r for r in rows if r["hidden"] != "100%"), None)
     where = f"n={exposed['ranks']} ({exposed['link']})" if exposed else f"none up to n={rows[-1]['ranks']}"
@@ -344,28 +298,25 @@ def overlap_verdict(rows: list[dict]) -> tuple[str, str, str, dict]:
 
 
 def torch_verdict(run: ContextParallelRun) -> tuple[str, str, str, dict]:
-    diff = run["torch"].difference
+    diff = run.variants["torch"].difference
     verdict = "same" if diff <= TOLERANCE else "different"
-    refused = [k for k, a in run.torch_refusals.items() if a != "ran"]
+    refused = sum(a != "ran" for a in run.torch_refusals.values())
     text = (f"torch's context_parallel (non-causal, math backend) gives one process's output ({verdict}, "
-            f"largest difference {diff:.1e}); on CPU it refused {len(refused)} of {len(run.torch_refusals)} causal tries")
+            f"largest difference {diff:.1e}); on CPU it refused {refused} of {len(run.torch_refusals)} causal tries")
     return "14.torch_context_parallel", verdict, text, {"difference": diff}
 
 
 def nemo_verdict(rows: list[dict]) -> tuple[str, str, str, dict]:
-    """What the modelled ring step can say beside NeMo's published figures, and what it cannot."""
-    with_cp = [r["with CP"] for r in NEMO_CP]
     at8 = next(r for r in rows if r["ranks"] == 8)
     verdict = "consistent" if at8["hidden"] == "100%" else "K/V passing exposed"
-    text = (f"NeMo keeps {min(with_cp):g}+ TFLOP/s per GPU with CP up to 1M tokens; the model hides K/V passing at "
+    text = (f"NeMo keeps {min(r['with CP'] for r in NEMO_CP):g}+ TFLOP/s per GPU with CP up to 1M tokens; the model hides K/V passing at "
             f"8 ranks ({verdict}) but cannot explain throughput without CP")
     return "14.nemo", verdict, text, {"hidden_at_8": at8["hidden"]}
 
 
 def run_flops(params: dict) -> float:
-    """FLOPs of one run of lesson 14 at the notebook parameters `params` (missing names: the defaults),
-    counted on the meta device: a forward and backward of the whole sequence per variant, and
-    `steps` causal passes per layout (a causal pass does about half the work)."""
+    """FLOPs of one run of lesson 14 at the notebook parameters `params` (missing names: the defaults):
+    a forward and backward of the whole sequence per variant, `steps` causal passes (half that) per layout."""
     cfg = Config(**{k: v for k, v in params.items() if k in Config.__dataclass_fields__})
 
     def pass_flops(s: int) -> float:  # as torch's counter counts attend_block and block_grads

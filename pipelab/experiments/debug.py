@@ -1,15 +1,10 @@
-"""Lesson 17 from a notebook: hangs and silent gradient bugs, planted on real gloo ranks, each
-beside the check that finds it and a one-process reference.
-
-Every planted hang runs under a small process-group timeout (`Config.hang_seconds`, per operation,
-`pipelab.debug.runs`): it ends in seconds and leaves no process behind. Times called "measured" are
-wall-clock seconds of the call on this machine, start-up of the ranks included.
-"""
+"""Lesson 17 from a notebook: hangs and silent gradient bugs planted on real gloo ranks, each beside
+the check that finds it and a one-process reference. A planted hang ends after `Config.hang_seconds`
+and leaves no process behind; "measured" times are the call's wall clock, rank start-up included."""
 
 from __future__ import annotations
 
 import functools
-import shutil
 import tempfile
 from dataclasses import dataclass, field
 
@@ -31,9 +26,8 @@ ISSUES = {"zero_bubble_w_pass": "pytorch#144530", "shard_group_of_one": "verl#74
 
 @dataclass(frozen=True, kw_only=True)
 class Config(experiments.Config):
-    """Two ranks; a model of `width` features, a batch of `batch` rows; planted hangs stopped after
-    `hang_seconds` (the process group's timeout, and the flight recorder's); the collective check
-    waits `check_seconds` for a peer's call; the flight recorder keeps `capacity` operations."""
+    """Two ranks, a model of `width` features, `batch` rows; a planted hang stops after `hang_seconds`,
+    the collective check waits `check_seconds` for a peer, the flight recorder keeps `capacity` operations."""
 
     width: int = 8
     batch: int = 16
@@ -67,11 +61,7 @@ class Config(experiments.Config):
 
 
 def mse(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-    """The lesson's loss: mean squared error of the model's output."""
     return F.mse_loss(model(x), y)
-
-
-# ---- 1. A collective mismatch -----------------------------------------------------------------------
 
 
 def collective_mismatch(cfg: Config, torch_runs: bool = True) -> list[Outcome]:
@@ -91,7 +81,6 @@ def names_both_calls(outcome: Outcome) -> bool:
 
 
 def mismatch_verdict(outcomes: list[Outcome]) -> tuple[str, str, str, dict]:
-    """Whether our check named both calls, and which of torch's runs did too."""
     ours, others = outcomes[-1], outcomes[:-1]
     if not names_both_calls(ours):
         return "debug.mismatch", "not named", f"The check did not name both calls: {ours.message[:100]}", {}
@@ -102,16 +91,10 @@ def mismatch_verdict(outcomes: list[Outcome]) -> tuple[str, str, str, dict]:
     return "debug.mismatch", "named", text + ".", {"torch_named": len(named)}
 
 
-# ---- 2. A point-to-point deadlock under NCCL's rule -------------------------------------------------
-
-
 def p2p_deadlock(cfg: Config) -> list[Outcome]:
     """The same program on gloo and under NCCL's ordering rule (`spawn(nccl_rule=True)`)."""
     return [attempt("gloo", receive_first, cfg.world_size, cfg.hang_seconds),
             attempt("NCCL's rule", receive_first, cfg.world_size, cfg.hang_seconds, nccl_rule=True)]
-
-
-# ---- 3. A hang in a pipeline, read from the flight recorders' dumps ---------------------------------
 
 
 @dataclass
@@ -124,21 +107,17 @@ class HangRun:
 
 
 def planted_hang(cfg: Config, plant: str = "microbatches") -> HangRun:
-    """Run the pipeline with its planted hang; read the dumps the ranks left."""
+    """The pipeline with its planted hang, and the dumps the ranks left, read."""
     if plant not in ("microbatches", "stall"):
         raise ValueError(f"plant must be 'microbatches' or 'stall', got {plant!r}")
-    dump_dir = tempfile.mkdtemp(prefix="pipelab-flight-")
-    try:
+    with tempfile.TemporaryDirectory(prefix="pipelab-flight-", ignore_cleanup_errors=True) as dump_dir:
         outcome = attempt(f"pipeline, {plant}", pipeline_with_planted_hang, cfg.world_size, cfg, dump_dir, plant,
                           timeout=cfg.timeout)
         dumps = load_dumps(dump_dir)
-    finally:
-        shutil.rmtree(dump_dir, ignore_errors=True)
     return HangRun(outcome, dumps, diagnose(dumps))
 
 
 def recorder_verdict(run: HangRun) -> tuple[str, str, str, dict]:
-    """Who waits for whom, from the dumps alone."""
     d = run.diagnosis
     if not d.waits:
         return "debug.recorder", "no wait found", "The dumps show no rank waiting on an operation.", {}
@@ -150,11 +129,8 @@ def recorder_verdict(run: HangRun) -> tuple[str, str, str, dict]:
     return "debug.recorder", "behind" if d.behind else "cycle", text, {"issued": w.peer_count, "needed": w.wanted}
 
 
-# ---- 4. Silent gradient bugs, beside one process ----------------------------------------------------
-
-
 def case_model(cfg: Config, name: str) -> nn.Module:
-    """The model a case trains: the expert case has one expert per rank."""
+    """The model a case trains (the expert case: one expert per rank)."""
     if name == "expert_gradients":
         return bugs.TinyMoE(cfg.width, cfg.world_size, cfg.batch // (2 * cfg.world_size))
     return cfg.model()
@@ -166,7 +142,7 @@ def replicated(model: nn.Module, name: str) -> nn.Module | None:
 
 
 def bugs_worker(ctx, cfg: Config) -> dict:
-    """Every case with its bug and with its fix: the loss share, the gradients, the replica check."""
+    """Every case with its bug and its fix: the loss share, the gradients, the replica check."""
     x, y = cfg.data()
     out = {}
     for name in ISSUES:
@@ -175,8 +151,8 @@ def bugs_worker(ctx, cfg: Config) -> dict:
             step = functools.partial(getattr(bugs, name), fixed=fixed)
             loss, grads = rank_gradients(ctx, step, model, mse, x, y)
             module = replicated(model, name)
-            report = None if module is None else check_replicas(module)
-            out[name, fixed] = (loss, grads, None if report is None else str(report), report is None or report.agree)
+            replicas = "n/a" if module is None else "agree" if check_replicas(module).agree else "differ"
+            out[name, fixed] = loss, grads, replicas
     return out
 
 
@@ -191,7 +167,7 @@ class BugRow:
 
 
 def silent_bugs(cfg: Config) -> list[BugRow]:
-    """Run every case (bug, then fix) on real ranks; compare each with its one-process reference."""
+    """Every case, bug then fix, on real ranks, each compared with its one-process reference."""
     results = spawn(bugs_worker, cfg.world_size, cfg, timeout=cfg.timeout)
     x, y = cfg.data()
     rows = []
@@ -199,11 +175,9 @@ def silent_bugs(cfg: Config) -> list[BugRow]:
         reference = reference_gradients(case_model(cfg, name), mse, x, y)
         for fixed in (False, True):
             per_rank = [r[name, fixed] for r in results]
-            c = compare([(loss, grads) for loss, grads, _, _ in per_rank], reference)
+            c = compare([(loss, grads) for loss, grads, _ in per_rank], reference)
             loss_same = c.loss is not None and abs(c.loss - c.reference_loss) <= 1e-5 * max(1.0, abs(c.reference_loss))
-            report, agree = per_rank[0][2], per_rank[0][3]
-            replicas = "n/a" if report is None else "agree" if agree else "differ"
-            rows.append(BugRow(name, issue, fixed, loss_same, replicas, c))
+            rows.append(BugRow(name, issue, fixed, loss_same, per_rank[0][2], c))
     return rows
 
 
@@ -216,7 +190,6 @@ def bug_table(rows: list[BugRow]) -> list[dict]:
 
 
 def bugs_verdict(rows: list[BugRow]) -> tuple[str, str, str, dict]:
-    """Did every bug keep the loss right, did a check catch each, does every fix match one process?"""
     buggy, fixed = [r for r in rows if not r.fixed], [r for r in rows if r.fixed]
     hidden = sum(r.loss_same for r in buggy)
     caught = sum((not r.comparison.same) or r.replicas == "differ" for r in buggy)

@@ -1,28 +1,19 @@
-"""Lesson 15's load: where the router sends tokens, and what an uneven load costs in modelled time.
-
-Tokens per expert before and after the balancing loss trains (one process: lesson 15 shows the
-layer over ranks equals it); one step of the layer in modelled time (`pipelab.emulate.moe` times
-each part) from where the tokens really went, so the busiest expert's rank sets the pace; a
-capacity-factor sweep; the scaling book's condition for the all-to-alls to hide, beside the step.
-"""
+"""Lesson 15's load: tokens per expert before and after the balancing loss trains (in one process,
+which lesson 15 shows the layer over ranks equals), and what an uneven load costs in modelled time."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import replace
 
 import torch
 
-from pipelab.emulate.moe import all_to_all_seconds, expert_seconds, hiding_condition
+from pipelab.emulate.moe import ModelledStep, hiding_condition, moe_step
 from pipelab.experiments.expert_parallel import Config, one_thread
-from pipelab.timeline import Span, Timeline
-
-
-# ---- Load: tokens per expert before and after the balancing loss trains -----------------------------
 
 
 def load_after_training(cfg: Config, steps: int, aux_weight: float, lr: float = 0.1) -> list[torch.Tensor]:
-    """Tokens per expert (all ranks' tokens, before capacity: where the router sends them) before
-    and after each of `steps` SGD steps of the one-process layer with the balancing loss at `aux_weight`."""
+    """Tokens per expert (all ranks', before capacity) before and after each of `steps` SGD steps of
+    the one-process layer with the balancing loss at `aux_weight`."""
     layer = cfg.layer()
     data = [cfg.data(rank) for rank in range(cfg.world_size)]
     opt = torch.optim.SGD(layer.parameters(), lr=lr)
@@ -31,67 +22,24 @@ def load_after_training(cfg: Config, steps: int, aux_weight: float, lr: float = 
         for step in range(steps + 1):
             outs = [layer(x) for x, _ in data]
             loads.append(sum(torch.bincount(o.routing.experts.reshape(-1), minlength=cfg.experts) for o in outs))
-            if step == steps:
-                return loads
-            loss = torch.stack([((o.y - t) ** 2).mean() + aux_weight * o.aux_loss for o, (_, t) in zip(outs, data)])
-            opt.zero_grad()
-            loss.mean().backward()
-            opt.step()
+            if step < steps:
+                opt.zero_grad()
+                torch.stack([((o.y - t) ** 2).mean() + aux_weight * o.aux_loss for o, (_, t) in zip(outs, data)]
+                            ).mean().backward()
+                opt.step()
     return loads
 
 
 def imbalance(load: torch.Tensor) -> float:
-    """The busiest expert's load over the mean load: 1 is even; the step waits on the busiest."""
+    """The busiest expert's load over the mean (1: even); the step waits on the busiest."""
     return float(load.max() / load.float().mean())
 
 
-# ---- A step in modelled time ------------------------------------------------------------------------
-
-
-@dataclass
-class ModelledStep:
-    """One step of the layer in modelled time, from where the tokens really went."""
-
-    timeline: Timeline
-    node: str
-    all_to_all: float  # seconds of one all-to-all (the busiest rank's share sets it)
-    experts: list[float]  # per rank: its experts' forward + backward seconds
-    assignments: list[int]  # per rank: the assignments its experts computed, at the modelled size
-
-    @property
-    def step(self) -> float:
-        return self.timeline.makespan
-
-    @property
-    def communication(self) -> float:
-        return 4 * self.all_to_all  # dispatch and combine, forward and backward
-
-
 def modelled_step(cfg: Config, counts: torch.Tensor, link: str | None = None) -> ModelledStep:
-    """The first expert-parallel group's step, counts (ranks, E) scaled to the modelled size: dispatch,
-    the experts' forward, combine; in backward the combine's and dispatch's all-to-alls the other
-    way around the experts' backward. An all-to-all ends for all when the last rank reaches it."""
-    n, local = cfg.ep_size, cfg.experts // cfg.ep_size
-    node = f"{n}x{link or cfg.link}"
-    c = counts[:n].double() * (cfg.modelled_tokens / cfg.tokens)
-    between = c.view(n, n, local).sum(2) * (1 - torch.eye(n, dtype=torch.double))  # [source, destination], off-rank
-    row = cfg.modelled_dim * getattr(torch, cfg.dtype).itemsize
-    a2a = all_to_all_seconds(float(torch.maximum(between.sum(1), between.sum(0)).max()) * row, node)
-    arrived = c.sum(0).view(n, local).round().long()  # per rank, per local expert
-
-    def experts(kind: str, rank: int) -> float:
-        return sum(expert_seconds(kind, int(t), cfg.modelled_dim, cfg.modelled_hidden, node, cfg.dtype)
-                   for t in arrived[rank])
-
-    fwd, bwd = [experts("forward", r) for r in range(n)], [experts("backward", r) for r in range(n)]
-    spans, t = [], 0.0
-    for phase in ("dispatch", "F", "combine", "combine backward", "B", "dispatch backward"):
-        lengths = {"F": fwd, "B": bwd}.get(phase, [a2a] * n)
-        lane = "compute" if phase in ("F", "B") else "comm"
-        spans += [Span(r, lane, phase, t, t + lengths[r]) for r in range(n) if lengths[r] > 0]
-        t += max(lengths)
-    return ModelledStep(Timeline(spans), node, a2a, [f + b for f, b in zip(fwd, bwd)],
-                        [int(a) for a in arrived.sum(1)])
+    """The first expert-parallel group's step on an emulated node, the run's counts (ranks, E)
+    scaled from its tokens per rank to the modelled size."""
+    scaled = counts[:cfg.ep_size].double() * (cfg.modelled_tokens / cfg.tokens)
+    return moe_step(scaled, f"{cfg.ep_size}x{link or cfg.link}", cfg.modelled_dim, cfg.modelled_hidden, cfg.dtype)
 
 
 def evenly(counts: torch.Tensor) -> torch.Tensor:
@@ -100,8 +48,8 @@ def evenly(counts: torch.Tensor) -> torch.Tensor:
 
 
 def routed_counts(cfg: Config) -> tuple[torch.Tensor, int]:
-    """Per rank and expert, the assignments kept (routed in one process, as each rank routes its
-    own tokens), and the assignments dropped."""
+    """Per rank and expert the assignments kept, routed in one process as each rank routes its own
+    tokens, and the assignments dropped."""
     layer = cfg.layer()
     with torch.no_grad(), one_thread():
         outs = [layer(cfg.data(rank)[0]) for rank in range(cfg.world_size)]
@@ -110,22 +58,15 @@ def routed_counts(cfg: Config) -> tuple[torch.Tensor, int]:
 
 def capacity_sweep(cfg: Config, factors: tuple[float, ...]) -> list[dict]:
     """Per capacity factor: the assignments dropped and the modelled step."""
-    rows = []
+    rows, assignments = [], cfg.world_size * cfg.tokens * cfg.top_k
     for f in factors:
-        c = replace(cfg, capacity_factor=f)
-        counts, dropped = routed_counts(c)
-        step = modelled_step(c, counts)
-        assignments = cfg.world_size * cfg.tokens * cfg.top_k
+        counts, dropped = routed_counts(c := replace(cfg, capacity_factor=f))
         rows.append({"capacity factor": f, "dropped (%)": round(100 * dropped / assignments, 1),
-                     "modelled step (ms)": round(step.step * 1e3, 3)})
+                     "modelled step (ms)": round(modelled_step(c, counts).step * 1e3, 3)})
     return rows
 
 
-# ---- Verdicts ---------------------------------------------------------------------------------------
-
-
 def balancing_verdict(loads: list[torch.Tensor], plain: list[torch.Tensor]) -> tuple[str, str, str, dict]:
-    """Whether the balancing loss evened the load (busiest over mean) more than training without it."""
     before, after, without = imbalance(loads[0]), imbalance(loads[-1]), imbalance(plain[-1])
     verdict = "evened" if after < before and after < without else "not evened"
     text = (f"with the balancing loss the busiest expert's load fell to {after:.2f}x the mean, against "
@@ -134,7 +75,6 @@ def balancing_verdict(loads: list[torch.Tensor], plain: list[torch.Tensor]) -> t
 
 
 def pace_verdict(step: ModelledStep, even: ModelledStep) -> tuple[str, str, str, dict]:
-    """Whether the busiest rank's experts set the modelled step, against the same load spread evenly."""
     busiest = max(range(len(step.experts)), key=step.experts.__getitem__)
     longer = step.step / even.step - 1
     verdict = "busiest sets the pace" if longer > 0 else "even"
@@ -144,7 +84,6 @@ def pace_verdict(step: ModelledStep, even: ModelledStep) -> tuple[str, str, str,
 
 
 def capacity_verdict(rows: list[dict]) -> tuple[str, str, str, dict]:
-    """What raising the capacity factor trades: dropped assignments against the modelled step."""
     lo, hi = rows[0], rows[-1]
     verdict = ("fewer drops, longer step" if hi["dropped (%)"] < lo["dropped (%)"]
                and hi["modelled step (ms)"] > lo["modelled step (ms)"] else "no trade")
@@ -154,7 +93,6 @@ def capacity_verdict(rows: list[dict]) -> tuple[str, str, str, dict]:
 
 
 def hiding_verdict(rows: list[dict]) -> tuple[str, str, str, dict]:
-    """Whether the scaling book's condition says what the modelled step shows, on every link."""
     agree = all((r["formula: compute / all-to-all"] > 1) == (r["modelled: compute / all-to-all"] > 1) for r in rows)
     hidden = [r["link"] for r in rows if r["modelled: compute / all-to-all"] > 1]
     text = (f"the condition {'agrees' if agree else 'disagrees'} with the modelled step on all {len(rows)} links: "
@@ -163,8 +101,8 @@ def hiding_verdict(rows: list[dict]) -> tuple[str, str, str, dict]:
 
 
 def hiding_table(cfg: Config, counts: torch.Tensor, links: tuple[str, ...]) -> list[dict]:
-    """Per link: the condition's threshold and ratio, beside the modelled step's (busiest rank's experts
-    over the four all-to-alls)."""
+    """Per link: the scaling book's threshold and ratio beside the modelled step's (the busiest rank's
+    experts over the four all-to-alls)."""
     rows = []
     for link in links:
         row = hiding_condition(f"{cfg.ep_size}x{link}", cfg.modelled_tokens, cfg.top_k, cfg.experts, cfg.modelled_dim,

@@ -1,11 +1,6 @@
-"""Lesson 15 from a notebook: a Mixture-of-Experts layer with its experts spread over ranks.
-
-Each rank routes its own tokens, sends them to the ranks holding their experts and gets the outputs
-back (`pipelab.expert_parallel`); `gather` runs the one-process layer on every rank's tokens (one
-group of tokens per rank, capacity counted per group, as GShard does) and checks the outputs, the
-dropped assignments, the loss and every gradient. The load and its modelled time are in
-`experiments.expert_load`.
-"""
+"""Lesson 15 from a notebook: a Mixture-of-Experts layer with its experts spread over ranks, checked
+against the one-process layer on every rank's tokens (one group per rank, capacity per group, as
+GShard does); the load and its modelled time are in `experiments.expert_load`."""
 
 from __future__ import annotations
 
@@ -14,16 +9,15 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
+from torch import nn
 
 from pipelab import experiments
-from pipelab.checks import divisors, positive_number, whole_number
+from pipelab.checks import divides, positive_number, whole_number
+from pipelab.emulate.cost import step_flops
 from pipelab.emulate.specs import parse_node
 from pipelab.expert_parallel import ExpertParallelGroups, ExpertParallelMoE, MoELayer, reduce_gradients
 from pipelab.measure import Measured, time_steps
 from pipelab.worker import RankContext
-
-SYNCS = ("reduce_gradients", "as_plain_data_parallel")
-
 
 @dataclass(frozen=True, kw_only=True)
 class Config(experiments.Config):
@@ -61,18 +55,15 @@ class Config(experiments.Config):
             whole_number(name, getattr(self, name))
         positive_number("capacity_factor", self.capacity_factor, example="capacity_factor=1.25")
         ep = whole_number("ep", self.ep_size, example=f"ep={self.world_size}")
-        if self.world_size % ep:
-            raise ValueError(f"ep={ep} does not divide world_size={self.world_size}: the ranks form world_size / ep "
-                             f"expert-parallel groups; use ep in {divisors(self.world_size)}")
-        if self.experts % ep:
-            raise ValueError(f"experts={self.experts} do not divide over ep={ep} ranks: each rank holds experts / ep "
-                             f"of them; use experts={ep * max(1, round(self.experts / ep))} or an ep that divides "
-                             f"{self.experts}")
+        divides("world_size", self.world_size, "ep", ep)  # world_size / ep expert-parallel groups
+        if self.experts % ep:  # each rank holds experts / ep of them
+            raise ValueError(f"experts={self.experts} do not divide over ep={ep} ranks; use experts="
+                             f"{ep * max(1, round(self.experts / ep))} or an ep that divides {self.experts}")
         if self.top_k > self.experts:
             raise ValueError(f"top_k={self.top_k} is more than the experts={self.experts} a token can go to; "
                              f"use top_k <= {self.experts} (Switch Transformer 1, Mixtral 2)")
-        if not self.syncs or any(s not in SYNCS for s in self.syncs):
-            raise ValueError(f"syncs must be some of {SYNCS}, got {self.syncs!r}")
+        if not self.syncs or any(s not in SYNC for s in self.syncs):
+            raise ValueError(f"syncs must be some of {tuple(SYNC)}, got {self.syncs!r}")
         parse_node(f"{ep}x{self.link}")  # a bad name lists the known devices and links
 
     def layer(self) -> MoELayer:
@@ -80,7 +71,7 @@ class Config(experiments.Config):
         return MoELayer(self.dim, self.hidden, self.experts, self.top_k, self.capacity_factor)
 
     def data(self, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Rank `rank`'s tokens and targets; every token leans the same way by `skew`."""
+        """Rank `rank`'s tokens (every one leaning the same way by `skew`) and targets."""
         lean = torch.randn(self.dim, generator=torch.Generator().manual_seed(self.seed + 1))
         g = torch.Generator().manual_seed(self.seed + 2 + rank)
         x = torch.randn(self.tokens, self.dim, generator=g) + self.skew * lean
@@ -89,8 +80,8 @@ class Config(experiments.Config):
 
 @contextmanager
 def one_thread():
-    """One intra-op thread in this process, as each rank runs (a block, or a decorator): on a busy
-    2-core machine, two threads spinning for each other slow small tensors by an order of magnitude."""
+    """One intra-op thread, as each rank runs (a block or a decorator): on a busy 2-core machine two
+    threads spinning for each other slow small tensors tenfold."""
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
@@ -100,7 +91,7 @@ def one_thread():
 
 
 def loss_of(cfg: Config, out, target: torch.Tensor) -> torch.Tensor:
-    """One group's loss: the mean squared error plus the weighted balancing loss."""
+    """One group's loss: mean squared error plus the weighted balancing loss."""
     return ((out.y - target) ** 2).mean() + cfg.aux_weight * out.aux_loss
 
 
@@ -120,12 +111,8 @@ def reduce_as_plain_data_parallel(moe: ExpertParallelMoE) -> None:
 SYNC = {"reduce_gradients": reduce_gradients, "as_plain_data_parallel": reduce_as_plain_data_parallel}
 
 
-# ---- On each rank -----------------------------------------------------------------------------------
-
-
 @dataclass
 class Result:
-    rank: int
     y: torch.Tensor
     keep: torch.Tensor  # (tokens, k) the assignments within capacity
     loss: float
@@ -145,8 +132,7 @@ def worker(ctx: RankContext, cfg: Config) -> Result:
 
     def step(sync) -> tuple:
         out = moe(x)
-        loss = loss_of(cfg, out, target)
-        loss.backward()
+        (loss := loss_of(cfg, out, target)).backward()
         sync(moe)
         return out, loss
 
@@ -159,13 +145,9 @@ def worker(ctx: RankContext, cfg: Config) -> Result:
         prepare()
         out, loss = step(SYNC[name])
         grads[name] = {n: p.grad.detach().cpu().clone() for n, p in moe.named_parameters()}
-    first = SYNC[cfg.syncs[0]]
-    seconds = time_steps(ctx, lambda i: step(first), cfg.steps, prepare=prepare).seconds
-    return Result(ctx.rank, out.y.detach().cpu(), out.routing.keep.cpu(), float(loss.detach()), x.grad.detach().cpu(),
+    seconds = time_steps(ctx, lambda i: step(SYNC[cfg.syncs[0]]), cfg.steps, prepare=prepare).seconds
+    return Result(out.y.detach().cpu(), out.routing.keep.cpu(), float(loss.detach()), x.grad.detach().cpu(),
                   grads, moe.first, out.tokens_per_expert.cpu(), seconds)
-
-
-# ---- The parent side --------------------------------------------------------------------------------
 
 
 @dataclass
@@ -184,8 +166,8 @@ def run(cfg: Config) -> ExpertParallelRun:
 
 
 def reference(cfg: Config):
-    """The whole layer in this process on every rank's tokens, one group per rank; the loss the
-    mean of the groups' losses. Returns (layer with gradients, outputs, inputs with gradients)."""
+    """The whole layer in this process on every rank's tokens, one group per rank, the loss the mean
+    of the groups': the layer with its gradients, and per group the output, input and loss."""
     layer = cfg.layer()
     outs, xs, losses = [], [], []
     with one_thread():
@@ -218,8 +200,8 @@ def gather(cfg: Config, results: list[Result]) -> ExpertParallelRun:
 
 
 def _expert_check(layer: MoELayer, results: list[Result], sync: str) -> tuple[float, float]:
-    """Every rank's expert gradients against the same experts' in one process: the largest
-    difference, and the factor they are of one process's (least squares)."""
+    """Every rank's expert gradients against one process's: the largest difference, and the factor
+    they are of one process's (least squares)."""
     got, want = [], []
     for r in results:
         n = r.grads[sync]["experts.w_in"].shape[0]
@@ -237,17 +219,13 @@ def per_expert_table(run: ExpertParallelRun) -> list[dict]:
                            for e, c in enumerate(row)}} for r, row in enumerate(run.counts)]
 
 
-# ---- Verdicts ---------------------------------------------------------------------------------------
-
 TOLERANCE = 1e-4  # float32 sums in another order: far above rounding, far below a wrong gradient
 
 
 def same_as_one_process(run: ExpertParallelRun) -> tuple[str, str, str, dict]:
-    """Whether every rank's outputs, dropped assignments, loss and gradients are one process's."""
     worst = max(run.difference.values())
     ok = worst <= TOLERANCE and run.same_dropped
-    cfg = run.cfg
-    text = (f"on {cfg.world_size} ranks (ep={cfg.ep_size}), outputs, loss and every gradient match one process "
+    text = (f"on {run.cfg.world_size} ranks (ep={run.cfg.ep_size}), outputs, loss and every gradient match one process "
             f"(largest difference {worst:.1e}), with the same {run.dropped} assignments dropped" if ok else
             f"{max(run.difference, key=run.difference.get)} differ from one process by {worst:.1e}"
             + ("" if run.same_dropped else ", and the dropped assignments differ"))
@@ -256,7 +234,7 @@ def same_as_one_process(run: ExpertParallelRun) -> tuple[str, str, str, dict]:
 
 
 def doubled_gradient(run: ExpertParallelRun, sync: str = "as_plain_data_parallel") -> tuple[str, str, str, dict]:
-    """What the reference check says of the experts' gradients under `sync`: the factor they are of one process's."""
+    """The factor the experts' gradients under `sync` are of one process's."""
     worst, ratio = run.experts[sync]
     right = worst <= TOLERANCE
     verdict = "right" if right else f"{ratio:.2f}x"
@@ -268,13 +246,8 @@ def doubled_gradient(run: ExpertParallelRun, sync: str = "as_plain_data_parallel
 
 def run_flops(params: dict) -> float:
     """FLOPs of one run of lesson 15 at the notebook parameters `params` (missing names: the defaults),
-    counted on the meta device: per rank and pass, the router on its tokens and each token's k experts
-    (none dropped: an upper bound); two checked and `steps` timed passes on `world_size` ranks, one
-    checked and `steps` timed on the grid's `grid_world_size`."""
-    from torch import nn
-
-    from pipelab.emulate.cost import step_flops
-
+    counted on the meta device: per rank and pass the router and each token's k experts (none dropped);
+    2 + `steps` passes on `world_size` ranks, 1 + `steps` on `grid_world_size`."""
     p = {"world_size": 2, "grid_world_size": 4, **params}
     cfg = Config(**{k: v for k, v in p.items() if k in ("experts", "top_k", "dim", "hidden", "tokens", "steps")})
     with torch.device("meta"):

@@ -1,17 +1,13 @@
-"""Lesson 16's harness: the runs behind mixed precision's claims, each beside its reference, and the
-verdicts that RETURN what a run shows (`pipelab.conclude` states them).
-
-- training curves in fp32, bf16 (autocast; bf16 weights with fp32 masters) and fp16 (our loss
-  scaler and torch.amp.GradScaler, step for step), and a small-gradient model fp16 needs scaling for;
-- memory per parameter from tensor storages: one process, and ZeRO-1/2/3 in mixed precision on
-  real ranks (`precision_parts` holds recomputation, FP8 and the bf16 all-reduce).
-"""
+"""Lesson 16's training curves (fp32, bf16, fp16 with our loss scaler and GradScaler step for step, a
+small-gradient model) and memory per parameter, one process and ZeRO in mixed precision on real ranks;
+`precision_parts` holds the formats, recomputation, FP8 and the bf16 all-reduce."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import astuple, dataclass, field, replace
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from pipelab import experiments
@@ -26,8 +22,6 @@ CURVES = ("fp32", "bf16 autocast", "bf16 + fp32 master", "fp16 + our scaler", "f
 
 @dataclass(frozen=True, kw_only=True)
 class Config(experiments.Config):
-    """The lesson's sizes; checked when built, before any rank starts."""
-
     width: int = 64  # the MLP: width -> width -> width -> 1
     batch: int = 64  # rows per step, split over the ranks in the multi-rank runs
     steps: int = 30  # optimizer steps per training curve
@@ -37,11 +31,12 @@ class Config(experiments.Config):
     loss_weight: float = 1e-6  # the small-gradient run's loss is multiplied by this (a mean over ~1e6 values)
     loss_rtol: float = 0.05  # how far a 16-bit curve may stray from fp32's, relative
     zero_world_sizes: tuple = (2, 4)  # ranks of the ZeRO runs in mixed precision
+    numel: int = 4096  # the gradient of the bf16 all-reduce on world_size ranks
     seed: int = 0
 
     def check(self) -> None:
         super().check()
-        for name in ("width", "batch", "steps", "growth_interval"):
+        for name in ("width", "batch", "steps", "growth_interval", "numel"):
             whole_number(name, getattr(self, name), example=f"{name}={getattr(Config, name)}")
         for name in ("lr", "init_scale", "loss_weight", "loss_rtol"):
             positive_number(name, getattr(self, name), example=f"{name}={getattr(Config, name)}")
@@ -54,28 +49,24 @@ class Config(experiments.Config):
                                  f"{n}, e.g. batch={n * max(1, self.batch // n)}")
 
     def data(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """The regression batch: inputs, and a teacher's outputs as targets."""
+        """Inputs, and a teacher's outputs as targets."""
         g = torch.Generator().manual_seed(self.seed)
         x = torch.randn(self.batch, self.width, generator=g)
         return x, torch.tanh(x @ torch.randn(self.width, 1, generator=g) / self.width ** 0.5)
 
     def model(self) -> nn.Module:
-        """The MLP, the same weights at every call."""
         torch.manual_seed(self.seed)
         return nn.Sequential(nn.Linear(self.width, self.width), nn.Tanh(), nn.Linear(self.width, self.width),
                              nn.Tanh(), nn.Linear(self.width, 1))
 
     def loss(self, out: torch.Tensor, y: torch.Tensor, small: bool = False) -> torch.Tensor:
-        """Mean squared error in fp32; `small`: times `loss_weight`, so every gradient is that small."""
+        """Mean squared error in fp32; `small`: times `loss_weight`, and every gradient as small."""
         loss = nn.functional.mse_loss(out.float(), y)
         return loss * self.loss_weight if small else loss
 
 
 def adam(cfg: Config):
     return lambda params: torch.optim.Adam(params, lr=cfg.lr, foreach=False)
-
-
-# ---- Training curves --------------------------------------------------------------------------------
 
 
 @dataclass
@@ -86,7 +77,7 @@ class Curve:
     losses: list[float] = field(default_factory=list)
     scales: list[float] = field(default_factory=list)
     skipped: list[int] = field(default_factory=list)  # steps whose update was skipped (inf/nan)
-    weights: list[dict] = field(default_factory=list)  # after every step (fp16 runs, for step-for-step equality)
+    weights: list[dict] = field(default_factory=list)  # after every step (fp16: step-for-step equality)
 
 
 @one_thread()
@@ -112,11 +103,17 @@ def train(cfg: Config, recipe: str, small: bool = False, scaling: bool = True) -
         if scaler is None:
             loss.backward()
             trainer.step() if optimizer is None else optimizer.step()
-        else:
-            curve.scales.append(float(scaler.get_scale() if hasattr(scaler, "get_scale") else scaler.scale))
-            scaler.scale(loss).backward() if hasattr(scaler, "get_scale") else scaler.scale_loss(loss).backward()
-            taken = _gradscaler_step(scaler, optimizer) if hasattr(scaler, "get_scale") else scaler.step(optimizer)
-            if not taken:
+        elif isinstance(scaler, DynamicLossScaler):
+            curve.scales.append(scaler.scale)
+            scaler.scale_loss(loss).backward()
+            if not scaler.step(optimizer):
+                curve.skipped.append(step)
+        else:  # torch's recipe, step then update: the step was skipped if the scale backed off
+            curve.scales.append(scaler.get_scale())
+            scaler.scale(loss).backward()
+            scaler.step(optimizer)
+            scaler.update()
+            if scaler.get_scale() < curve.scales[-1]:
                 curve.skipped.append(step)
         if fp16:
             curve.weights.append({n: p.detach().clone() for n, p in model.named_parameters()})
@@ -125,22 +122,13 @@ def train(cfg: Config, recipe: str, small: bool = False, scaling: bool = True) -
     return curve
 
 
-def _gradscaler_step(scaler: torch.amp.GradScaler, optimizer) -> bool:
-    """torch's recipe (step, then update); whether the step was taken, read from the scale it backed off."""
-    before = scaler.get_scale()
-    scaler.step(optimizer)
-    scaler.update()
-    return not scaler.get_scale() < before
-
-
 def curves(cfg: Config) -> dict[str, Curve]:
     """Every recipe of CURVES trained from the same weights on the same batch."""
     return {r: train(cfg, r) for r in CURVES}
 
 
 def taken(curve: Curve) -> list[float]:
-    """The losses after 0, 1, 2, ... updates taken: a skipped step took none, so the loss after it
-    belongs to the same update count as the loss before it (the last of them counts)."""
+    """The losses after 0, 1, 2, ... updates taken (a skipped step took none: the last loss counts)."""
     by_updates: dict[int, float] = {}
     for step, loss in enumerate(curve.losses):
         by_updates[step - sum(s < step for s in curve.skipped)] = loss
@@ -148,8 +136,7 @@ def taken(curve: Curve) -> list[float]:
 
 
 def agreement(runs: dict[str, Curve]) -> dict[str, float]:
-    """Per 16-bit recipe, the largest relative gap of its loss from fp32's after the same number of
-    updates (fp16's skipped steps are not updates)."""
+    """Per 16-bit recipe, the largest relative gap of its loss from fp32's after as many updates."""
     ref = runs["fp32"].losses
     return {r: max(abs(a - b) / abs(b) for a, b in zip(taken(c), ref)) for r, c in runs.items() if r != "fp32"}
 
@@ -161,7 +148,6 @@ def bitwise_equal_steps(runs: dict[str, Curve]) -> dict[str, int]:
 
 
 def curves_verdict(runs: dict[str, Curve], rtol: float) -> tuple:
-    """Whether every 16-bit curve stays within `rtol` of fp32's; bitwise they all differ."""
     gaps, equal = agreement(runs), bitwise_equal_steps(runs)
     worst = max(gaps, key=gaps.get)
     within = gaps[worst] <= rtol
@@ -172,7 +158,6 @@ def curves_verdict(runs: dict[str, Curve], rtol: float) -> tuple:
 
 
 def scalers_verdict(runs: dict[str, Curve]) -> tuple:
-    """Whether our loss scaler and torch's GradScaler took the same steps: scales, skips, weights."""
     ours, torchs = runs["fp16 + our scaler"], runs["fp16 + GradScaler"]
     same = ours.scales == torchs.scales and ours.skipped == torchs.skipped and all(
         torch.equal(a[n], b[n]) for a, b in zip(ours.weights, torchs.weights) for n in a)
@@ -190,10 +175,9 @@ def small_gradients(cfg: Config) -> dict[str, Curve]:
 
 @one_thread()
 def zero_gradient_share(cfg: Config, scale: float = 1.0) -> float:
-    """The share of the small-gradient run's first-layer weight gradients that are exactly 0 in
-    fp16 autocast, with the loss times `scale`."""
-    x, y = cfg.data()
-    model = cfg.model()
+    """The share of the small-gradient run's first-layer weight gradients exactly 0 in fp16 autocast,
+    the loss times `scale`."""
+    model, (x, y) = cfg.model(), cfg.data()
     with torch.autocast("cpu", dtype=torch.float16):
         loss = cfg.loss(model(x), y, small=True)
     (loss * scale).backward()
@@ -201,7 +185,6 @@ def zero_gradient_share(cfg: Config, scale: float = 1.0) -> float:
 
 
 def small_gradients_verdict(runs: dict[str, Curve]) -> tuple:
-    """How much of fp32's loss drop each fp16 run kept."""
     def drop(c: Curve) -> float:
         return 1 - c.losses[-1] / c.losses[0]
     base = drop(runs["fp32"])
@@ -210,9 +193,6 @@ def small_gradients_verdict(runs: dict[str, Curve]) -> tuple:
     text = (f"fp16 without scaling kept {kept['fp16, no scaling']:.0%} of fp32's loss drop, with our loss scaler "
             f"{kept['fp16 + our scaler']:.0%}.")
     return "16.small_gradients", "scaling needed" if stops else "no difference", text, kept
-
-
-# ---- Memory per parameter ---------------------------------------------------------------------------
 
 
 @one_thread()
@@ -252,7 +232,7 @@ def memory_rows(cfg: Config) -> list[dict]:
 
 @dataclass
 class ZeroResult:
-    """One rank's ZeRO runs: per stage, losses, bytes held, gathered fp32 masters, bytes sent."""
+    """One rank's ZeRO runs, per stage."""
 
     losses: dict[int, list[float]]
     held: dict[int, tuple[float, float, float]]
@@ -261,10 +241,8 @@ class ZeroResult:
 
 
 def zero_worker(ctx: RankContext, cfg: Config) -> dict[int, ZeroResult]:
-    """Worker: for each size n of cfg.zero_world_sizes, ZeRO stages 0-3 in mixed precision on this
-    rank's group of n ranks (the world cut into groups of n), each stage from the same weights."""
-    import torch.distributed as dist
-
+    """Per size n of cfg.zero_world_sizes, ZeRO stages 0-3 in mixed precision from the same weights on
+    this rank's group of n ranks."""
     torch.set_num_threads(1)
     groups = {n: [dist.new_group(list(range(i, i + n))) for i in range(0, ctx.world_size, n)]
               for n in cfg.zero_world_sizes}  # every rank creates every group, in the same order
@@ -277,8 +255,7 @@ def zero_worker(ctx: RankContext, cfg: Config) -> dict[int, ZeroResult]:
             comm = Collectives(ctx.rec, group)
             trainer = MixedZero(cfg.model(), comm, stage, cfg.lr)
             result.losses[stage] = [trainer.step(x.bfloat16(), y, nn.functional.mse_loss) for _ in range(3)]
-            h = trainer.held()
-            result.held[stage] = (h.parameters, h.gradients, h.optimizer_state)
+            result.held[stage] = astuple(trainer.held())
             result.sent[stage] = comm.bytes_sent() / 3
             result.masters[stage] = trainer.full_parameters()
     return out
@@ -299,18 +276,16 @@ def reference(cfg: Config) -> tuple[list[float], dict[str, torch.Tensor]]:
 
 
 def zero_runs(cfg: Config) -> dict[int, list[ZeroResult]]:
-    """ZeRO 0-3 in mixed precision on groups of each of cfg.zero_world_sizes ranks, all in one start
-    of max(zero_world_sizes) real gloo ranks; per size, the results of the first group's ranks."""
-    from dataclasses import replace
-
+    """ZeRO 0-3 in mixed precision on groups of each of cfg.zero_world_sizes ranks, all in one start of
+    max(zero_world_sizes) ranks; per size, the first group's results."""
     world = max(cfg.zero_world_sizes)
     per_rank = experiments.run(zero_worker, replace(cfg, world_size=world))
     return {n: [per_rank[r][n] for r in range(n)] for n in cfg.zero_world_sizes}
 
 
 def zero_rows(cfg: Config, runs: dict[int, list[ZeroResult]]) -> list[dict]:
-    """Per ranks and stage: the fullest rank's bytes per parameter, counted beside the formula
-    (2 + 2 + 12 in mixed precision), and how far its losses and masters are from one process."""
+    """Per ranks and stage: the fullest rank's bytes per parameter counted beside the formula (2 + 2 + 12),
+    and how far its losses and masters are from one process."""
     psi = sum(p.numel() for p in cfg.model().parameters())
     ref_losses, ref_masters = reference(cfg)
     rows = []

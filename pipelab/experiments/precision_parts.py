@@ -1,37 +1,24 @@
-"""Lesson 16's other runs: the formats and what rounding does to gradients, recomputation's
-activation bytes and modelled step time, FP8's scaling, and the bf16 all-reduce on real ranks.
-Every modelled time comes from `modelled_seconds`: nothing here states a time of its own.
-"""
+"""Lesson 16's other runs: the formats and what rounding does to gradients, recomputation's activation
+bytes and modelled step time, FP8's scaling, and the bf16 all-reduce on real ranks."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from types import SimpleNamespace
 
 import torch
 
-from pipelab import experiments
-from pipelab.checks import whole_number
-from pipelab.emulate.cost import Counts, compute_seconds, count, forward_backward_counts, meta_module
+from pipelab.checks import divides, whole_number
+from pipelab.emulate.cost import compute_seconds, count, forward_backward_counts, meta_module
+from pipelab.emulate.fp8 import fp8_rates  # noqa: F401 - the lesson's modelled FP8 product
 from pipelab.emulate.specs import parse_node
 from pipelab.experiments.expert_parallel import one_thread
-from pipelab.experiments.tensor_parallel import korthikanti_bytes, parameter_storages, saved_activation_bytes
+from pipelab.experiments.precision import Config
+from pipelab.experiments.tensor_parallel import parameter_storages, saved_activation_bytes
 from pipelab.precision import (FORMATS, DelayedScaling, MODES, RecomputedBlock, amax, attention_core, dequantize,
                                fp8_matmul, quantize, rounding_effect, scale_for)
 from pipelab.sharding import Collectives
 from pipelab.transformer import Block
 from pipelab.worker import RankContext
-
-NODE = "1xH100-nvlink4"  # the device of the modelled step times
-
-
-def modelled_seconds(counts: Counts, dtype: str, node: str = NODE) -> float:
-    """Modelled seconds of work `counts` in `dtype` on `node`'s device, by the calibrated roofline."""
-    return compute_seconds(counts, parse_node(node).device, dtype)
-
-
-# ---- Formats ----------------------------------------------------------------------------------------
-
 
 def format_rows() -> list[dict]:
     """Each format's bits, range and precision, from torch.finfo."""
@@ -43,17 +30,11 @@ def format_rows() -> list[dict]:
 
 def rounding_rows(named: dict[str, torch.Tensor]) -> list[dict]:
     """Per set of gradients and 16/8-bit format: what rounding into it did."""
-    rows = []
-    for what, grads in named.items():
-        for fmt in ("bf16", "fp16", "fp8 e4m3"):
-            e = rounding_effect(grads, FORMATS[fmt].dtype)
-            rows.append({"gradients": what, "format": fmt, **{k: f"{v:.2%}" if k != "median relative error"
-                                                               else f"{v:.1e}" if v == v else "none left"
-                                                               for k, v in e.items()}})
-    return rows
-
-
-# ---- Recomputation ----------------------------------------------------------------------------------
+    def shown(k: str, v: float) -> str:
+        return f"{v:.2%}" if k != "median relative error" else f"{v:.1e}" if v == v else "none left"
+    return [{"gradients": what, "format": fmt,
+             **{k: shown(k, v) for k, v in rounding_effect(g, FORMATS[fmt].dtype).items()}}
+            for what, g in named.items() for fmt in ("bf16", "fp16", "fp8 e4m3")]
 
 
 @dataclass(frozen=True)
@@ -68,9 +49,7 @@ class BlockSize:
     def __post_init__(self) -> None:
         for name in ("seq_len", "batch", "dim", "n_heads"):
             whole_number(name, getattr(self, name))
-        if self.dim % self.n_heads:
-            raise ValueError(f"dim={self.dim} does not divide into n_heads={self.n_heads}; "
-                             f"use a multiple of {self.n_heads}")
+        divides("dim", self.dim, "n_heads", self.n_heads)
 
     @property
     def sbh(self) -> int:
@@ -78,23 +57,17 @@ class BlockSize:
 
 
 def korthikanti_per_mode(size: BlockSize, mode: str, dropout: bool) -> float:
-    """Activation bytes of one block, 16-bit, by Korthikanti et al. (2022): sbh(34 + 5as/h) kept
-    whole (lesson 12's `korthikanti_bytes`), 34 sbh with selective recomputation, 2 sbh with full.
-    Without dropout its masks go: sbh(32 + 2as/h) and 32 sbh."""
-    s, h, a = size.seq_len, size.dim, size.n_heads
-    if mode == "full":
-        return 2 * size.sbh
-    if mode == "selective":
-        return (34 if dropout else 32) * size.sbh
-    if dropout:
-        return korthikanti_bytes(SimpleNamespace(seq_len=s, batch=size.batch, dim=h, n_heads=a, world_size=1), False, 1)
-    return size.sbh * (32 + 2 * a * s / h)
+    """Activation bytes of one 16-bit block by Korthikanti et al. (2022): sbh(34 + 5as/h) kept whole,
+    34 sbh with selective recomputation, 2 sbh with full; without dropout's masks sbh(32 + 2as/h), 32 sbh."""
+    base, scores = (34, 5) if dropout else (32, 2)
+    kept = {"none": base + scores * size.n_heads * size.seq_len / size.dim, "selective": base, "full": 2}[mode]
+    return kept * size.sbh
 
 
 @one_thread()
 def recompute_rows(size: BlockSize) -> tuple[list[dict], bool]:
-    """Per mode, the bytes autograd keeps for backward, counted on the bf16 block, beside the
-    formula without dropout; and whether every mode gave the same gradients bit for bit."""
+    """Per mode, the bytes autograd keeps for backward on the bf16 block beside the formula; and
+    whether every mode gave the same gradients bit for bit."""
     torch.manual_seed(0)
     block = Block(size.dim, size.n_heads).to(torch.bfloat16)
     x = torch.randn(size.batch, size.seq_len, size.dim, dtype=torch.bfloat16)
@@ -108,12 +81,11 @@ def recompute_rows(size: BlockSize) -> tuple[list[dict], bool]:
         rows.append({"recomputation": mode, "counted (bytes/sbh)": round(kept / size.sbh, 3),
                      "Korthikanti, no dropout (bytes/sbh)": korthikanti_per_mode(size, mode, False) / size.sbh,
                      "Korthikanti, with dropout (bytes/sbh)": korthikanti_per_mode(size, mode, True) / size.sbh})
-    same = all(torch.equal(a, b) for g in grads[1:] for a, b in zip(g, grads[0]))
-    return rows, same
+    return rows, all(torch.equal(a, b) for g in grads[1:] for a, b in zip(g, grads[0]))
 
 
 @one_thread()
-def recompute_times(size: BlockSize, node: str = NODE) -> list[dict]:
+def recompute_times(size: BlockSize, node: str = "1xH100-nvlink4") -> list[dict]:
     """Per mode, the modelled step time of one bf16 block at `size` on `node`: forward + backward,
     plus the forward again (full) or the attention core again (selective)."""
     block = RecomputedBlock(meta_module(Block(size.dim, size.n_heads), torch.bfloat16))
@@ -121,32 +93,22 @@ def recompute_times(size: BlockSize, node: str = NODE) -> list[dict]:
     forward, grad_in, grad_w = forward_backward_counts(block, x, torch.bfloat16)
     q = torch.empty(size.batch, size.seq_len, size.dim, dtype=torch.bfloat16, device="meta")
     core = count(attention_core, q, q, q, size.n_heads)
-    again = {"none": None, "full": forward, "selective": core}
     base = forward + grad_in + grad_w
-    rows = []
-    for mode in MODES:
-        work = base if again[mode] is None else base + again[mode]
-        rows.append({"recomputation": mode, "FLOPs": work.flops,
-                     "modelled step (ms)": modelled_seconds(work, "bf16", node) * 1e3})
-    for row in rows:
-        row["FLOPs vs none"] = round(row["FLOPs"] / rows[0]["FLOPs"] - 1, 4)
-        row["overhead vs none"] = round(row["modelled step (ms)"] / rows[0]["modelled step (ms)"] - 1, 4)
-    for row in rows:
-        row["FLOPs"], row["modelled step (ms)"] = f"{row['FLOPs']:.3g}", float(f"{row['modelled step (ms)']:.3g}")
-    return rows
+    work = {"none": base, "full": base + forward, "selective": base + core}
+    ms = {mode: compute_seconds(w, parse_node(node).device, "bf16") * 1e3 for mode, w in work.items()}
+    return [{"recomputation": m, "FLOPs": f"{work[m].flops:.3g}", "modelled step (ms)": float(f"{ms[m]:.3g}"),
+             "FLOPs vs none": round(work[m].flops / base.flops - 1, 4),
+             "overhead vs none": round(ms[m] / ms["none"] - 1, 4)}
+            for m in MODES]
 
 
 def recompute_verdict(rows: list[dict], times: list[dict]) -> tuple:
-    """What selective recomputation saves beside what it costs, against full."""
     kept = {r["recomputation"]: r["counted (bytes/sbh)"] for r in rows}
     cost = {r["recomputation"]: r["overhead vs none"] for r in times}
     text = (f"Selective recomputation kept {kept['selective'] / kept['none']:.0%} of the activations for "
             f"{cost['selective']:.1%} more modelled time; full recomputation keeps less and costs more (table above).")
     return "16.recompute", "selective cheaper" if cost["selective"] < cost["full"] else "selective not cheaper", \
         text, dict(selective_overhead=cost["selective"], full_overhead=cost["full"])
-
-
-# ---- FP8 --------------------------------------------------------------------------------------------
 
 
 def relative_error(got: torch.Tensor, want: torch.Tensor) -> float:
@@ -172,8 +134,8 @@ def fp8_rows(pairs: dict[str, tuple[torch.Tensor, torch.Tensor]]) -> list[dict]:
 
 
 def lesson_matrices(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor) -> dict[str, tuple]:
-    """The products of the MLP's second layer on the batch: forward (its input times its weight)
-    and backward (the gradient of its output times its weight), a gradient being far smaller."""
+    """The MLP's second layer's products on the batch: forward (input @ weight^T) and backward (the
+    far smaller output gradient @ weight)."""
     hidden = torch.tanh(model[0](x)).detach()
     out = model[2](hidden)
     grad_out, = torch.autograd.grad(torch.nn.functional.mse_loss(model[4](torch.tanh(out)), y), out)
@@ -183,8 +145,8 @@ def lesson_matrices(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor) ->
 
 @one_thread()
 def scaling_over_steps(tensors: list[torch.Tensor], history: int = 4) -> list[dict]:
-    """Per tensor of a sequence (a layer's activations step after step): the error of its e4m3
-    round trip with current scaling and with delayed scaling, and the share that saturated."""
+    """Per tensor of a sequence (a layer's activations step by step): its e4m3 round trip's error with
+    current and with delayed scaling, and the share that saturated."""
     delayed, rows = DelayedScaling(history), []
     for step, t in enumerate(tensors):
         row = {"step": step, "amax": amax(t).item()}
@@ -197,24 +159,9 @@ def scaling_over_steps(tensors: list[torch.Tensor], history: int = 4) -> list[di
     return rows
 
 
-def fp8_rates(shape: tuple[int, int, int], node: str = NODE) -> dict[str, float]:
-    """The modelled times of an m x k by k x n product in bf16 and FP8 on `node`, and of FP8's
-    extra passes: amax (read) and cast (read bf16, write fp8) of both operands."""
-    m, k, n = shape
-    flops, operands = 2 * m * k * n, m * k + k * n
-    product = {d: modelled_seconds(Counts(flops, nbytes * operands + 2 * m * n, 1), d, node)
-               for d, nbytes in (("bf16", 2), ("fp8", 1))}
-    cast = modelled_seconds(Counts(0, 2 * operands + (2 + 1) * operands, 4), "bf16", node)
-    return {"bf16 product (us, modelled)": product["bf16"] * 1e6, "fp8 product (us, modelled)": product["fp8"] * 1e6,
-            "amax + cast of both operands (us, modelled)": cast * 1e6}
-
-
-# ---- Data parallelism in bf16 -----------------------------------------------------------------------
-
-
 @dataclass
 class AllReduced:
-    """One rank's gradient all-reduced in fp32 and in bf16, and the bytes each call handed over."""
+    """One rank's gradient all-reduced in fp32 and in bf16, and the bytes each call sent."""
 
     fp32: torch.Tensor
     bf16: torch.Tensor
@@ -227,20 +174,9 @@ def gradient_of_rank(rank: int, numel: int) -> torch.Tensor:
     return torch.randn(numel, generator=torch.Generator().manual_seed(100 + rank)) * 1e-3
 
 
-@dataclass(frozen=True, kw_only=True)
-class AllReduceConfig(experiments.Config):
-    """Ranks and gradient size of the bf16 all-reduce; checked before ranks start."""
-
-    numel: int = 4096
-
-    def check(self) -> None:
-        super().check()
-        whole_number("numel", self.numel, example="numel=4096")
-
-
-def allreduce_worker(ctx: RankContext, cfg: AllReduceConfig) -> AllReduced:
-    """Worker: all-reduce (sum) this rank's gradient in fp32, and again cast to bf16, each call's
-    bytes counted by lesson 11's `Collectives` (what a ring all-reduce sends of the tensor handed over)."""
+def allreduce_worker(ctx: RankContext, cfg: Config) -> AllReduced:
+    """All-reduce (sum) this rank's gradient in fp32 and again cast to bf16, each call's bytes counted by
+    lesson 11's `Collectives`."""
     g = gradient_of_rank(ctx.rank, cfg.numel)
     full, half = g.clone(), g.bfloat16()
     sent = []
@@ -251,13 +187,11 @@ def allreduce_worker(ctx: RankContext, cfg: AllReduceConfig) -> AllReduced:
     return AllReduced(full, half.float(), *sent)
 
 
-def allreduce_verdict(results: list[AllReduced], cfg: AllReduceConfig) -> tuple:
-    """bf16's bytes beside fp32's, and the error bf16 added against one process's exact sum."""
-    exact = sum(gradient_of_rank(r, cfg.numel).double() for r in range(cfg.world_size))
-    r0 = results[0]
-    err32, err16 = relative_error(r0.fp32, exact), relative_error(r0.bf16, exact)
-    text = (f"The bf16 all-reduce sent {r0.bytes_bf16 / r0.bytes_fp32:.2f}x fp32's bytes and added a relative "
-            f"error of {err16:.1e} to the sum.")
-    ratio = r0.bytes_bf16 / r0.bytes_fp32
+def allreduce_verdict(results: list[AllReduced], cfg: Config) -> tuple:
+    """bf16's bytes beside fp32's, and the error bf16 added to one process's exact sum."""
+    r0, exact = results[0], sum(gradient_of_rank(r, cfg.numel).double() for r in range(cfg.world_size))
+    ratio, err16 = r0.bytes_bf16 / r0.bytes_fp32, relative_error(r0.bf16, exact)
+    text = f"The bf16 all-reduce sent {ratio:.2f}x fp32's bytes and added a relative error of {err16:.1e} to the sum."
     verdict = "half the bytes" if ratio == 0.5 else f"{ratio:.2f} of the bytes"
-    return "16.bf16_allreduce", verdict, text, dict(ratio=ratio, error_bf16=err16, error_fp32=err32)
+    return "16.bf16_allreduce", verdict, text, dict(ratio=ratio, error_bf16=err16,
+                                                    error_fp32=relative_error(r0.fp32, exact))
