@@ -83,8 +83,8 @@ def test_the_busiest_rank_sets_the_modelled_step_and_the_condition_by_hand():
     step, even = load.modelled_step(cfg, uneven), load.modelled_step(cfg, load.evenly(uneven))
     assert step.assignments[0] > step.assignments[1] and step.step > even.step
     assert load.pace_verdict(step, even)[1] == "busiest sets the pace"
-    row = moe.hiding_condition("2xH100-nvlink", cfg.modelled_tokens, cfg.top_k, cfg.experts, cfg.modelled_dim,
-                               cfg.modelled_hidden)
+    row = moe.hiding_condition("2xH100-nvlink", load.SIZE["tokens"], cfg.top_k, cfg.experts, load.SIZE["dim"],
+                               load.SIZE["hidden"])
     # (n-1)/n * b * C / (3W), C and W what the calibrated model reaches at the layer's sizes: C below
     # the H100's dense bf16 peak, W below NVLink 4's 450 GB/s line rate, so the threshold moves
     # with both and the modelled step must agree with the formula on which side a layer is

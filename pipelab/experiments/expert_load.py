@@ -1,5 +1,9 @@
 """Lesson 15's load: tokens per expert before and after the balancing loss trains (in one process,
-which lesson 15 shows the layer over ranks equals), and what an uneven load costs in modelled time."""
+which lesson 15 shows the layer over ranks equals), and what an uneven load costs in modelled time.
+
+The modelled part is taken on an emulated node of the run's expert-parallel ranks over a link, at
+a size of its own (`at`: e.g. `Emulated("H100-nvlink", tokens=512)`; `SIZE` its names and defaults).
+The ranks themselves run on this machine."""
 
 from __future__ import annotations
 
@@ -7,6 +11,8 @@ from dataclasses import replace
 
 import torch
 
+from pipelab.checks import whole_number
+from pipelab.emulate import Emulated, node_name, node_of, size_of
 from pipelab.emulate.moe import ModelledStep, hiding_condition, moe_step
 from pipelab.experiments.expert_parallel import Config, one_thread
 
@@ -35,11 +41,27 @@ def imbalance(load: torch.Tensor) -> float:
     return float(load.max() / load.float().mean())
 
 
-def modelled_step(cfg: Config, counts: torch.Tensor, link: str | None = None) -> ModelledStep:
+# Modelled time's size: Mixtral-8x7B's expert (width 4096, hidden 14336) in bfloat16, `tokens` per rank.
+SIZE = {"tokens": 8192, "dim": 4096, "hidden": 14336, "dtype": "bfloat16"}
+NVLINK = Emulated("H100-nvlink")
+
+
+def modelled_node(cfg: Config, at: Emulated | str = NVLINK):
+    """The node name of `cfg`'s expert-parallel ranks over `at`'s link ("2xH100-nvlink") and the
+    modelled size; a bad link name or size is refused here (call it before the run)."""
+    name, size = f"{cfg.ep_size}x{node_name(at)}", size_of(SIZE, at)
+    node_of(name)  # a bad name lists the known devices and links
+    for key in ("tokens", "dim", "hidden"):
+        whole_number(key, getattr(size, key))
+    return name, size
+
+
+def modelled_step(cfg: Config, counts: torch.Tensor, at: Emulated | str = NVLINK) -> ModelledStep:
     """The first expert-parallel group's step on an emulated node, the run's counts (ranks, E)
     scaled from its tokens per rank to the modelled size."""
-    scaled = counts[:cfg.ep_size].double() * (cfg.modelled_tokens / cfg.tokens)
-    return moe_step(scaled, f"{cfg.ep_size}x{link or cfg.link}", cfg.modelled_dim, cfg.modelled_hidden, cfg.dtype)
+    node, size = modelled_node(cfg, at)
+    scaled = counts[:cfg.ep_size].double() * (size.tokens / cfg.tokens)
+    return moe_step(scaled, node, size.dim, size.hidden, size.dtype)
 
 
 def evenly(counts: torch.Tensor) -> torch.Tensor:
@@ -56,13 +78,13 @@ def routed_counts(cfg: Config) -> tuple[torch.Tensor, int]:
     return torch.stack([o.tokens_per_expert for o in outs]), sum(int(o.routing.dropped.sum()) for o in outs)
 
 
-def capacity_sweep(cfg: Config, factors: tuple[float, ...]) -> list[dict]:
+def capacity_sweep(cfg: Config, factors: tuple[float, ...], at: Emulated | str = NVLINK) -> list[dict]:
     """Per capacity factor: the assignments dropped and the modelled step."""
     rows, assignments = [], cfg.world_size * cfg.tokens * cfg.top_k
     for f in factors:
         counts, dropped = routed_counts(c := replace(cfg, capacity_factor=f))
         rows.append({"capacity factor": f, "dropped (%)": round(100 * dropped / assignments, 1),
-                     "modelled step (ms)": round(modelled_step(c, counts).step * 1e3, 3)})
+                     "modelled step (ms)": round(modelled_step(c, counts, at).step * 1e3, 3)})
     return rows
 
 
@@ -100,14 +122,15 @@ def hiding_verdict(rows: list[dict]) -> tuple[str, str, str, dict]:
     return "15.all_to_all_hides", "agrees" if agree else "disagrees", text, {"rows": rows}
 
 
-def hiding_table(cfg: Config, counts: torch.Tensor, links: tuple[str, ...]) -> list[dict]:
+def hiding_table(cfg: Config, counts: torch.Tensor, links: tuple[str, ...], at: Emulated | str = NVLINK) -> list[dict]:
     """Per link: the scaling book's threshold and ratio beside the modelled step's (the busiest rank's
-    experts over the four all-to-alls)."""
+    experts over the four all-to-alls), at `at`'s size."""
     rows = []
     for link in links:
-        row = hiding_condition(f"{cfg.ep_size}x{link}", cfg.modelled_tokens, cfg.top_k, cfg.experts, cfg.modelled_dim,
-                               cfg.modelled_hidden, cfg.dtype)
-        step = modelled_step(cfg, counts, link)
+        over = Emulated(link, **(at.size if isinstance(at, Emulated) else {}))
+        node, size = modelled_node(cfg, over)
+        row = hiding_condition(node, size.tokens, cfg.top_k, cfg.experts, size.dim, size.hidden, size.dtype)
+        step = modelled_step(cfg, counts, over)
         row["modelled: compute / all-to-all"] = max(step.experts) / step.communication
         rows.append({k: round(v, 2) if isinstance(v, float) else v for k, v in row.items()})
     return rows

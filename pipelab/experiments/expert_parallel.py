@@ -14,7 +14,6 @@ from torch import nn
 from pipelab import experiments
 from pipelab.checks import divides, positive_number, whole_number
 from pipelab.emulate.cost import step_flops
-from pipelab.emulate.specs import parse_node
 from pipelab.expert_parallel import ExpertParallelGroups, ExpertParallelMoE, MoELayer, reduce_gradients
 from pipelab.measure import Measured, time_steps
 from pipelab.worker import RankContext
@@ -37,12 +36,6 @@ class Config(experiments.Config):
     seed: int = 0
     steps: int = 3  # timed forward+backward passes
     syncs: tuple[str, ...] = ("reduce_gradients",)  # the first is checked whole; each one's expert gradients too
-    # Modelled time's size: a Mixtral-8x7B-like expert in bfloat16, over `link`
-    link: str = "H100-nvlink"
-    modelled_dim: int = 4096
-    modelled_hidden: int = 14336
-    modelled_tokens: int = 8192  # per rank
-    dtype: str = "bfloat16"
 
     @property
     def ep_size(self) -> int:
@@ -50,8 +43,7 @@ class Config(experiments.Config):
 
     def check(self) -> None:
         super().check()
-        for name in ("experts", "top_k", "dim", "hidden", "tokens", "steps", "modelled_dim", "modelled_hidden",
-                     "modelled_tokens"):
+        for name in ("experts", "top_k", "dim", "hidden", "tokens", "steps"):
             whole_number(name, getattr(self, name))
         positive_number("capacity_factor", self.capacity_factor, example="capacity_factor=1.25")
         ep = whole_number("ep", self.ep_size, example=f"ep={self.world_size}")
@@ -64,7 +56,6 @@ class Config(experiments.Config):
                              f"use top_k <= {self.experts} (Switch Transformer 1, Mixtral 2)")
         if not self.syncs or any(s not in SYNC for s in self.syncs):
             raise ValueError(f"syncs must be some of {tuple(SYNC)}, got {self.syncs!r}")
-        parse_node(f"{ep}x{self.link}")  # a bad name lists the known devices and links
 
     def layer(self) -> MoELayer:
         torch.manual_seed(self.seed)
