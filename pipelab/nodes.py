@@ -12,6 +12,7 @@ started here is stopped.
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -77,13 +78,23 @@ def torchrun_nodes(target: str, nnodes: int = 2, timeout: float = 60.0) -> list:
                                               stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True))
         codes = _wait_for_nodes(nodes, timeout)
         if codes != [0] * nnodes:
-            texts = [open(path, errors="replace").read()[-3000:] for path in logs]
-            raise RuntimeError(f"torchrun of {target} on {nnodes} nodes failed (exit codes {codes}; None: stopped "
-                               f"after timeout={timeout}s):\n" + "\n".join(f"--- node {n} ---\n{t}" for n, t in enumerate(texts)))
+            texts = [_excerpt(open(path, errors="replace").read()) for path in logs]
+            stopped = f"; None: stopped after timeout={timeout}s" if None in codes else ""
+            raise RuntimeError(f"torchrun of {target} on {nnodes} nodes failed (exit codes {codes}{stopped}):\n"
+                               + "\n".join(f"--- node {n} ---\n{t}" for n, t in enumerate(texts)))
         return [load_pickle(os.path.join(out, f"rank{r}.pkl")) for r in range(nnodes)]
     finally:
         _stop_nodes(nodes, out)
         shutil.rmtree(out, ignore_errors=True)
+
+
+def _excerpt(log: str, tail: int = 3000) -> str:
+    """A node's log for the error: its first error lines, which pages of torchrun's own tracebacks
+    (a peer gone, the store closed) can push out of its end, then its end."""
+    errors = [line for line in log.splitlines() if re.match(r"[\w.]*(Error|Exception)\b", line)][:3]
+    end = log[-tail:]
+    first = "".join(f"{line}\n" for line in errors if line not in end)
+    return f"its first errors:\n{first}...\n{end}" if first else end
 
 
 def _wait_for_nodes(nodes: list[subprocess.Popen], timeout: float) -> list[int | None]:

@@ -226,3 +226,16 @@ def _processes_of_marker(marker: str) -> list[int]:
             except OSError:
                 pass
     return pids
+
+
+def test_a_node_s_error_stays_in_the_message_when_torchrun_s_tracebacks_follow_it():
+    """A node whose worker failed and whose torchrun then lost its peer: the worker's error line is
+    shown even when pages of torchrun's own tracebacks push it out of the log's end."""
+    from pipelab import nodes
+
+    log = ("Traceback (most recent call last):\nAttributeError: module 'pipelab.experiments.hybrid' has no "
+           "attribute 'no_such_worker'\n" + "  File \"torch/distributed/run.py\", line 1, in main\n" * 200
+           + "torch.distributed.elastic.rendezvous.api.RendezvousConnectionError: the store has failed\n")
+    excerpt = nodes._excerpt(log)
+    assert "no attribute 'no_such_worker'" in excerpt and excerpt.endswith("the store has failed\n")
+    assert nodes._excerpt("short log\nValueError: bad\n") == "short log\nValueError: bad\n"
