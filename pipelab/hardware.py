@@ -195,11 +195,13 @@ def _machine(hw: Hardware) -> str:
 DEFAULT_NODE = "H100-nvlink"  # what a timing lesson emulates where the machine lacks the GPUs
 
 
-def lesson_node(world_size: int, emulate: str | None = "auto", kind: str = DEFAULT_NODE) -> str | None:
+def lesson_node(world_size: int, emulate: str | None = "auto", kind: str = DEFAULT_NODE,
+                device: str = "auto") -> str | None:
     """The emulated node a timing lesson runs its `world_size` ranks on: none where this machine
-    has a GPU per rank (nothing is emulated there) or where `emulate` is None; with "auto",
+    has a GPU per rank (nothing is emulated there), where `emulate` is None, or where "auto" meets
+    `device="cuda"` (lessons 02-04: the devices are this machine's GPU, measured); with "auto",
     `world_size` x `kind` (e.g. "2xH100-nvlink"); any other name as given."""
-    if emulate is None or (emulate == "auto" and gpu_count() >= world_size):
+    if emulate is None or (emulate == "auto" and (gpu_count() >= world_size or device == "cuda")):
         return None
     return f"{world_size}x{kind}" if emulate == "auto" else emulate
 
@@ -229,15 +231,19 @@ def _emulated(who: str, real: str, emulate, size: str | None, hw) -> str:
             f"{basis}, not measured{at}) | {_machine(hw)} | torch {hw.torch_version}")
 
 
-def describe_devices(n: int = 2, emulate: str | None = None, size: str | None = None) -> str:
+def describe_devices(n: int = 2, emulate: str | None = None, size: str | None = None, device: str = "auto") -> str:
     """One line: the machine, and the path of a one-process lesson that drives `n` devices
-    through streams (lessons 02-04): n GPUs when it has them, else n virtual CPU devices
-    (the choice `streams.devices(n)` makes). No ranks, no process group: one Python process.
+    through streams (lessons 02-04): the choice `streams.devices(n, device=device)` makes, n GPUs
+    when it has them, n sets of streams of one GPU with `device="cuda"` on a smaller machine, else
+    n virtual CPU devices. No ranks, no process group: one Python process.
     With `emulate` (a node name), the virtual devices are paced as that node's devices."""
     hw = detect()
     if emulate is not None:
         return _emulated(f"one process drives {n} virtual devices paced as", "real math", emulate, size, hw)
-    if hw.gpu_count >= n:
+    if device == "cuda" and hw.gpu_count < n:
+        path = (f"one-GPU path: one process drives {n} devices as sets of CUDA streams of cuda:0 (measured; they share "
+                f"its SMs, so overlap is concurrency on one GPU, not {n} GPUs)")
+    elif hw.gpu_count >= n and device != "cpu":
         path = f"GPU path: one process drives {n} GPUs (cuda:0..{n - 1}), a CUDA stream per stream"
     else:
         path = (f"CPU path: one process drives {n} virtual CPU devices, "

@@ -3,10 +3,12 @@
 A notebook's profile (metadata["pipelab"]["profiles"][NAME]) sets its parameters; its needs
 (metadata["pipelab"]["needs"][NAME]) say how many GPUs the profile asks for. Where the machine has
 them, the profile runs as it is. Where it has exactly one GPU and the profile asks for more, the
-lesson still runs (one GPU is a GPU node too): with its default sizes, its emulated node made of
-the GPU this machine has, calibrated by `pipelab calibrate` (`emulate="8x:FILE"`, modelled time),
-and the parts one GPU runs for real (a profile's `"cuda"` device choice) on this GPU. Without
-GPUs, a profile that needs them is skipped (GPU sizes never run on CPU).
+lesson still runs (one GPU is a GPU node too): with its default sizes, the parts one GPU runs for
+real (a profile's `"cuda"` device choice: lessons 02-04's two devices as streams of this GPU,
+lesson 08's layer profile, lesson 10's one-process baseline) measured on this GPU, and the rest on
+its emulated node made of the GPU this machine has, calibrated by `pipelab calibrate`
+(`emulate="8x:FILE"`, modelled time). Without GPUs, a profile that needs them is skipped (GPU
+sizes never run on CPU).
 """
 
 from __future__ import annotations
@@ -51,6 +53,7 @@ class Needs:
     gpu_memory_gib: float = 0.0
     flops: float = 0.0  # the profile's whole run, counted (see the notebook's comment on it)
     estimate: str = ""
+    one_gpu_steps: str = ""  # what runs on a GPU whenever there is one, untimed (e.g. one-process checks)
 
     def __str__(self) -> str:
         parts = [f"{self.gpus} GPU(s)" + (f" with {self.gpu_memory_gib:g} GiB each" if self.gpu_memory_gib else "")]
@@ -85,23 +88,38 @@ def unmet(needs: Needs, machine: Machine, profile: str = "gpu") -> str:
     return ""
 
 
+# What a device parameter set to "cuda" by a profile puts on this GPU for real (measured there).
+REAL_PARTS = {"device": "the lesson's two devices as two sets of CUDA streams of this GPU, sharing its SMs",
+              "profile_device": "AlexNet's layer profile",
+              "baseline_device": "the one-process baseline's tokens/s"}
+# A "cuda" value for one of these runs the lesson's own devices on this GPU: no emulated node then.
+OWN_DEVICES = ("device",)
+
+
 def one_gpu_plan(path: str, declared: dict, profile_params: dict, machine: Machine, calibration: str,
                  needs: Needs) -> Planned:
-    """The lesson on a one-GPU machine: its defaults, its emulated node calibrated on this GPU, and
-    the profile's device choices that put a part on the GPU ("cuda") for real."""
-    node = f"{ONE_GPU_NODE_SIZE}x:{calibration}"
-    params = {name: node for name in EMULATE_PARAMETERS if name in declared}
+    """The lesson on a one-GPU machine: its defaults, the profile's device choices that put a part
+    on the GPU ("cuda") for real, and its emulated node calibrated on this GPU for the rest; the
+    note says which part is measured on this GPU and which is modelled."""
     real = {name: value for name, value in profile_params.items() if value == "cuda" and name in declared}
+    own = any(name in OWN_DEVICES for name in real)
+    node = f"{ONE_GPU_NODE_SIZE}x:{calibration}"
+    params = {} if own else {name: node for name in EMULATE_PARAMETERS if name in declared}
+    emulated = bool(params)
     params.update(real)
-    gpu = machine.gpus[0]
-    said = [f"one GPU ({gpu}) where the profile asks for {needs.gpus}: the defaults' sizes"]
-    if params.keys() - real.keys():
-        said.append(f"emulated node {ONE_GPU_NODE_SIZE} x this GPU as calibrated in {calibration} (modelled time)")
+    said = [f"one GPU ({machine.gpus[0]}) where the profile asks for {needs.gpus}: the defaults' sizes"]
+    if emulated:
+        said.append(f"modelled: its emulated node, {ONE_GPU_NODE_SIZE} x this GPU as calibrated in {calibration} "
+                    "(modelled time)")
+    elif own:
+        said.append("no emulated node: its devices are this GPU's streams (-p device auto: the emulated node instead)")
     else:
         said.append("no emulated node in this lesson (its ranks run on this machine's CPU cores, measured)")
-    said.append("measured on this GPU: " + (", ".join(f"{k}={v!r}" for k, v in real.items()) if real else "nothing"))
-    return Planned(path, params, "; ".join(said), calibration=calibration if params.keys() - real.keys() else "",
-                   real=real)
+    said.append("measured on this GPU: " + ("; ".join(f"{REAL_PARTS.get(k, k)} ({k}={v!r})" for k, v in real.items())
+                                            if real else "nothing"))
+    if needs.one_gpu_steps:
+        said.append(f"run on this GPU, not timed: {needs.one_gpu_steps}")
+    return Planned(path, params, "; ".join(said), calibration=calibration if emulated else "", real=real)
 
 
 def parse_value(text: str):

@@ -1,8 +1,9 @@
 """The CUDA paths: CUDA-event spans, NCCL process groups, CUDA streams, events and copies.
 
 Skipped on machines without a GPU (CI). On a one-GPU machine the single-process lessons' two
-"devices" are two Device objects on the same GPU, each with its own streams: that exercises the
-same stream, event and copy code as two GPUs do (it does not show idle devices, which needs two)."""
+"devices" are two Device objects on the same GPU, each with its own streams (`devices(2,
+device="cuda")`, the lessons' `device="cuda"`): that exercises the same stream, event and copy code
+as two GPUs do (it does not show idle devices, which needs two)."""
 
 import threading
 
@@ -195,3 +196,27 @@ def test_exact_fp32_turns_tf32_off_for_the_check_and_back_on_after():
         torch.testing.assert_close(full.double(), exact, atol=1e-3, rtol=1e-5)  # float32, not TF32's 10 bits
     finally:
         torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = saved
+
+
+def test_two_devices_as_streams_of_one_gpu_run_lessons_02_and_03_like_one_device(monkeypatch):
+    """`devices(2, device="cuda")` on a one-GPU machine (this one made to look like one): two sets of
+    streams of cuda:0, each its own CUDA streams, labelled as such; lesson 02's naive and lesson 03's
+    pipelined step give the whole model's loss and gradients, and the timeline has both devices' rows."""
+    from pipelab import streams
+    from pipelab.experiments import model_parallel as lesson
+
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    with streams.devices(2, device="cuda") as devs:
+        assert [d.name for d in devs] == ["cuda:0", "cuda:0"]
+        assert [d.label for d in devs] == ["cuda:0 stream 0", "cuda:0 stream 1"]
+        assert streams.shares_one_gpu(list(devs))
+        assert devs[0].stream("compute").cuda != devs[1].stream("compute").cuda  # each owns its streams
+        cfg = lesson.Config.resnet(devs, channels=8, blocks=1, batch=12, size=8, repeats=2)
+        for f in (Forward("naive"), Forward("pipelined", 4)):
+            lesson.check_against_one_device(cfg, f)  # the one-device model's loss and gradients
+            _, tl = train_step(cfg, f)
+            assert {s.rank for s in tl.filter(kind="F")} == {"cuda:0 stream 0", "cuda:0 stream 1"}
+        run = lesson.naive_run(cfg)
+        where = lesson.where(devs)
+        assert where.startswith("two streams of one ") and "not two GPUs" in where
+        assert where in lesson.naive_verdict(run)[2] and " x 2 " not in lesson.naive_verdict(run)[2]

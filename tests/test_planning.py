@@ -52,6 +52,30 @@ def test_a_one_gpu_machine_plans_every_lesson_on_its_calibrated_node(calibration
     assert given.calibration == ""  # nothing left to calibrate for
 
 
+def test_on_one_t4_every_lesson_is_planned_each_part_named_measured_on_the_gpu_or_modelled(calibration):
+    t4 = Machine(("Tesla T4",), (15.0,))
+    plans = cli.plan_runs(LESSONS, {}, "gpu", machine=t4, calibration=calibration)
+    by_lesson = {os.path.basename(p.path)[:2]: p for p in plans}
+    assert sorted(by_lesson) == [f"{i:02d}" for i in range(18)] and all(p.skip == "" for p in plans)
+    for n in ("02", "03", "04"):  # the two devices as streams of the T4: measured, nothing emulated
+        plan = by_lesson[n]
+        assert plan.real == plan.parameters == {"device": "cuda"} and plan.calibration == ""
+        assert ("measured on this GPU: the lesson's two devices as two sets of CUDA streams of this GPU, sharing "
+                "its SMs (device='cuda')") in plan.note
+        assert "no emulated node: its devices are this GPU's streams (-p device auto" in plan.note
+    assert by_lesson["08"].real == {"profile_device": "cuda"}
+    assert "measured on this GPU: AlexNet's layer profile (profile_device='cuda')" in by_lesson["08"].note
+    ten = by_lesson["10"]  # the grid modelled on the calibrated node, the one-process baseline measured
+    assert ten.real == {"baseline_device": "cuda"} and ten.calibration == calibration
+    assert ten.parameters == {"emulate": f"8x:{calibration}", "baseline_device": "cuda"}
+    assert f"modelled: its emulated node, 8 x this GPU as calibrated in {calibration} (modelled time)" in ten.note
+    assert "measured on this GPU: the one-process baseline's tokens/s (baseline_device='cuda')" in ten.note
+    assert ten.note.endswith("run on this GPU, not timed: the one-process checks of the first losses, the "
+                             "evaluation and section 4's lr runs")
+    assert "measured on this GPU: nothing" in by_lesson["00"].note and "modelled time" in by_lesson["00"].note
+    assert [n for n, p in by_lesson.items() if p.real] == ["02", "03", "04", "08", "10"]
+
+
 @pytest.fixture(scope="module")
 def lessons():
     """Each lesson's declared parameters, profiles and needs, read once."""

@@ -314,6 +314,37 @@ def test_describe_devices_names_the_path_streams_devices_takes():
         assert ("virtual CPU devices" in line) == isinstance(devs[0], VirtualDevice)
 
 
+def test_the_shared_gpu_choice_is_explicit_and_refused_without_a_gpu(monkeypatch):
+    # devices(2, device="cuda") on a machine with fewer GPUs: two sets of streams of cuda:0, asked for by
+    # name; without CUDA it is refused before any device (or stream thread) exists
+    from pipelab import hardware
+    from pipelab.streams import Pace
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(ValueError, match=r"device='cuda': this machine has no CUDA GPU; use device='auto'"):
+        devices(2, device="cuda")
+    with pytest.raises(ValueError, match=r"device='gpu': use 'auto'.*'cuda'.*'cpu'"):
+        devices(2, device="gpu")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    with pytest.raises(ValueError, match="emulated node paces virtual devices: pass emulate=None"):
+        devices(2, pace=Pace(), device="cuda")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with devices(2, device="cpu") as devs:  # "cpu" and "auto" without a GPU: the virtual devices, as before
+        assert [d.name for d in devs] == ["cpu:0", "cpu:1"] and all(isinstance(d, VirtualDevice) for d in devs)
+    assert hardware.lesson_node(2, "auto", device="cuda") is None  # the devices are real: nothing emulated
+    assert hardware.lesson_node(2, "auto") == "2xH100-nvlink" and hardware.lesson_node(2, None, device="cuda") is None
+
+
+def test_describe_devices_calls_one_gpus_streams_no_two_gpus(monkeypatch):
+    from pipelab import hardware
+
+    monkeypatch.setattr(hardware, "detect", lambda: hardware.Hardware(2, ("Tesla T4",), torch.__version__, "12.4"))
+    line = hardware.describe_devices(2, device="cuda")
+    assert line.startswith("one-GPU path: one process drives 2 devices as sets of CUDA streams of cuda:0 (measured")
+    assert "not 2 GPUs" in line and "GPU path: one process drives 2 GPUs" not in line
+    assert hardware.describe_devices(2, device="auto").startswith("CPU path")  # auto never shares one GPU
+
+
 # ---------------------------------------------------------------------------------------------
 # Paced virtual devices: a logical clock per stream, ordered by Futures and events only
 # ---------------------------------------------------------------------------------------------

@@ -44,12 +44,33 @@ def one_process_rates(corpus: Corpus, cfg: Config, steps: int, repeats: int, dev
         torch.set_num_threads(threads)
 
 
-def baseline_tokens_per_second(corpus: Corpus, cfg: Config) -> Measured:
+BASELINE_DEVICES = (None, "cpu", "cuda")  # the notebook's `baseline_device`
+
+
+def check_baseline_device(device: str | None) -> None:
+    """Refuse a `baseline_device` this machine cannot time on, naming the value and the fix, before anything runs."""
+    if device not in BASELINE_DEVICES:
+        raise ValueError(f"baseline_device={device!r}: use None (as the grid: modelled on an emulated node, "
+                         "else timed here), 'cuda' (timed on this machine's GPU) or 'cpu'")
+    if device == "cuda" and not torch.cuda.is_available():
+        raise ValueError("baseline_device='cuda': this machine has no CUDA GPU; use baseline_device=None")
+
+
+def baseline_tokens_per_second(corpus: Corpus, cfg: Config, device: str | None = None) -> Measured:
     """The rate the grid is compared with: on a modelled node ONE device's modelled rate for the
-    whole model on the whole batch; elsewhere one process's, timed `cfg.speed_repeats` times."""
+    whole model on the whole batch; elsewhere one process's on `device` (default `reference_device()`),
+    timed `cfg.speed_repeats` times."""
     if cfg.node is not None:
         return Measured.of([one_device_tokens_per_second(cfg, len(corpus.vocab))])
-    return Measured.of(one_process_rates(corpus, cfg, cfg.speed_steps, cfg.speed_repeats))
+    return Measured.of(one_process_rates(corpus, cfg, cfg.speed_steps, cfg.speed_repeats, device))
+
+
+def gpu_baseline(corpus: Corpus, cfg: Config, device: str | None) -> Measured | None:
+    """Beside a modelled grid, with `device="cuda"`: one process's tokens/s timed on this GPU at the real
+    math's size (measured, one GPU's part of the lesson); None where the baseline is already timed."""
+    if cfg.node is None or device != "cuda":
+        return None
+    return Measured.of(one_process_rates(corpus, cfg, cfg.speed_steps, cfg.speed_repeats, device))
 
 
 def lr_experiment(corpus: Corpus, cfg: Config, rates: Sequence[float]) -> dict[float, list[float]]:
@@ -104,19 +125,28 @@ def stash_verdict(plan: list[dict], run: LMRun) -> tuple[str, str, str, dict]:
     return "10.stash_estimate", "matches" if ok else "differs", text, {"worst_relative_error": off, "counts_agree": counts_agree}
 
 
-def speed_table(run: LMRun, one_rate: Measured, vocab_size: int) -> list[dict]:
-    """The grid's tokens/s beside one device's (modelled) or one process's (timed); modelled, where its step goes."""
+def speed_table(run: LMRun, one_rate: Measured, vocab_size: int, on_gpu: Measured | None = None,
+                device: str | None = None) -> list[dict]:
+    """The grid's tokens/s beside one device's (modelled) or one process's (timed on `device`); modelled,
+    where its step goes, and `on_gpu` (`gpu_baseline`) in a column of its own: measured on this GPU."""
     cfg, grid = run.cfg, run.tokens_per_second
     if not run.modelled:
-        return [{"": "the grid", "tokens/s": f"{grid:,.0f}"}, {"": "one process, timed", "tokens/s": f"{one_rate:,.0f}"}]
+        return [{"": "the grid", "tokens/s": f"{grid:,.0f}"},
+                {"": "one process, timed" + (f" on {device}" if device else ""), "tokens/s": f"{one_rate:,.0f}"}]
     model, step = modelled_step(cfg, vocab_size), cfg.step_tokens(modelled=True) / grid.median
     rest = step - model["schedule_s"] - model["update_s"]
-    return [{"": f"parameters at the tutorial's size ({vocab_size:,}-word vocabulary)", "modelled": f"{model['parameters'] / 1e9:.2f} B"},
+    rows = [{"": f"parameters at the tutorial's size ({vocab_size:,}-word vocabulary)", "modelled": f"{model['parameters'] / 1e9:.2f} B"},
             {"": "tokens/s, the grid", "modelled": f"{grid.median:,.0f}"},
             {"": f"tokens/s, one {cfg.node.device.name} alone", "modelled": f"{one_rate.median:,.0f}"},
             {"": f"step: the {cfg.schedule} schedule's compute (bubble {model['bubble']:.2f})", "modelled": f"{model['schedule_s'] * 1e3:.1f} ms"},
             {"": "step: clipping and the SGD step", "modelled": f"{model['update_s'] * 1e3:.1f} ms"},
             {"": f"step: messages and the all-reduce (up to {human_bytes(model['gradient_bytes'])})", "modelled": f"{rest * 1e3:.1f} ms"}]
+    if on_gpu is None:
+        return rows
+    gpu = torch.cuda.get_device_name(0)
+    return ([{**r, f"measured on {gpu}": "-"} for r in rows]
+            + [{"": f"tokens/s, one process at the real math's size (emsize {cfg.emsize}, {cfg.nlayers} layers)",
+                "modelled": "-", f"measured on {gpu}": f"{on_gpu:,.0f}"}])
 
 
 def speed_verdict(run: LMRun, one_rate: Measured) -> tuple[str, str, str, dict]:

@@ -25,7 +25,7 @@ from pipelab.emulate import anchors, cost, node_name, resnet50, size_of, specs
 from pipelab.measure import Measured, Steps, TimedSteps, alternate, ratios
 from pipelab.models import SplitResNet
 from pipelab.reference import Reference, assert_same, exact_fp32, reference_run
-from pipelab.streams import Device, Pace, timeline
+from pipelab.streams import Device, Pace, shares_one_gpu, timeline
 from pipelab.timeline import Timeline, now
 
 VARIANTS = ("one_device", "split_by_split", "naive", "pipelined", "dual_stream")
@@ -146,10 +146,12 @@ def pace_of(devs: Sequence[Device]) -> ResNet50Pace | None:
 
 
 def where(devs: Sequence[Device]) -> str:
-    """The devices a run timed, in words: the modelled node, the GPUs, or this machine's cores."""
+    """The devices a run timed, in words: the modelled node, the GPUs, one GPU's streams, or this machine's cores."""
     pace = pace_of(devs)
     if pace is not None:
         return f"the emulated {pace.node}"
+    if shares_one_gpu(list(devs)):  # devices(2, device="cuda") on a one-GPU machine: measured, not two GPUs
+        return f"two streams of one {torch.cuda.get_device_name(devs[0].torch_device)} (concurrency on its SMs, not two GPUs)"
     if devs[0].torch_device.type == "cuda":
         return f"{torch.cuda.get_device_name(devs[0].torch_device)} x 2 ({devs[0].name}, {devs[1].name})"
     return f"this machine's CPU ({hardware.cpu_cores()} cores, a thread per stream)"
@@ -334,9 +336,11 @@ def naive_verdict(run: NaiveRun) -> Verdict:
     """Lesson 02: was naive model parallelism faster than one device in every round? (Theory: no.)"""
     s = run.speedup
     verdict = "faster" if speed_verdict(s) == "faster" else "no faster"
+    why = ("two streams' kernels overlapped on its SMs." if "streams of one" in run.where else
+           "from a smaller working set per core.")
     text = (f"on {run.where}, naive model parallelism ran at {s.median:.3f}x one device's speed: "
             + ("no faster, as predicted, since the halves take turns." if verdict == "no faster" else
-               "faster in every round though the devices took turns, from a smaller working set per core."))
+               f"faster in every round though the devices took turns, {why}"))
     return "02.naive_speedup", verdict, text, {"speedup": s, "repeats": len(s.values)}
 
 

@@ -170,11 +170,13 @@ def anchor_verdict(run: SweepRun) -> Verdict:
 
 
 def cores_rows(modelled: SweepRun, cores: SweepRun) -> list[dict]:
-    """The sweep on this machine's cores, size by size, beside the modelled pipelined speedup."""
+    """The sweep on this machine's cores, size by size, beside the main sweep's pipelined speedup
+    (modelled on the emulated node, or measured on the GPU)."""
     return [{"split size": s, "pipelined": f"{cores['pipelined'].speedup[s]:.2f}",
              "split by split": f"{cores['split_by_split'].speedup[s]:.2f}",
              "pipelined over split by split": f"{cores.overlap_gain(s):.2f}",
-             "pipelined, modelled": f"{modelled['pipelined'].speedup[s].median:.2f}"
+             "pipelined, " + ("modelled" if modelled.pace is not None else "GPU, measured"):
+             f"{modelled['pipelined'].speedup[s].median:.2f}"
              if s in modelled["pipelined"].speedup else "-"} for s in cores.split_sizes]
 
 
@@ -187,7 +189,8 @@ def cores_verdict(modelled: SweepRun, cores: SweepRun) -> Verdict:
     """Lesson 03: the best split on this machine's own cores beside the modelled one."""
     e, c = modelled["pipelined"], cores["pipelined"]
     verdict = "same best split" if c.best_split == e.best_split else "other best split"
-    text = f"the best split was {c.best_split} on this machine's cores and {e.best_split} on the modelled GPUs."
+    there = "the modelled GPUs" if modelled.pace is not None else modelled.where
+    text = f"the best split was {c.best_split} on this machine's cores and {e.best_split} on {there}."
     return ("03.cores", verdict, text, {"best_cores": c.best_split, "best_modelled": e.best_split,
                                         "shared_sizes": [s for s in cores.split_sizes if s in e.speedup],
                                         "overlap_gain": cores.overlap_gain(c.best_split)})

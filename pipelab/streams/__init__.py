@@ -22,8 +22,9 @@ A tensor goes from one stream to another in one of two ways:
 
 from pipelab.streams.base import CHUNK_BYTES, Device, Event, Stream, Work, chunk_rows
 from pipelab.streams.cuda import CudaDevice, CudaStream, CudaWork
-from pipelab.streams.device import Devices, device, devices, timeline
+from pipelab.streams.device import DEVICE_CHOICES, Devices, device, devices, shares_one_gpu, timeline
 from pipelab.streams.virtual import Pace, VirtualDevice, VirtualStream
 
-__all__ = ["CHUNK_BYTES", "CudaDevice", "CudaStream", "CudaWork", "Device", "Devices", "Event", "Pace", "Stream",
-           "VirtualDevice", "VirtualStream", "Work", "chunk_rows", "device", "devices", "timeline"]
+__all__ = ["CHUNK_BYTES", "DEVICE_CHOICES", "CudaDevice", "CudaStream", "CudaWork", "Device", "Devices", "Event",
+           "Pace", "Stream", "VirtualDevice", "VirtualStream", "Work", "chunk_rows", "device", "devices",
+           "shares_one_gpu", "timeline"]
