@@ -26,8 +26,9 @@ Profiles live in the notebook's metadata, a name -> parameters mapping:
 
 `gpu` is for a single GPU node, `quick` the fastest meaningful run. A profile's needs
 (metadata["pipelab"]["needs"]) decide where it runs: with the GPUs it asks for, as it is; on a
-machine with one GPU, with the lesson's defaults on an emulated node of eight of this GPU
-calibrated by `pipelab calibrate` (pipelab/planning.py); without GPUs it is skipped. Each executed
+machine with one GPU, with the lesson's defaults, the parts its profile sets to "cuda" measured on
+this GPU and the rest on an emulated node of eight of this GPU calibrated by `pipelab calibrate`
+(pipelab/planning.py); without GPUs it is skipped. Each executed
 notebook goes to --out (default build/) under its path below the chosen notebooks' common folder,
 so two notebooks with the same file name do not collide; --out/summary.json has, per notebook, its
 status (ok, failed or skipped), seconds, parameters, headline figure, note and the failing cell's

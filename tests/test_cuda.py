@@ -218,5 +218,21 @@ def test_two_devices_as_streams_of_one_gpu_run_lessons_02_and_03_like_one_device
             assert {s.rank for s in tl.filter(kind="F")} == {"cuda:0 stream 0", "cuda:0 stream 1"}
         run = lesson.naive_run(cfg)
         where = lesson.where(devs)
-        assert where.startswith("two streams of one ") and "not two GPUs" in where
+        assert where.startswith("two streams of one ") and where.endswith(" (shared SMs)")
         assert where in lesson.naive_verdict(run)[2] and " x 2 " not in lesson.naive_verdict(run)[2]
+
+
+def test_lesson_10s_baseline_is_timed_on_the_gpu_beside_a_modelled_grid():
+    """baseline_device="cuda" on an emulated node: one process's tokens/s measured on this GPU, shown in
+    a column of its own; the grid's rows stay modelled."""
+    from pipelab.data import load_corpus
+    from pipelab.experiments import capstone_verdicts
+    from pipelab.experiments.capstone import Config
+
+    corpus = load_corpus(max_lines=600)
+    cfg = Config(emsize=16, nhead=2, nhid=32, nlayers=2, batch_size=8, num_microbatches=2, speed_steps=2,
+                 speed_repeats=2, emulate="4xH100-nvlink")
+    capstone_verdicts.check_baseline_device("cuda")
+    rate = capstone_verdicts.gpu_baseline(corpus, cfg, "cuda")
+    assert len(rate.values) == 2 and all(v > 0 for v in rate.values)
+    assert capstone_verdicts.gpu_baseline(corpus, cfg, None) is None

@@ -18,6 +18,7 @@ from pipelab.launch import spawn
 from pipelab.lm import (TransformerLM, check_fits, clip_grad_norm_, generate, lm_loss, perplexity, stage_memory, stages_of,
                         tutorial_evaluate_figures, tutorial_perplexity)
 from pipelab.lm_training import single_process_losses
+from pipelab.measure import Measured
 from pipelab.pipeline.partition import partition_layers
 from pipelab.pipeline.schedules import make_schedule
 from pipelab.progress import ProgressFile, progress_bar
@@ -102,7 +103,7 @@ def test_grid_first_steps_equal_one_process(schedule, capsys):
     assert [nbytes for _, nbytes in run.stash] == pytest.approx([row["activations"] for row in plan], rel=1e-3)
 
 
-def test_on_an_emulated_node_the_grid_trains_the_same_and_its_clock_is_modelled(capsys):
+def test_on_an_emulated_node_the_grid_trains_the_same_and_its_clock_is_modelled(capsys, monkeypatch):
     from pipelab.emulate.cost import collective_seconds
     from pipelab.emulate.specs import parse_node
     from pipelab.experiments import capstone, capstone_verdicts
@@ -125,6 +126,25 @@ def test_on_an_emulated_node_the_grid_trains_the_same_and_its_clock_is_modelled(
     rows = capstone_verdicts.speed_table(run, one, len(corpus.vocab))
     assert any("one NVIDIA H100 SXM alone" in row[""] for row in rows)
     assert "modelled ms/batch" in capsys.readouterr().out  # the log line says its step time is modelled
+    # baseline_device="cuda" on a one-GPU machine: one process timed on the GPU, in a column of its own
+    assert capstone_verdicts.gpu_baseline(corpus, cfg, None) is None  # the default times nothing more
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *_: "Tesla T4")
+    with_gpu = capstone_verdicts.speed_table(run, one, len(corpus.vocab), on_gpu=Measured.of([1000.0, 1100.0, 1200.0]))
+    assert with_gpu[:-1] == [{**r, "measured on Tesla T4": "-"} for r in rows]  # the grid's rows: modelled only
+    assert with_gpu[-1] == {"": "tokens/s, one process at the real math's size (emsize 16, 2 layers)", "modelled": "-",
+                            "measured on Tesla T4": "1,100 (1,000-1,200)"}
+
+
+def test_baseline_device_is_refused_before_anything_runs(monkeypatch):
+    from pipelab.experiments import capstone_verdicts
+
+    with pytest.raises(ValueError, match=r"baseline_device='gpu': use None .*'cuda'"):
+        capstone_verdicts.check_baseline_device("gpu")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(ValueError, match="baseline_device='cuda': this machine has no CUDA GPU; use baseline_device=None"):
+        capstone_verdicts.check_baseline_device("cuda")
+    for fine in (None, "cpu"):
+        capstone_verdicts.check_baseline_device(fine)
 
 
 def test_one_emulated_device_does_every_stages_work_on_the_whole_batch():

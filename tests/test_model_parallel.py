@@ -356,6 +356,11 @@ def test_naive_verdict_claims_faster_only_when_every_round_was():
     assert (key, verdict) == ("02.naive_speedup", "no faster") and "as predicted" in text and len(text.split()) <= 30
     assert figures["repeats"] == 3 and figures["speedup"].median == pytest.approx(1.0)
     assert naive_verdict(NaiveRun(_timed_of([1.0, 1.0]), _timed_of([0.8, 0.9])))[1] == "faster"
+    # two streams of one GPU (device="cuda" on a one-GPU machine): where it ran says so, and why it was faster
+    shared = "two streams of one Tesla T4 (shared SMs)"
+    text = naive_verdict(NaiveRun(_timed_of([1.0, 1.0]), _timed_of([0.8, 0.9]), shared))[2]
+    assert text.startswith(f"on {shared}, naive") and text.endswith("took turns, kernels overlapping on its SMs.")
+    assert "working set per core" not in text and len(text.split()) <= 32  # the CPU's says more
 
 
 def _sweep_run(one_device, variants: dict, batch=16):

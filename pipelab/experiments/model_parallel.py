@@ -151,7 +151,7 @@ def where(devs: Sequence[Device]) -> str:
     if pace is not None:
         return f"the emulated {pace.node}"
     if shares_one_gpu(list(devs)):  # devices(2, device="cuda") on a one-GPU machine: measured, not two GPUs
-        return f"two streams of one {torch.cuda.get_device_name(devs[0].torch_device)} (concurrency on its SMs, not two GPUs)"
+        return f"two streams of one {torch.cuda.get_device_name(devs[0].torch_device)} (shared SMs)"
     if devs[0].torch_device.type == "cuda":
         return f"{torch.cuda.get_device_name(devs[0].torch_device)} x 2 ({devs[0].name}, {devs[1].name})"
     return f"this machine's CPU ({hardware.cpu_cores()} cores, a thread per stream)"
@@ -336,7 +336,7 @@ def naive_verdict(run: NaiveRun) -> Verdict:
     """Lesson 02: was naive model parallelism faster than one device in every round? (Theory: no.)"""
     s = run.speedup
     verdict = "faster" if speed_verdict(s) == "faster" else "no faster"
-    why = ("two streams' kernels overlapped on its SMs." if "streams of one" in run.where else
+    why = ("kernels overlapping on its SMs." if "streams of one" in run.where else
            "from a smaller working set per core.")
     text = (f"on {run.where}, naive model parallelism ran at {s.median:.3f}x one device's speed: "
             + ("no faster, as predicted, since the halves take turns." if verdict == "no faster" else
