@@ -240,7 +240,7 @@ def describe_devices(n: int = 2, emulate: str | None = None, size: str | None = 
     hw = detect()
     if emulate is not None:
         return _emulated(f"one process drives {n} virtual devices paced as", "real math", emulate, size, hw)
-    if device == "cuda" and hw.gpu_count < n:
+    if device == "cuda" and 1 <= hw.gpu_count < n:
         path = (f"one-GPU path: one process drives {n} devices as sets of CUDA streams of cuda:0 (measured; they share "
                 f"its SMs, so overlap is concurrency on one GPU, not {n} GPUs)")
     elif hw.gpu_count >= n and device != "cpu":

@@ -51,7 +51,7 @@ def check_device_choice(device: str, pace: Pace | None = None) -> None:
     """Refuse a `device` choice this machine or an emulated node cannot take, before anything runs."""
     if device not in DEVICE_CHOICES:
         raise ValueError(f"device={device!r}: use 'auto' (GPUs where there are enough, else virtual CPU devices), "
-                         f"'cuda' (this machine's GPUs; with one GPU, each device a set of its streams) or 'cpu'")
+                         "'cuda' (this machine's GPUs; with one GPU, each device a set of its streams) or 'cpu'")
     if device == "cuda" and not torch.cuda.is_available():
         raise ValueError("device='cuda': this machine has no CUDA GPU; use device='auto' (virtual CPU devices, "
                          "or an emulated node's paced ones)")
