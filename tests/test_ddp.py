@@ -475,9 +475,10 @@ def test_emulated_ddp_matches_one_process_and_its_naive_overlap_is_exactly_zero(
     assert b[0] == pytest.approx(b[1]) and b[2] < b[0]  # the first layer computes its weights' gradient only
     from pipelab.emulate.specs import parse_node
 
-    link = parse_node(cfg.node_name).link
-    predicted = ddp.bucket_predictions(bucketed, 2, link.latency_s, link.bandwidth_Bps, cfg.bytes_scale)
-    key, verdict, text, _ = ddp.bucket_model_verdict(bucketed, predicted, link.latency_s, link.bandwidth_Bps)
+    latency, bandwidth, where = ddp.link_figures(cfg, [], 0)  # the modelled link's ring, as the emulator plays it
+    assert where == f"the modelled {parse_node(cfg.node_name).link.name}"
+    predicted = ddp.bucket_predictions(bucketed, 2, latency, bandwidth, cfg.bytes_scale)
+    key, verdict, text, _ = ddp.bucket_model_verdict(bucketed, predicted, latency, bandwidth)
     assert verdict in ("fits", "mixed") and "more than 5 %" not in text
 
 

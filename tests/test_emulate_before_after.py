@@ -29,11 +29,12 @@ def test_nvlink5_and_efa_constants_refit_from_their_calibrate_rows():
     assert efa["busbw"] == pytest.approx(calibrated.EFA.simple_busbw, rel=0.02)
 
 
-def test_several_machines_over_efa_keep_infiniband_as_it_was():
+def test_several_machines_over_efa_and_infiniband_each_have_their_own_fit():
     node = specs.parse_node("4x8xB200-efa")
     assert (node.count, node.link.per_node, node.link.inner, node.link.kind) == (32, 8, "nvlink5", "efa")
-    assert calibrated.fabric_of(specs.LINKS["ib-ndr"]).simple_busbw == 47e9
-    assert calibrated.EFA.simple_busbw < specs.LINKS["efa"].bandwidth_Bps  # under the card's 50 GB/s line rate
+    assert calibrated.fabric_of(specs.LINKS["ib-ndr"]) is calibrated.IB_NDR != calibrated.EFA
+    for fabric, link in ((calibrated.EFA, "efa"), (calibrated.IB_NDR, "ib-ndr")):
+        assert fabric.simple_busbw < specs.LINKS[link].bandwidth_Bps  # under the card's 50 GB/s line rate
     big = 16 * 2 ** 30  # NCCL reduces inside each machine first: far faster than one flat ring over the network
     flat = calibrated.ring_seconds("all_reduce", big, 32, calibrated.EFA)
     assert seconds("all_reduce", nbytes=big, node="4x8xB200-efa") < flat / 4

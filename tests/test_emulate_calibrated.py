@@ -97,6 +97,32 @@ def test_memory_and_fabric_constants_refit_from_their_calibrate_rows():
         assert value == pytest.approx(getattr(calibrated.NVLINK4, name), rel=0.02), name
 
 
+def test_infiniband_constants_refit_from_their_calibrate_rows():
+    rows = [r for r in _calibrate(measured.collectives()) if r.node == "4x8xH100-ib-ndr"]
+    assert {r.kind for r in rows} == {"all_reduce", "all_gather"}
+
+    def machines(p, row):
+        return calibrated.hierarchical_seconds(row.kind, row.nbytes, row.ranks, 8, calibrated.NVLINK4,
+                                               calibrated.Fabric(**p))
+    ib = fitting.fit_fabric(rows, machines, {"ll_step_s": 2e-6, "ll_busbw": 5e9, "simple_step_s": 3e-6,
+                                             "simple_busbw": 40e9})
+    for name, value in ib.items():
+        assert value == pytest.approx(getattr(calibrated.IB_NDR, name), rel=0.02), name
+
+
+def test_several_machines_ring_uses_every_card_and_all_reduce_the_tree():
+    """A ring through 32 GPUs crosses the network on all 8 cards of a machine at once, so a large
+    all-gather runs at 8 cards' bandwidth, not one's; a small all-reduce takes the tree's few steps."""
+    big, ranks = 8 * 2 ** 30, 32
+    gather = seconds("all_gather", nbytes=big, node="4x8xH100")
+    assert (ranks - 1) / ranks * big / gather == pytest.approx(8 * calibrated.IB_NDR.simple_busbw, rel=0.01)
+    tree_steps = 2 * (8 - 1 + 2)  # the chain of 8 inside each machine, a tree of depth 2 across 4
+    assert seconds("all_reduce", nbytes=8, node="4x8xH100") == pytest.approx(
+        tree_steps * calibrated.IB_NDR.ll_step_s, rel=0.01)
+    assert seconds("send", nbytes=1e9, node="4x8xH100") == pytest.approx(
+        calibrated.ring_seconds("send", 1e9, 2, calibrated.IB_NDR))  # one message: one card
+
+
 # ---------------------------------------------------------------------------------------------
 # seconds(): one call for a product, a message, a collective
 # ---------------------------------------------------------------------------------------------

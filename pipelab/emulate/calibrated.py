@@ -14,9 +14,10 @@ marked `calibrate` in `measured` (`published/*.csv`, each table with its source)
   reverse) a per-step latency plus the bus factor x bytes / its bus bandwidth, NCCL taking the
   faster for each size. On NVSwitch nodes (NVLink 4) an all-reduce of 5 or more GPUs may go
   through the switch instead (NVLS, NVLink SHARP): a latency plus bytes / its algorithm bandwidth.
-- **Several machines** reduce inside each machine first: reduce-scatter over the machine's link,
-  all-reduce of each GPU's shard across machines over its own network card (ring or tree, the
-  faster), all-gather inside again.
+- **Several machines** (g GPUs to a machine, one network card each): NCCL's ring runs through every
+  GPU, pipelined, so its bytes go at the slower of the machine's link and its g cards together, and
+  each of its steps takes the network's measured step; an all-reduce goes up and down NCCL's tree
+  instead, 2 (g - 1 + log2 machines) steps (the chain inside each machine, the tree across them).
 """
 
 from __future__ import annotations
@@ -173,21 +174,24 @@ def _pcie(sheet_Bps: float) -> Fabric:
                   source="assumed: the data sheet at NVLink 4's measured ring efficiency; NCCL's PCIe latency")
 
 
-def _network(per_card_Bps: float) -> Fabric:
-    # NCCL's cost model: 14 us per network step (tuning.cc); one protocol.
-    return Fabric(14e-6, per_card_Bps, 14e-6, per_card_Bps,
-                  source="NVIDIA/nccl-tests#290: 'For NDR @ 400Gbps you should see 46-48GB/s per NIC'; "
-                         "latency: NCCL's cost model")
-
-
+# fitting.fit_fabric on the calibrate rows of h100_4node_ib_allreduce and h100_4node_ib_allgather
+# (4 x 8 H100, one 400 Gb/s NDR card a GPU), with NVLink 4 inside the machines (hierarchical_seconds):
+# per card, the LL and Simple step and bus bandwidth. NCCL_DEBUG was off there, so which algorithm
+# ran at each size is not known: the tree and the ring are what fits. The step is the mean hop of
+# 32-GPU rings and trees, most of whose hops stay inside a machine; a node of one GPU a machine
+# ("2xH100-ib-ndr") crosses the network at every step, which it likely makes too short.
+IB_NDR = Fabric(2.365e-6, 3.779e9, 7.614e-6, 40.34e9, source="h100_4node_ib_allreduce, h100_4node_ib_allgather")
+# No measured table: InfiniBand NDR's fit with the bandwidth at 100 of its 400 Gb/s line rate.
+ETHERNET_100G = Fabric(IB_NDR.ll_step_s, IB_NDR.ll_busbw / 4, IB_NDR.simple_step_s, IB_NDR.simple_busbw / 4,
+                       source="assumed: InfiniBand NDR's fit (h100_4node_ib_*) at a quarter of its bandwidth")
 # fitting.fit_fabric on the calibrate rows of b200_allreduce_4node_efa, with NVLink 5 inside the
 # machines: one protocol, a per-step cost (network and NCCL's proxy) and the bandwidth per card.
-EFA = Fabric(87.88e-6, 42.00e9, 87.88e-6, 42.00e9, source="b200_allreduce_4node_efa")
+EFA = Fabric(24.47e-6, 45.96e9, 24.47e-6, 45.96e9, source="b200_allreduce_4node_efa")
 
 FABRICS: dict[str, Fabric] = {
     "nvlink5": NVLINK5, "nvlink4": NVLINK4, "nvlink3": NVLINK3, "efa": EFA,
     "pcie3": _pcie(16e9), "pcie4": _pcie(32e9), "pcie5": _pcie(64e9),
-    "ib-ndr": _network(47e9), "100gbe": _network(12.5e9 * 47 / 50),
+    "ib-ndr": IB_NDR, "100gbe": ETHERNET_100G,
 }
 
 
@@ -217,29 +221,23 @@ def ring_seconds(kind: str, nbytes: float, ranks: int, fabric: Fabric, algo: str
     return seconds
 
 
-def tree_seconds(nbytes: float, ranks: int, fabric: Fabric) -> float:
-    """An all-reduce as NCCL's tree across `ranks` (machines): reduce up and broadcast down a
-    binary tree, 2 log2(n) steps, the bytes pipelined through at the Simple bus bandwidth."""
-    if ranks <= 1:
-        return 0.0
-    return 2 * math.ceil(math.log2(ranks)) * fabric.ll_step_s + nbytes / fabric.simple_busbw
-
-
 def hierarchical_seconds(kind: str, nbytes: float, ranks: int, per_node: int, inner: Fabric, net: Fabric) -> float:
-    """A collective over `ranks` GPUs, `per_node` to a machine: an all-reduce reduce-scatters
-    inside each machine, all-reduces each GPU's shard across machines over its own network card
-    (ring or tree, the faster), all-gathers inside again; the other collectives run NCCL's ring
-    through every GPU, each step as slow as the slower link."""
+    """A collective over `ranks` GPUs, `per_node` to a machine, each with its own network card:
+    NCCL's ring through every GPU, pipelined (its bytes at the slower of the machine's link and the
+    machine's cards together, each step at the network's step), or for an all-reduce NCCL's tree
+    (the chain inside each machine, a binary tree across them, up and down); the faster protocol."""
     machines = max(1, ranks // per_node)
     if machines == 1:
         return ring_seconds(kind, nbytes, ranks, inner)
+    if kind == "send":  # one message between machines: one card
+        return ring_seconds("send", nbytes, 2, net)
+    factor = bus_factor(kind, ranks)
+    ll_bw = min(inner.ll_busbw, per_node * net.ll_busbw)
+    simple_bw = min(inner.simple_busbw, per_node * net.simple_busbw)
+    steps = STEPS[kind](ranks)
     if kind == "all_reduce":
-        g, shard = per_node, nbytes / per_node
-        across = min(ring_seconds("all_reduce", shard, machines, net), tree_seconds(shard, machines, net))
-        return ring_seconds("reduce_scatter", nbytes, g, inner) + across + ring_seconds("all_gather", nbytes, g, inner)
-    slower = Fabric(max(inner.ll_step_s, net.ll_step_s), min(inner.ll_busbw, net.ll_busbw),
-                    max(inner.simple_step_s, net.simple_step_s), min(inner.simple_busbw, net.simple_busbw))
-    return ring_seconds(kind, nbytes, ranks, slower)
+        steps = 2 * (per_node - 1 + math.ceil(math.log2(machines)))
+    return min(steps * net.ll_step_s + factor * nbytes / ll_bw, steps * net.simple_step_s + factor * nbytes / simple_bw)
 
 
 def collective_seconds(kind: str, nbytes: float, ranks: int, link) -> float | None:

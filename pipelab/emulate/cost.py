@@ -288,6 +288,14 @@ def message_seconds(nbytes: float, link: Link) -> float:
     return link.latency_s + nbytes / link.bandwidth_Bps if seconds is None else seconds
 
 
+def ring_figures(link: Link) -> tuple[float, float]:
+    """(per-step latency s, bus bandwidth B/s) of the ring the emulator plays over `link` for
+    large messages: the calibrated Simple protocol's, or the link's own figures where it has no fit
+    (or under the datasheet model), so lesson 00's ring formula predicts what the emulator does."""
+    fabric = None if datasheet_model() else calibrated.fabric_of(link)
+    return (link.latency_s, link.bandwidth_Bps) if fabric is None else (fabric.simple_step_s, fabric.simple_busbw)
+
+
 COLLECTIVES = ("all_reduce", "reduce_scatter", "all_gather", "broadcast", "barrier")
 
 

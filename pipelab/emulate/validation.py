@@ -17,7 +17,7 @@ from dataclasses import replace
 from pipelab.emulate import calibrated, cost, measured
 from pipelab.emulate.cost import Counts
 from pipelab.emulate.model import seconds
-from pipelab.emulate.specs import DEVICES, parse_node
+from pipelab.emulate.specs import DEVICES, key_of, parse_node
 
 MODELS = ("calibrated", "sheet")
 
@@ -77,5 +77,6 @@ def summary(rows: list[dict]) -> dict:
 
 def _device(hardware: str) -> str:
     """The device a row ran on: "4x8xB200-efa" -> "b200"; a kernel row's device key as it is."""
-    name = re.sub(r"^(\d+x)+", "", hardware).lower()
-    return name.rsplit("-", 1)[0] if name != hardware.lower() and "-" in name else name
+    if re.match(r"^(\d+x)+", hardware):  # a node, its link's name perhaps holding '-' ("ib-ndr")
+        return key_of(parse_node(hardware).device)
+    return hardware.lower()

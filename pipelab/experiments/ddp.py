@@ -140,11 +140,11 @@ def run_flops(params: dict) -> float:
 
 
 def link_figures(cfg: Training, sizes: Sequence[int], rounds: int) -> tuple[float, float, str]:
-    """(latency s, bandwidth B/s, where from) of the link the buckets travel: the modelled link's,
-    or on this machine lesson 00's ping-pong over `sizes`, run now."""
+    """(latency s, bandwidth B/s, where from) of the link the buckets travel: the modelled link's
+    ring as the emulator plays it, or on this machine lesson 00's ping-pong over `sizes`, run now."""
     if cfg.node is not None:
         link = cfg.node.link
-        return link.latency_s, link.bandwidth_Bps, f"the modelled {link.name}"
+        return (*cost.ring_figures(link), f"the modelled {link.name}")
     from pipelab.experiments import collectives
 
     pp = experiments.run(collectives.ping_pong_worker, collectives.Config(
