@@ -9,6 +9,9 @@ real H100 (`pipelab.emulate.gpu_timing.MEASURED_STAGES`). Anchors are emulated o
 and modelled (torchgpipe's Tesla P40s); where it is not (the tutorial's unnamed GPUs), on the
 lesson's node and on two other cards. Pipeline figures come from lesson 07's simulator, which plays
 the emulated ranks' costs (`benchmarks/emulation.py` holds the two within 1.4 %), not from runs.
+Lessons 05, 08 and 11-14 give their headline modelled figures through their own functions
+(`LESSONS`); lesson 13's bubbles are DeepSeek-V3's and the DualPipe README's published formulas
+(`emulate.anchors.FORMULAS`) evaluated with its stage's modelled F, B and W.
 
     python benchmarks/calibration_before_after.py            # a markdown table, then one JSON line
 
@@ -45,15 +48,14 @@ def tutorial(node: str) -> dict:
 def pipeline(node: str, schedule: str, m: int, width: int = 8192, rows: int = 4096, layers: int = 8,
              dtype: str = "bfloat16") -> dict:
     """Lessons 06-07's MLP (`layers` Linear layers of `width`, `rows` per micro-batch) in two stages
-    on `node`, played by the simulator with the emulated stage and message costs."""
+    on `node` (`emulated_mlp`, as lesson 06 builds it), played by the simulator with the emulated
+    stage and message costs."""
+    from pipelab.emulate import node_of, size_of
     from pipelab.emulate.pipe import EmulatedPipe
-    from pipelab.models import mlp
-    from pipelab.pipeline.partition import split_model
+    from pipelab.experiments.pipeline import Config, emulated_mlp
 
-    with torch.device("meta"):
-        stages = split_model(mlp([width] * (layers + 1)), 2)
-        x = torch.empty(rows, width)
-    pipe = EmulatedPipe.of(stages, x, nn.MSELoss(), node, dtype, "adam", expected=2)
+    size = size_of(Config.SIZE, emulated_mlp(node, layers, 2, width, rows, dtype))
+    pipe = EmulatedPipe.of(size, nn.MSELoss(), node_of(node), 2, node)
     run = simulate(make_schedule(schedule, 2, m, 1), Costs(transfer=pipe.message_ms(), per_stage=pipe.stage_ms()))
     return {"step_ms": run.makespan_ms, "bubble": run.bubble_fraction, "samples_per_s": m * rows / run.makespan_ms * 1e3}
 
