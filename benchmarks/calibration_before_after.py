@@ -5,9 +5,9 @@ data-sheet model the emulator had before it was calibrated (PIPELAB_EMULATE_MODE
 kernel at a flat 50 % of the sheet's peak plus 5 us, every message latency + bytes / the sheet's
 bandwidth, collectives as ring formulas over it) and once with the calibrated model the lessons use
 (`pipelab.emulate.calibrated`). Lesson 06's stage also stands beside the same stage timed on a
-real H100 (`pipelab.emulate.gpu_timing.MEASURED_STAGES`). Anchors are emulated on the published hardware where it is known
-and modelled (torchgpipe's Tesla P40s); where it is not (the tutorial's unnamed GPUs), on the
-lesson's node and on two other cards. Pipeline figures come from lesson 07's simulator, which plays
+real H100 (`pipelab.emulate.gpu_timing.MEASURED_STAGES`). Anchors are emulated on the published
+hardware where it is known and modelled (torchgpipe's Tesla P40s); where it is not (the tutorial's
+unnamed GPUs), on the lesson's node and on two other cards. Pipeline figures come from lesson 07's simulator, which plays
 the emulated ranks' costs (`benchmarks/emulation.py` holds the two within 1.4 %), not from runs.
 Lessons 05, 08 and 11-14 give their headline modelled figures through their own functions
 (`LESSONS`); lesson 13's bubbles are DeepSeek-V3's and the DualPipe README's published formulas

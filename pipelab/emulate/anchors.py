@@ -27,9 +27,9 @@ GPIPE = ("Huang et al., \"GPipe: Efficient Training of Giant Neural Networks usi
 TORCHGPIPE = ("torchgpipe documentation, Benchmarks, https://torchgpipe.readthedocs.io/en/stable/benchmarks.html "
               "(source: github.com/kakaobrain/torchgpipe, docs/benchmarks.rst); Kim et al., \"torchgpipe: "
               "On-the-fly Pipeline Parallelism for Training Giant Models\", https://arxiv.org/abs/2004.09910")
-DEEPSEEK_V3 = ("DeepSeek-AI, \"DeepSeek-V3 Technical Report\", https://arxiv.org/abs/2412.19437 (v2), section 3.2.1 "
-               "\"DualPipe and Computation-Communication Overlap\", Table 2 \"Comparison of pipeline bubbles and memory "
-               "usage across different pipeline parallel methods\"")
+DEEPSEEK_V3 = ("DeepSeek-AI, \"DeepSeek-V3 Technical Report\", https://arxiv.org/abs/2412.19437 (v2), section "
+               "3.2.1 \"DualPipe and Computation-Communication Overlap\", Table 2 \"Comparison of pipeline bubbles "
+               "and memory usage across different pipeline parallel methods\"")
 DUALPIPE = ("deepseek-ai/DualPipe, README.md, \"Pipeline Bubbles and Memory Usage Comparison (based on the same number "
             "of PP stages)\", https://github.com/deepseek-ai/DualPipe (commit 3da1bbe, lines 24-36)")
 

@@ -131,14 +131,15 @@ def on_published_hardware(cfg: Config, key: str = "torchgpipe_amoebanet_n2_m4", 
                           dtype: str = "float32") -> dict[int, PipelineRun]:
     """06: GPipe at each m of `ms` again, the same stages at the emulated size and the same batches as
     `cfg`'s runs, on the hardware anchor `key` was published on (torchgpipe's Tesla P40s, in float32:
-    a P40 has no bfloat16), by m; {} where nothing is emulated or that hardware is not modelled."""
+    a P40 has no bfloat16), by m, in one warm-up and one timed step (modelled time: every step alike);
+    {} where nothing is emulated or that hardware is not modelled."""
     node = anchors.published_node(key, cfg.world_size)
     jobs = {j.schedule.num_microbatches: j for j in cfg.jobs if not j.checkpoint}
     if cfg.emulate is None or node is None or not set(ms) <= set(jobs):
         return {}
     again = dataclasses.replace(cfg, schedules=["gpipe"] * len(ms), num_microbatches=list(ms),
                                 x=[jobs[m].x for m in ms], y=[jobs[m].y for m in ms], checkpoint=False,
-                                emulate=Emulated(node, **{**cfg.emulate.size, "dtype": dtype}))
+                                steps=min(cfg.steps, 2), emulate=Emulated(node, **{**cfg.emulate.size, "dtype": dtype}))
     return dict(zip(ms, run(again)))
 
 
@@ -148,8 +149,8 @@ def published_beside(runs: Sequence[PipelineRun], again: dict[int, PipelineRun] 
     column names its hardware, and each row gives the bubble of this sweep's run at that m."""
     by_m = {r.schedule.num_microbatches: r for r in runs}
     here = f"here ({how(runs[0])}, {node_of(runs[0].node) if runs[0].node else 'this machine'})"
-    there = (f"on the published hardware ({how(next(iter(again.values())))}, {node_of(next(iter(again.values())).node)})"
-             if again else "on the published hardware")
+    first = next(iter(again.values())) if again else None
+    there = f"on the published hardware ({how(first)}, {node_of(first.node)})" if first else "on the published hardware"
     rows = []
     for m in (4, 32):
         if m not in by_m or 1 not in by_m or runs[0].schedule.num_ranks != 2:

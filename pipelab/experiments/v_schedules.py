@@ -242,7 +242,8 @@ def bubble_times(run: VRun) -> list[dict]:
     for name, r in run.schedules.items():
         formula = formulas.get(name, {"bubble": "-", "activations": "-"})
         published = anchors.FORMULAS.get(name)
-        rows.append({"schedule": name, "published": f"{published.published_name}: {published.bubble}" if published else "-",
+        text = f"{published.published_name}: {published.bubble}" if published else "-"
+        rows.append({"schedule": name, "published": text,
                      "formula (ms)": formula["bubble"] if formula["bubble"] == "-" else
                      round(formula["bubble"], 3), "simulated (ms)": round(r.simulated.makespan_ms - work_ms(run, name), 3),
                      "run (ms)": round(1e3 * r.step_time.median - work_ms(run, name), 3),
