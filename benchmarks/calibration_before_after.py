@@ -5,10 +5,13 @@ data-sheet model the emulator had before it was calibrated (PIPELAB_EMULATE_MODE
 kernel at a flat 50 % of the sheet's peak plus 5 us, every message latency + bytes / the sheet's
 bandwidth, collectives as ring formulas over it) and once with the calibrated model the lessons use
 (`pipelab.emulate.calibrated`). Lesson 06's stage also stands beside the same stage timed on a
-real H100 (`pipelab/emulate/calibrations/h100-sxm-2026-11-27-measured.json`). Anchors are emulated on the published hardware where it is known
-and modelled (torchgpipe's Tesla P40s); where it is not (the tutorial's unnamed GPUs), on the
-lesson's node and on two other cards. Pipeline figures come from lesson 07's simulator, which plays
+real H100 (`pipelab.emulate.gpu_timing.MEASURED_STAGES`). Anchors are emulated on the published
+hardware where it is known and modelled (torchgpipe's Tesla P40s); where it is not (the tutorial's
+unnamed GPUs), on the lesson's node and on two other cards. Pipeline figures come from lesson 07's simulator, which plays
 the emulated ranks' costs (`benchmarks/emulation.py` holds the two within 1.4 %), not from runs.
+Lessons 05, 08 and 11-14 give their headline modelled figures through their own functions
+(`LESSONS`); lesson 13's bubbles are DeepSeek-V3's and the DualPipe README's published formulas
+(`emulate.anchors.FORMULAS`) evaluated with its stage's modelled F, B and W.
 
     python benchmarks/calibration_before_after.py            # a markdown table, then one JSON line
 
@@ -17,18 +20,18 @@ Nothing here is timed on this machine: every figure is modelled. Last line: one 
 
 import json
 import os
-from pathlib import Path
 
 import torch
 from torch import nn
 
 from pipelab.emulate import anchors, cost, moe, resnet50, seconds
+from pipelab.emulate.gpu_timing import measured_stage, measured_stages
 from pipelab.pipeline.schedules import make_schedule
 from pipelab.pipeline.simulate import Costs, simulate
 
 TUTORIAL_SPLITS = (1, 3, 5, 8, 10, 12, 20, 40, 60)
 # Lesson 06's stage timed on a real H100 with CUDA events (the calibration's companion file).
-GPU_RUN = json.loads((Path(cost.__file__).parent / "calibrations" / "h100-sxm-2026-11-27-measured.json").read_text())
+GPU_RUN = measured_stages()
 
 
 def tutorial(node: str) -> dict:
@@ -45,15 +48,14 @@ def tutorial(node: str) -> dict:
 def pipeline(node: str, schedule: str, m: int, width: int = 8192, rows: int = 4096, layers: int = 8,
              dtype: str = "bfloat16") -> dict:
     """Lessons 06-07's MLP (`layers` Linear layers of `width`, `rows` per micro-batch) in two stages
-    on `node`, played by the simulator with the emulated stage and message costs."""
+    on `node` (`emulated_mlp`, as lesson 06 builds it), played by the simulator with the emulated
+    stage and message costs."""
+    from pipelab.emulate import node_of, size_of
     from pipelab.emulate.pipe import EmulatedPipe
-    from pipelab.models import mlp
-    from pipelab.pipeline.partition import split_model
+    from pipelab.experiments.pipeline import Config, emulated_mlp
 
-    with torch.device("meta"):
-        stages = split_model(mlp([width] * (layers + 1)), 2)
-        x = torch.empty(rows, width)
-    pipe = EmulatedPipe.of(stages, x, nn.MSELoss(), node, dtype, "adam", expected=2)
+    size = size_of(Config.SIZE, emulated_mlp(node, layers, 2, width, rows, dtype))
+    pipe = EmulatedPipe.of(size, nn.MSELoss(), node_of(node), 2, node)
     run = simulate(make_schedule(schedule, 2, m, 1), Costs(transfer=pipe.message_ms(), per_stage=pipe.stage_ms()))
     return {"step_ms": run.makespan_ms, "bubble": run.bubble_fraction, "samples_per_s": m * rows / run.makespan_ms * 1e3}
 
@@ -62,14 +64,7 @@ def stage_on_h100(row: dict) -> tuple[str, float, float]:
     """A measured row of lesson 06's stage: its name, and the modelled forward and step (ms) on an H100."""
     from pipelab.emulate.specs import DEVICES
 
-    with torch.device("meta"):
-        layers = []
-        for i in range(row["layers"]):
-            layers.append(nn.Linear(row["width"], row["width"]))
-            if not (row["last_stage_relu_dropped"] and i == row["layers"] - 1):
-                layers.append(nn.ReLU())
-        x = torch.empty(row["rows"], row["width"])
-    t = cost.stage_seconds(nn.Sequential(*layers), x, DEVICES["h100"], row["dtype"])
+    t = cost.stage_seconds(*measured_stage(row), DEVICES["h100"], row["dtype"])
     name = (f"06 stage {row['layers']} x Linear({row['width']}){'' if row['last_stage_relu_dropped'] else ' + ReLU'}, "
             f"{row['rows']} rows {row['dtype']}, 1 x H100")
     return name, 1e3 * t["F"], 1e3 * (t["F"] + t["B"])
@@ -81,6 +76,114 @@ for _row in GPU_RUN["rows"]:
         _name = stage_on_h100(_row)[0]
         MEASURED_ON_H100[f"{_name}: forward (ms)"] = 1e3 * _row["F_s"]
         MEASURED_ON_H100[f"{_name}: forward + backward (ms)"] = 1e3 * _row["FB_s"]
+
+
+# Lessons 05, 08 and 11-14: each lesson's headline modelled figures at its notebook's defaults, by
+# its own functions (no process is started: what a run would time, the lesson's cost functions give).
+
+
+def lesson_05() -> dict[str, float]:
+    """05: the grid MLP's whole step on one H100 at the emulated size, and each layout's compute-only
+    step on 4 x H100 (`layouts.predict`, the prediction the lesson plots beside its runs)."""
+    from pipelab.emulate import Emulated
+    from pipelab.experiments import layouts
+    from pipelab.models import mlp
+
+    torch.manual_seed(0)
+    cfg = layouts.Config(model=mlp([128] * 9), x=torch.randn(64, 128), y=torch.randn(64, 128),
+                         layouts=layouts.layouts_of(2, 2, 4), schedule="1f1b", lr=0.1, steps=1, rounds=2,
+                         emulate=Emulated("4xH100-nvlink", scale=64))
+    prediction = layouts.predict(cfg)
+    out = {"05 grid MLP (8 x Linear(8192), 4096 rows): one step on one H100 (ms)": 1e3 * prediction.one_device}
+    for layout in cfg.layouts:
+        out[f"05 {layout.name}: compute-only step on 4 x H100 (ms)"] = 1e3 * prediction.seconds(layout, 4)
+    return out
+
+
+def lesson_08(node: str = "2xH100-nvlink") -> dict[str, float]:
+    """08: AlexNet's layers modelled at 256 images in bf16 (`layer_profile`), cut in 2 stages by
+    parameters and by that profile (`model_cuts`): the headline, slowest stage by parameters / by profile."""
+    from pipelab.emulate import node_of
+    from pipelab.experiments import deepspeed
+    from pipelab.models import alexnet_layers
+    from pipelab.pipeline.cuts import model_cuts
+
+    layers = alexnet_layers(num_classes=10)
+    sample = torch.empty(256, 3, 224, 224, device="meta")
+    layer_ms = [t.median for t in deepspeed.layer_profile(layers, sample, node_of(node).device, "bfloat16")]
+    cuts = model_cuts(layers, layer_ms, ["parameters", "profile"], stage_counts=(2,))
+    return {"08 AlexNet forward+backward, 256 images bf16, 1 x H100 (ms)": sum(layer_ms),
+            "08 AlexNet 2 stages: slowest stage by parameters / by profile": cuts.speedup(2).median}
+
+
+def lesson_11(node: str = "4xH100-nvlink4", rows: int = 512, width: int = 256) -> dict[str, float]:
+    """11: the MLP each rank computes, its layers timed at `rows` rows (`sized.sharded_layers`, the
+    table a rank's clock uses), and ZeRO-3's all-gather of the largest layer's fp32 parameters."""
+    from pipelab.emulate import node_of, sized
+    from pipelab.models import mlp
+
+    torch.manual_seed(0)
+    model = mlp([width, width + 1, width + 1, width])
+    layers = [(name, m) for name, m in model.named_children() if isinstance(m, nn.Linear)]
+    table = sized.sharded_layers(layers, model, torch.randn(16, width), rows)
+    device = node_of(node).device
+    step = sum(cost.compute_seconds(table.costs[kind, "layer", name], device, "float32")
+               for name, _ in layers for kind in ("F", "B"))
+    largest = max(sum(p.numel() for p in m.parameters()) for _, m in layers) * 4
+    return {f"11 MLP forward+backward at {rows} rows fp32, 1 x H100 (us)": 1e6 * step,
+            "11 ZeRO-3 all-gather of the largest layer's fp32 parameters, 4 x H100 NVLink (us)":
+                1e6 * seconds("all_gather", nbytes=largest, node=node)}
+
+
+def lesson_12() -> dict[str, float]:
+    """12: the 3-D grid's stage 0 at lesson 10's size (`grid3d.big_stage`), F + B per tensor rank as
+    `tensor_stage` times it, and a tensor-parallel all-reduce of one micro-batch's bf16 activation."""
+    from pipelab.emulate import node_of
+    from pipelab.experiments import grid3d
+
+    cfg = grid3d.Config(emulate="8xH100-nvlink")
+    ntoken, _ = cfg.batches()
+    module, example = grid3d.big_stage(cfg, ntoken, 0)
+    t = cost.stage_seconds(module, example, node_of("8xH100-nvlink").device, "bfloat16")
+    activation = cfg.size.columns * cfg.size.seq_len * cfg.size.emsize * 2
+    return {"12 3-D grid stage 0 (emsize 4096, 2 x 2048 tokens) F+B per tensor rank, H100 (ms)":
+                1e3 * (t["F"] + t["B"]) / cfg.tensor,
+            "12 tensor-parallel all-reduce of one micro-batch's activation, 2 x H100 NVLink (us)":
+                1e6 * seconds("all_reduce", nbytes=activation, node="2xH100-nvlink")}
+
+
+def lesson_13(p: int = 2, layers: int = 8) -> dict[str, float]:
+    """13: one 1F1B stage's F, B and W at the emulated size (`sized.tanh_stages`, what a rank's clock
+    uses), and the published bubbles (`dualpipe_formulas`) of 1F1B and DualPipeV with them."""
+    from pipelab.emulate import node_of, sized
+    from pipelab.experiments.v_schedules import Config
+    from pipelab.pipeline.v_shape import dualpipe_formulas
+
+    size = Config.SIZE
+    device = node_of(f"{p}xH100-nvlink").device
+    table = sized.tanh_stages([0], layers // p, size["width"], size["rows"], device, size["dtype"])
+    f, i, w = (1e3 * table.costs[kind, "stage", 0] for kind in ("F", "I", "W"))
+    formulas = dualpipe_formulas(p, f, i + w, w)
+    return {f"13 one 1F1B stage ({layers // p} x Linear+Tanh 8192, 4096 rows bf16) F+B, H100 (ms)": f + i + w,
+            f"13 DualPipeV bubble, published formula, p={p} (ms)": formulas["DualPipeV"]["bubble"],
+            f"13 DualPipeV bubble / 1F1B bubble, published formulas, p={p}":
+                formulas["DualPipeV"]["bubble"] / formulas["1F1B"]["bubble"]}
+
+
+def lesson_14(tokens: int = 128 * 1024) -> dict[str, float]:
+    """14: a causal zig-zag ring step of Llama 2 7B's attention at 128K tokens (`ring_overlap`): its
+    attention and its K/V passing, inside a node (8 ranks) and over InfiniBand (16)."""
+    from pipelab.experiments.context_parallel import ring_overlap
+
+    out = {}
+    for row in ring_overlap(tokens, (8, 16)):
+        over = f"{row['ranks']} x H100 {row['link']}"
+        out[f"14 ring step attention fwd+bwd, {over} (ms)"] = row["attention fwd+bwd (ms)"]
+        out[f"14 ring step K/V passing fwd+bwd, {over} (ms)"] = row["K/V passing fwd+bwd (ms)"]
+    return out
+
+
+LESSONS = {"05": lesson_05, "08": lesson_08, "11": lesson_11, "12": lesson_12, "13": lesson_13, "14": lesson_14}
 
 
 def figures() -> dict[str, float]:
@@ -112,6 +215,8 @@ def figures() -> dict[str, float]:
 
     out["10 tokens/s of one H100, the tutorial's LM at 4096 wide, 8 layers, 33,278 words, bf16"] = (
         one_device_tokens_per_second(Config(emulate="4xH100-nvlink"), 33278))
+    for lesson in LESSONS.values():
+        out.update(lesson())
     out["15 expert forward, 8192 tokens, Mixtral size, 1 x H100 (us)"] = 1e6 * moe.expert_seconds("forward", 8192, 4096, 14336, "2xH100-nvlink")
     out["15 all-to-all of 8192 x 4096 bf16 tokens, 2 x H100 NVLink (us)"] = 1e6 * moe.all_to_all_seconds(8192 * 4096 * 2, "2xH100-nvlink")
     return out

@@ -1,6 +1,12 @@
 """The links measured on several machines (NVLink 5, EFA between machines) refitted from their
-calibrate rows, and the data-sheet model the emulator had before calibration, which
-PIPELAB_EMULATE_MODEL=datasheet plays for before/after comparisons."""
+calibrate rows, the data-sheet model the emulator had before calibration, which
+PIPELAB_EMULATE_MODEL=datasheet plays for before/after comparisons, and the before/after rows of
+lessons 05, 08 and 11-14 in benchmarks/calibration_before_after.py."""
+
+import functools
+import importlib.util
+import math
+from pathlib import Path
 
 import pytest
 
@@ -67,3 +73,30 @@ def test_datasheet_model_refuses_an_unknown_name(monkeypatch):
     monkeypatch.setenv(cost.MODEL_ENV, "sheet")
     with pytest.raises(ValueError, match="'calibrated' .* or 'datasheet'"):
         cost.message_seconds(1e6, specs.LINKS["nvlink4"])
+
+
+@functools.cache
+def _before_after():
+    path = Path(__file__).resolve().parent.parent / "benchmarks" / "calibration_before_after.py"
+    spec = importlib.util.spec_from_file_location("calibration_before_after", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.parametrize("lesson", ["05", "08", "11", "12", "13", "14"])
+def test_each_lessons_headline_figures_have_a_row_under_both_models(lesson, monkeypatch):
+    bench = _before_after()
+    assert set(bench.LESSONS) == {"05", "08", "11", "12", "13", "14"}
+    rows = {}
+    for model in ("datasheet", "calibrated"):
+        monkeypatch.setenv(cost.MODEL_ENV, model)
+        rows[model] = bench.LESSONS[lesson]()
+    before, after = rows["datasheet"], rows["calibrated"]
+    assert before and before.keys() == after.keys() and all(name.startswith(f"{lesson} ") for name in before)
+    assert all(math.isfinite(v) and v > 0 for v in [*before.values(), *after.values()])
+    # Every time here rests on a constant the calibration changed (matrix-product efficiency by size,
+    # launch cost, each link's bus bandwidth and step latency): none may come out as the sheet's.
+    timed = [name for name in before if name.endswith(("(ms)", "(us)"))]
+    assert timed and all(after[name] != pytest.approx(before[name], rel=1e-3) for name in timed), \
+        {name: (before[name], after[name]) for name in timed}

@@ -248,6 +248,29 @@ def test_anchors_name_the_published_hardware_where_it_is_modelled():
     assert "Tesla P40" in anchors.hardware_text("torchgpipe_amoebanet_n2_m4")
     assert "not named" in anchors.hardware_text("tutorial_pipeline_split20_speedup")
     assert anchors.beside("torchgpipe_amoebanet_n2_m4", 1.5)["published hardware"] == anchors.P40_NODE
+    # a lesson of 2 ranks emulates 2 of the published cards; each column names its hardware in words
+    assert specs.parse_node(anchors.published_node("torchgpipe_amoebanet_n2_m4", 2)).count == 2
+    assert anchors.published_node("gpipe_amoebanet_n2_m4", 2) is None
+    assert anchors.published_hardware("torchgpipe_amoebanet_n2_m4") == "NVIDIA Tesla P40s"
+    assert anchors.published_hardware("tutorial_naive_mp_slowdown") == "GPUs not named"
+    assert "not modelled" in anchors.published_hardware("gpipe_amoebanet_n2_m4")
+
+
+def test_the_published_schedule_formulas_are_deepseek_v3s_table_2_and_the_dualpipe_readmes():
+    from pipelab.emulate import anchors
+    from pipelab.pipeline.v_shape import dualpipe_formulas
+
+    rows = {k: (f.bubble, f.parameters, f.activations, f.devices) for k, f in anchors.FORMULAS.items()}
+    assert rows == {"1F1B": ("(PP-1)(F+B)", "1x", "PP", "PP"), "ZB-H1": ("(PP-1)(F+B-2W)", "1x", "PP", "PP"),
+                    "DualPipe": ("(PP/2-1)(F&B+B-3W)", "2x", "PP+1", "PP"),
+                    "DualPipeV": ("(PP/2-1)(F&B+B-3W)", "2x", "PP+1", "PP/2")}
+    assert "Table 2" in anchors.formula("DualPipe").where and "2412.19437" in anchors.formula("DualPipe").source
+    assert "Table 2" not in anchors.formula("DualPipeV").where  # the report has no DualPipeV row
+    # the lesson's evaluation covers every published schedule it runs, and no hardware is implied
+    assert set(dualpipe_formulas(2, 1.0, 2.0, 1.0)) == set(anchors.FORMULAS) - {"DualPipe"}
+    assert "no hardware" in anchors.hardware_text("DualPipeV")
+    with pytest.raises(ValueError, match="no published formula"):
+        anchors.formula("ZB-V")
 
 
 def test_the_model_table_a_lesson_shows_is_the_calibrated_model_it_runs_on(monkeypatch):

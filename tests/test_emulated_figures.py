@@ -172,6 +172,31 @@ def test_lessons_06_and_07_pipeline_schedules():
     check("06-07", out)
 
 
+def test_lesson_06_runs_torchgpipes_anchor_again_on_the_published_p40s():
+    """Lesson 06's m = 4 over m = 1 on torchgpipe's hardware: the same stages and batches on 2 Tesla
+    P40s in float32, as the simulator plays that node's costs; each column names its hardware."""
+    import dataclasses
+
+    from pipelab.experiments import gpipe
+    from pipelab.pipeline.schedules import make_schedule
+    from pipelab.pipeline.simulate import simulate
+
+    cfg, runs = pipeline_runs(["gpipe", "gpipe"], [1, 4])
+    again = gpipe.on_published_hardware(cfg)
+    assert sorted(again) == [1, 4] and {r.node for r in again.values()} == {"2xP40-pcie"}
+    assert all(again[r.schedule.num_microbatches].step_time.median > r.step_time.median for r in runs)
+    p40 = dataclasses.replace(cfg, emulate=Emulated("2xP40-pcie", **{**cfg.emulate.size, "dtype": "float32"}))
+    simulated = {m: simulate(make_schedule("gpipe", 2, m), p40.simulated_costs(messages=True)).makespan_ms
+                 for m in (1, 4)}
+    ratio = gpipe.throughput_ratio(again[4], again[1])
+    assert ratio == pytest.approx(4 * simulated[1] / simulated[4], rel=0.02)
+    rows = gpipe.published_beside(runs, again)
+    there = "on the published hardware (modelled, 2 x NVIDIA Tesla P40 over PCIe 3 x16)"
+    assert [r["published on"] for r in rows] == ["NVIDIA Tesla P40s", "GPipe's accelerators, not modelled"]
+    assert rows[0][there] == round(ratio, 3) and rows[1][there] == "-"
+    assert gpipe.on_published_hardware(dataclasses.replace(cfg, emulate=None)) == {}  # nothing emulated here
+
+
 def test_lesson_08_deepspeed_engine():
     from pipelab.emulate import Emulated
     from pipelab.experiments import deepspeed

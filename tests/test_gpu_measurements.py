@@ -3,19 +3,17 @@ held to it: lesson 06's emulated stage timed with CUDA events beside the modelle
 node calibrated from the published tables ("2xH100-nvlink") and on the node this GPU's own
 `pipelab calibrate` file makes ("8x:FILE")."""
 
-import json
 import statistics
 from pathlib import Path
 
 import pytest
-import torch
-from torch import nn
 
 from pipelab.emulate import calibrate, cost, specs
+from pipelab.emulate.gpu_timing import measured_stage, measured_stages
 
 HERE = Path(__file__).resolve().parent.parent / "pipelab" / "emulate" / "calibrations"
 CALIBRATION = HERE / "h100-sxm-2026-11-27.json"
-MEASURED = json.loads((HERE / "h100-sxm-2026-11-27-measured.json").read_text())
+MEASURED = measured_stages()
 
 
 def test_the_calibration_file_says_where_and_when_it_was_measured():
@@ -37,18 +35,8 @@ def test_the_file_is_an_emulated_node_of_eight_with_the_sheets_peak_as_the_limit
     assert node.device.rate("bfloat16") == specs.DEVICES["h100"].rate("bfloat16")
 
 
-def stage(row):
-    with torch.device("meta"):
-        layers = []
-        for i in range(row["layers"]):
-            layers.append(nn.Linear(row["width"], row["width"]))
-            if not (row["last_stage_relu_dropped"] and i == row["layers"] - 1):
-                layers.append(nn.ReLU())
-        return nn.Sequential(*layers), torch.empty(row["rows"], row["width"])
-
-
 def modelled(row, node):
-    module, x = stage(row)
+    module, x = measured_stage(row)
     t = cost.stage_seconds(module, x, specs.parse_node(node).device, row["dtype"])
     return t["F"], t["F"] + t["B"]
 

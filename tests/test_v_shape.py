@@ -118,6 +118,11 @@ def test_the_lesson_checks_against_one_process_and_torchs_own_zbv_and_dualpipev(
     assert max(run["DualPipeV"].stash_peak.values()) == 2 * 2 + 1  # the README's PP + 1 chunks
     rows = {r["schedule"]: r for r in vx.bubble_times(run)}
     assert rows["DualPipeV"]["run (ms)"] < rows["ZB-H1"]["run (ms)"] < rows["1F1B"]["run (ms)"]
+    # the published formulas, named as DeepSeek-V3's Table 2 and the DualPipe README print them
+    assert rows["ZB-H1"]["published"] == "ZB1P: (PP-1)(F+B-2W)" and rows["ZB-V"]["published"] == "-"
+    key, _, text, figures = vx.published_verdict(run)
+    assert key == "13.published_DualPipeV_p2" and "(PP/2-1)(F&B+B-3W)" in text
+    assert figures["ratio"] == pytest.approx(rows["DualPipeV"]["run (ms)"] / rows["DualPipeV"]["formula (ms)"])
 
 
 @pytest.mark.parametrize("bad,match", [(dict(num_microbatches=2), "num_microbatches >= 4"),

@@ -8,7 +8,9 @@ models it (torchgpipe's P40s), and "" where it does not (unnamed GPUs, TPUs): a 
 the published hardware where there is one and says which (`hardware_text`).
 
 Only figures stated in the sources are here; a speedup the source prints as a percentage is kept
-with the two times it comes from.
+with the two times it comes from. Schedules' bubbles published as formulas in their own F, B, W
+(DeepSeek-V3's Table 2, the DualPipe README) are `FORMULAS`: no hardware, a lesson evaluates them
+with its own run's costs.
 """
 
 from __future__ import annotations
@@ -25,7 +27,11 @@ GPIPE = ("Huang et al., \"GPipe: Efficient Training of Giant Neural Networks usi
 TORCHGPIPE = ("torchgpipe documentation, Benchmarks, https://torchgpipe.readthedocs.io/en/stable/benchmarks.html "
               "(source: github.com/kakaobrain/torchgpipe, docs/benchmarks.rst); Kim et al., \"torchgpipe: "
               "On-the-fly Pipeline Parallelism for Training Giant Models\", https://arxiv.org/abs/2004.09910")
-
+DEEPSEEK_V3 = ("DeepSeek-AI, \"DeepSeek-V3 Technical Report\", https://arxiv.org/abs/2412.19437 (v2), section "
+               "3.2.1 \"DualPipe and Computation-Communication Overlap\", Table 2 \"Comparison of pipeline bubbles "
+               "and memory usage across different pipeline parallel methods\"")
+DUALPIPE = ("deepseek-ai/DualPipe, README.md, \"Pipeline Bubbles and Memory Usage Comparison (based on the same number "
+            "of PP stages)\", https://github.com/deepseek-ai/DualPipe (commit 3da1bbe, lines 24-36)")
 
 # torchgpipe's benchmarks ran on Tesla P40s (PCIe 3, no NVLink), up to 8 of them.
 P40_NODE = "8xP40-pcie"
@@ -113,6 +119,46 @@ ANCHORS: dict[str, Anchor] = {
 }
 
 
+@dataclass(frozen=True)
+class ScheduleFormula:
+    """One schedule's published bubble and memory per device, as the source prints them: F, B (a full
+    backward), W and F&B (an overlapped forward and backward) are one chunk's times; PP the pipeline
+    stages. `key` is the lesson's name of the schedule, `published_name` the source's."""
+    key: str
+    published_name: str
+    bubble: str
+    parameters: str
+    activations: str
+    devices: str
+    source: str
+    where: str
+
+
+def _formula(key: str, name: str, bubble: str, parameters: str, activations: str, devices: str,
+             in_report: bool = True) -> ScheduleFormula:
+    where = (f"Table 2, row \"{name}{' (Ours)' if name == 'DualPipe' else ''}\"; " if in_report else "") + \
+        f"README table, row \"{name}\""
+    return ScheduleFormula(key, name, bubble, parameters, activations, devices,
+                           f"{DEEPSEEK_V3}; {DUALPIPE}" if in_report else DUALPIPE, where)
+
+
+FORMULAS: dict[str, ScheduleFormula] = {f.key: f for f in (
+    _formula("1F1B", "1F1B", "(PP-1)(F+B)", "1x", "PP", "PP"),
+    _formula("ZB-H1", "ZB1P", "(PP-1)(F+B-2W)", "1x", "PP", "PP"),
+    _formula("DualPipe", "DualPipe", "(PP/2-1)(F&B+B-3W)", "2x", "PP+1", "PP"),
+    # The README's row only: DualPipeV, DualPipe cut in half, puts the PP stages on PP/2 devices.
+    _formula("DualPipeV", "DualPipeV", "(PP/2-1)(F&B+B-3W)", "2x", "PP+1", "PP/2", in_report=False))}
+FORMULA_HARDWARE = ("a formula in the schedule's own F, B and W: no hardware; evaluated with this run's costs, "
+                    "on the lesson's node")
+
+
+def formula(key: str) -> ScheduleFormula:
+    """The published formula of schedule `key`; a ValueError listing the known ones otherwise."""
+    if key not in FORMULAS:
+        raise ValueError(f"no published formula for {key!r}; known: {', '.join(FORMULAS)}")
+    return FORMULAS[key]
+
+
 def gpipe_bubble(stages: int, microbatches: int) -> float:
     """GPipe's bubble, (p-1)/(m+p-1): the idle fraction of each stage's time in a pipeline of p
     equal stages and m micro-batches (GPipe, section 2.3, writes it O((K-1)/(M+K-1)))."""
@@ -131,12 +177,35 @@ def anchor(key: str) -> Anchor:
 def hardware_text(key: str) -> str:
     """Which hardware a lesson should emulate for anchor `key`, in words: the published hardware
     where the emulator models it, else why it emulates its own node."""
+    if key in FORMULAS:
+        return FORMULA_HARDWARE
     published = anchor(key)
     if published.hardware:
         from pipelab.emulate.specs import parse_node
 
         return f"emulated on the published hardware: {parse_node(published.hardware)}"
     return "the published hardware is not named or not modelled (TPUs): emulated on the lesson's node"
+
+
+def published_hardware(key: str) -> str:
+    """The hardware anchor `key` was measured on, in a few words for a column's name."""
+    published = anchor(key)
+    if published.hardware:
+        from pipelab.emulate.specs import parse_node
+
+        return parse_node(published.hardware).device.name + "s"
+    return "GPUs not named" if published.source == TUTORIAL else f"{published.setup.split(';')[0]}, not modelled"
+
+
+def published_node(key: str, count: int) -> str | None:
+    """The published hardware of anchor `key` as an emulate= node of `count` devices (the published
+    runs' own number may differ), or None where it is not named or not modelled."""
+    node = anchor(key).hardware
+    if not node:
+        return None
+    if count < 1:
+        raise ValueError(f"need count >= 1 devices, got {count}")
+    return f"{count}x{node.split('x', 1)[1]}"
 
 
 def beside(key: str, emulated: float) -> dict:

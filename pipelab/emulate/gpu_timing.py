@@ -10,6 +10,7 @@ one process per GPU, timed on each rank's stream as nccl-tests does, over messag
 from __future__ import annotations
 
 import datetime
+import json
 import math
 import os
 import platform
@@ -18,13 +19,35 @@ import statistics
 import subprocess
 import tempfile
 import time
+from pathlib import Path
 from typing import Callable
 
 import torch
+from torch import nn
 
 BATCH_S = 1e-3  # one timed batch lasts at least this long
 REPEATS = 7
 LONGEST_CALL_S = 0.25  # a size whose single call takes longer is not repeated (keeps the run short)
+# Lesson 06's stage timed on a lent H100 with CUDA events: its rows, each a stage and its F and F+B.
+MEASURED_STAGES = Path(__file__).parent / "calibrations" / "h100-sxm-2026-11-27-measured.json"
+
+
+def measured_stages(path: Path = MEASURED_STAGES) -> dict:
+    """The measured run of lesson 06's stage: the GPU, versions, date and its `rows`."""
+    return json.loads(Path(path).read_text())
+
+
+def measured_stage(row: dict) -> tuple[nn.Sequential, torch.Tensor]:
+    """The stage a measured row timed, rebuilt on the meta device with its input, so the cost model
+    can time the same module: `layers` Linear(`width`) with a ReLU after each (none after the last
+    where the row says so), on `rows` rows."""
+    with torch.device("meta"):
+        layers: list[nn.Module] = []
+        for i in range(row["layers"]):
+            layers.append(nn.Linear(row["width"], row["width"]))
+            if not (row["last_stage_relu_dropped"] and i == row["layers"] - 1):
+                layers.append(nn.ReLU())
+        return nn.Sequential(*layers), torch.empty(row["rows"], row["width"])
 
 
 def time_kernel(fn: Callable[[], object], repeats: int = REPEATS, warmup: int = 2) -> float:

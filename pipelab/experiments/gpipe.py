@@ -5,12 +5,13 @@ activation checkpointing trades. Each verdict returns (key, verdict, text, figur
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Sequence
 
 from torch import nn
 
-from pipelab.emulate import anchors
-from pipelab.experiments.pipeline import Config, PipelineRun, pooled_bubble
+from pipelab.emulate import Emulated, anchors, node_of
+from pipelab.experiments.pipeline import Config, PipelineRun, pooled_bubble, run
 from pipelab.pipeline.waits import recv_waits, send_waits
 from pipelab.measure import Measured, compare, ratios
 from pipelab.pipeline.simulate import SimResult, gpipe_bubble
@@ -126,15 +127,43 @@ def throughput_ratio(run: PipelineRun, base: PipelineRun) -> float:
     return (run.schedule.num_microbatches / run.step_time.median) / (base.schedule.num_microbatches / base.step_time.median)
 
 
-def published_beside(runs: Sequence[PipelineRun]) -> list[dict]:
+def on_published_hardware(cfg: Config, key: str = "torchgpipe_amoebanet_n2_m4", ms: Sequence[int] = (1, 4),
+                          dtype: str = "float32") -> dict[int, PipelineRun]:
+    """06: GPipe at each m of `ms` again, the same stages at the emulated size and the same batches as
+    `cfg`'s runs, on the hardware anchor `key` was published on (torchgpipe's Tesla P40s, in float32:
+    a P40 has no bfloat16), by m, in one warm-up and one timed step (modelled time: every step alike);
+    {} where nothing is emulated or that hardware is not modelled."""
+    node = anchors.published_node(key, cfg.world_size)
+    jobs = {j.schedule.num_microbatches: j for j in cfg.jobs if not j.checkpoint}
+    if cfg.emulate is None or node is None or not set(ms) <= set(jobs):
+        return {}
+    again = dataclasses.replace(cfg, schedules=["gpipe"] * len(ms), num_microbatches=list(ms),
+                                x=[jobs[m].x for m in ms], y=[jobs[m].y for m in ms], checkpoint=False,
+                                steps=min(cfg.steps, 2), emulate=Emulated(node, **{**cfg.emulate.size, "dtype": dtype}))
+    return dict(zip(ms, run(again)))
+
+
+def published_beside(runs: Sequence[PipelineRun], again: dict[int, PipelineRun] | None = None) -> list[dict]:
     """06: torchgpipe's and GPipe's two-partition speed-ups at m = 4 (and 32) over m = 1 beside this
-    sweep's (`emulate.anchors.beside`), each with the bubble of the run at that m."""
+    sweep's and, where given, the same on the published hardware (`on_published_hardware`); each
+    column names its hardware, and each row gives the bubble of this sweep's run at that m."""
     by_m = {r.schedule.num_microbatches: r for r in runs}
-    rows = [(anchors.beside(f"{who}_amoebanet_n2_m{m}", throughput_ratio(by_m[m], by_m[1])), by_m[m])
-            for m in (4, 32) if m in by_m and 1 in by_m and runs[0].schedule.num_ranks == 2
-            for who in ("torchgpipe", "gpipe")]
-    return [{**{k: (round(v, 3) if isinstance(v, float) else v) for k, v in row.items() if k != "source"},
-             f"bubble there ({how(run)})": round(run.bubble_fraction.median, 3)} for row, run in rows]
+    here = f"here ({how(runs[0])}, {node_of(runs[0].node) if runs[0].node else 'this machine'})"
+    first = next(iter(again.values())) if again else None
+    there = f"on the published hardware ({how(first)}, {node_of(first.node)})" if first else "on the published hardware"
+    rows = []
+    for m in (4, 32):
+        if m not in by_m or 1 not in by_m or runs[0].schedule.num_ranks != 2:
+            continue
+        for who in ("torchgpipe", "gpipe"):
+            key = f"{who}_amoebanet_n2_m{m}"
+            on_it = anchors.published_node(key, 2) and again and {1, m} <= set(again)
+            rows.append({"what": anchors.anchor(key).what, "published": anchors.anchor(key).value,
+                         "published on": anchors.published_hardware(key),
+                         here: round(throughput_ratio(by_m[m], by_m[1]), 3),
+                         there: round(throughput_ratio(again[m], again[1]), 3) if on_it else "-",
+                         f"bubble here ({how(by_m[m])})": round(by_m[m].bubble_fraction.median, 3)})
+    return rows
 
 
 def negligible_bubble(runs: Sequence[PipelineRun]) -> Verdict:

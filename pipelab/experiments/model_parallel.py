@@ -345,15 +345,17 @@ def naive_verdict(run: NaiveRun) -> Verdict:
 
 
 def naive_anchor_rows(run: NaiveRun) -> list[dict]:
-    """The modelled naive slowdown beside the tutorial's, and what sets it: the activation's copy."""
+    """The modelled naive slowdown beside the tutorial's, and what sets it: the activation's copy.
+    Each column names its hardware: the tutorial's GPUs are not named, so only the lesson's node runs."""
     pace, one = run.pace, run.one_device.step_time.median
     images = resnet50.EMULATED_BATCH  # the tutorial's whole batch crosses the cut
     nbytes, copy_s = pace.copy_bytes(images), pace.copy_seconds(images)
     pcie = pace.copy_seconds(images, specs.LINKS["pcie4"])
-    published = anchors.anchor("tutorial_naive_mp_slowdown").value
-    return [{"figure": "naive slower than one device", "tutorial (training steps)": f"{published - 1:.0%}",
-             "here (forward, modelled)": f"{1 / run.speedup.median - 1:.1%}"},
-            {"figure": f"the activation's copy ({nbytes / 1e6:.0f} MB)", "tutorial (training steps)": "-",
-             "here (forward, modelled)": f"{copy_s * 1e3:.2f} ms over {pace.node.link.name}, {copy_s / one:.1%}"},
-            {"figure": "the same copy over PCIe 4 x16", "tutorial (training steps)": "-",
-             "here (forward, modelled)": f"{pcie * 1e3:.2f} ms, {pcie / one:.1%}"}]
+    key = "tutorial_naive_mp_slowdown"
+    published, there = anchors.anchor(key).value, f"tutorial (training steps; {anchors.published_hardware(key)})"
+    here = f"here (forward, modelled on {pace.node})"
+    return [{"figure": "naive slower than one device", there: f"{published - 1:.0%}",
+             here: f"{1 / run.speedup.median - 1:.1%}"},
+            {"figure": f"the activation's copy ({nbytes / 1e6:.0f} MB)", there: "-",
+             here: f"{copy_s * 1e3:.2f} ms over {pace.node.link.name}, {copy_s / one:.1%}"},
+            {"figure": "the same copy over PCIe 4 x16", there: "-", here: f"{pcie * 1e3:.2f} ms, {pcie / one:.1%}"}]

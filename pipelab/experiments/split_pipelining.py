@@ -137,23 +137,25 @@ def bound_verdict(run: SweepRun) -> Verdict:
 
 def anchor_rows(run: SweepRun, slower_node: str = "2xT4") -> list[dict]:
     """The tutorial's published speedups beside this run's; on a modelled node also the launches'
-    share of a split of 12 and the best split the same formulas give on a slower card."""
+    share of a split of 12 and the best split the same formulas give on a slower card. Each column
+    names its hardware: the tutorial does not name its GPUs, so only the lesson's node runs it."""
     piped, here = run["pipelined"], f"here ({run.where})"
+    published = f"tutorial ({anchors.published_hardware('tutorial_pipeline_split12_speedup')})"
     rows = []
     for split, key in ((20, "tutorial_pipeline_split20_speedup"), (12, "tutorial_pipeline_split12_speedup")):
         got = piped.speedup.get(split)
-        rows.append({"figure": f"pipelined speedup, split size {split}", "published": f"{anchors.anchor(key).value:.2f}x",
+        rows.append({"figure": f"pipelined speedup, split size {split}", published: f"{anchors.anchor(key).value:.2f}x",
                      here: "not run" if got is None else f"{got.median:.2f}x"})
     best = piped.best_split
     published_best = anchors.anchor("tutorial_pipeline_split12_speedup").value
-    rows.append({"figure": "best split size (speedup)", "published": f"12 ({published_best:.2f}x)",
+    rows.append({"figure": "best split size (speedup)", published: f"12 ({published_best:.2f}x)",
                  here: f"{best} ({piped.speedup[best].median:.2f}x)"})
     if run.pace is not None:
-        rows.append({"figure": "kernel launches' share of a split of 12", "published": "-",
+        rows.append({"figure": "kernel launches' share of a split of 12", published: "-",
                      here: f"{run.pace.launch_share(12):.0%}"})
         slow = resnet50.modelled_speedups(slower_node, run.pace.cut, TUTORIAL_SPLITS)
         slow_best = max(slow, key=slow.get)
-        rows.append({"figure": f"best split on {specs.parse_node(slower_node)}, same formulas", "published": "-",
+        rows.append({"figure": f"best split on {specs.parse_node(slower_node)}, same formulas", published: "-",
                      here: f"{slow_best} ({slow[slow_best]:.2f}x)"})
     return rows
 

@@ -19,7 +19,7 @@ from torch import nn
 
 from pipelab import experiments
 from pipelab.checks import divides, whole_number
-from pipelab.emulate import cost, sized
+from pipelab.emulate import anchors, cost, sized
 from pipelab.experiments.pipeline import zero_grads
 from pipelab.measure import Measured, RankSteps, Steps, TimedSteps, gather_steps, time_steps
 from pipelab.pipeline.p2p import message_specs
@@ -234,13 +234,17 @@ def work_ms(run: VRun, name: str) -> float:
 
 
 def bubble_times(run: VRun) -> list[dict]:
-    """Per schedule, the bubble as time (a step's length minus one rank's work): the DualPipe
-    README's formula with this run's costs, the simulator, and the run, in ms."""
+    """Per schedule, the bubble as time (a step's length minus one rank's work): the published
+    formula (DeepSeek-V3's Table 2, the DualPipe README: `anchors.FORMULAS`) as printed there and
+    evaluated with this run's costs, the simulator, and the run, in ms."""
     formulas = dualpipe_formulas(run.cfg.world_size, *stage_costs(run))
     rows = []
     for name, r in run.schedules.items():
         formula = formulas.get(name, {"bubble": "-", "activations": "-"})
-        rows.append({"schedule": name, "formula (ms)": formula["bubble"] if formula["bubble"] == "-" else
+        published = anchors.FORMULAS.get(name)
+        text = f"{published.published_name}: {published.bubble}" if published else "-"
+        rows.append({"schedule": name, "published": text,
+                     "formula (ms)": formula["bubble"] if formula["bubble"] == "-" else
                      round(formula["bubble"], 3), "simulated (ms)": round(r.simulated.makespan_ms - work_ms(run, name), 3),
                      "run (ms)": round(1e3 * r.step_time.median - work_ms(run, name), 3),
                      "activations, formula (1F1B stages)": formula["activations"],
@@ -329,6 +333,19 @@ def bubble_verdict(run: VRun) -> tuple[str, str, str, dict]:
     return (f"13.bubble_order_p{run.cfg.world_size}", ranking,
             f"{where} bubbles in time: {ranking}; the run exceeds the simulator by at most {added:.3f} ms",
             {n: rows[n]["run (ms)"] for n in order})
+
+
+def published_verdict(run: VRun, name: str = "DualPipeV") -> tuple[str, str, str, dict]:
+    """The bubble `name` left in the run beside its published formula evaluated with this run's F, B
+    and W (`bubble_times`); the formula has no hardware, so the run's node is the only one."""
+    row = {r["schedule"]: r for r in bubble_times(run)}[name]
+    ratio = row["run (ms)"] / row["formula (ms)"]
+    where = "modelled" if run.cfg.emulate else "measured"
+    verdict = "within 10 % of the formula" if abs(ratio - 1) <= 0.1 else ("above" if ratio > 1 else "below") + " the formula"
+    return (f"13.published_{name}_p{run.cfg.world_size}", verdict,
+            f"{name}'s {where} bubble, {row['run (ms)']:.3f} ms, was {ratio:.2f}x its published "
+            f"{anchors.formula(name).bubble} with this run's F, B and W",
+            {"run_ms": row["run (ms)"], "formula_ms": row["formula (ms)"], "ratio": ratio})
 
 
 def run_flops(params: dict) -> float:
