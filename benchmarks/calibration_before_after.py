@@ -9,7 +9,7 @@ real H100 (`pipelab.emulate.gpu_timing.MEASURED_STAGES`). Anchors are emulated o
 hardware where it is known and modelled (torchgpipe's Tesla P40s); where it is not (the tutorial's
 unnamed GPUs), on the lesson's node and on two other cards. Pipeline figures come from lesson 07's simulator, which plays
 the emulated ranks' costs (`benchmarks/emulation.py` holds the two within 1.4 %), not from runs.
-Lessons 05, 08 and 11-14 give their headline modelled figures through their own functions
+Lessons 05, 08, 11-14 and 16 give their headline modelled figures through their own functions
 (`LESSONS`); lesson 13's bubbles are DeepSeek-V3's and the DualPipe README's published formulas
 (`emulate.anchors.FORMULAS`) evaluated with its stage's modelled F, B and W.
 
@@ -78,7 +78,7 @@ for _row in GPU_RUN["rows"]:
         MEASURED_ON_H100[f"{_name}: forward + backward (ms)"] = 1e3 * _row["FB_s"]
 
 
-# Lessons 05, 08 and 11-14: each lesson's headline modelled figures at its notebook's defaults, by
+# Lessons 05, 08, 11-14 and 16: each lesson's headline modelled figures at its notebook's defaults, by
 # its own functions (no process is started: what a run would time, the lesson's cost functions give).
 
 
@@ -183,7 +183,22 @@ def lesson_14(tokens: int = 128 * 1024) -> dict[str, float]:
     return out
 
 
-LESSONS = {"05": lesson_05, "08": lesson_08, "11": lesson_11, "12": lesson_12, "13": lesson_13, "14": lesson_14}
+def lesson_16(size: tuple[int, int, int, int] = (2048, 4, 4096, 32), node: str = "1xH100-nvlink4") -> dict[str, float]:
+    """16: the modelled step of one bf16 Transformer block per recomputation mode (`recompute_times`)
+    and its MLP product in bf16 and FP8 with FP8's extra passes (`fp8_rates`), at the lesson's size."""
+    from pipelab.experiments.precision_parts import BlockSize, fp8_rates, recompute_times
+
+    big = BlockSize(*size)
+    block = f"s={big.seq_len}, b={big.batch}, h={big.dim}, a={big.n_heads}"
+    out = {f"16 block ({block}) step, recomputation {row['recomputation']}, 1 x H100 (ms)": row["modelled step (ms)"]
+           for row in recompute_times(big, node)}
+    shape = (big.seq_len * big.batch, big.dim, 4 * big.dim)
+    for name, value in fp8_rates(shape, node).items():
+        out[f"16 {shape[0]} x {shape[1]} by {shape[1]} x {shape[2]}: {name.replace(', modelled', '')}"] = value
+    return out
+
+
+LESSONS = {"05": lesson_05, "08": lesson_08, "11": lesson_11, "12": lesson_12, "13": lesson_13, "14": lesson_14, "16": lesson_16}
 
 
 def figures() -> dict[str, float]:

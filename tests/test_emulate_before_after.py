@@ -1,7 +1,7 @@
 """The links measured on several machines (NVLink 5, EFA between machines) refitted from their
 calibrate rows, the data-sheet model the emulator had before calibration, which
 PIPELAB_EMULATE_MODEL=datasheet plays for before/after comparisons, and the before/after rows of
-lessons 05, 08 and 11-14 in benchmarks/calibration_before_after.py."""
+lessons 05, 08, 11-14 and 16 in benchmarks/calibration_before_after.py."""
 
 import functools
 import importlib.util
@@ -84,10 +84,10 @@ def _before_after():
     return module
 
 
-@pytest.mark.parametrize("lesson", ["05", "08", "11", "12", "13", "14"])
+@pytest.mark.parametrize("lesson", ["05", "08", "11", "12", "13", "14", "16"])
 def test_each_lessons_headline_figures_have_a_row_under_both_models(lesson, monkeypatch):
     bench = _before_after()
-    assert set(bench.LESSONS) == {"05", "08", "11", "12", "13", "14"}
+    assert set(bench.LESSONS) == {"05", "08", "11", "12", "13", "14", "16"}
     rows = {}
     for model in ("datasheet", "calibrated"):
         monkeypatch.setenv(cost.MODEL_ENV, model)
