@@ -9,7 +9,6 @@ import subprocess
 import sys
 import time
 
-import nbformat
 import pytest
 
 from pipelab import cli, hardware, launch
@@ -157,6 +156,8 @@ def test_a_detached_helper_neither_delays_nor_prints_later_and_lines_stay_apart(
 
 
 def write_notebook(path, cells, metadata=None):
+    import nbformat  # here, not above: every rank of this file's spawn() calls imports this file
+
     nb = nbformat.v4.new_notebook()
     nb.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3", "language": "python"}
     nb.metadata.update(metadata or {})
