@@ -47,17 +47,6 @@ if install_from_environment not in ON_START:  # once, whether imported or run as
     ON_START.append(install_from_environment)
     ON_FINISH.append(finished)
 
-
-def _in_a_notebook_kernel() -> bool:
-    """Whether this process is a Jupyter kernel (a lesson that imports this runs ranks soon)."""
-    ipython = sys.modules.get("IPython")
-    shell = ipython.get_ipython() if ipython is not None else None
-    return getattr(shell, "kernel", None) is not None
-
-
-if _in_a_notebook_kernel():  # its server's imports overlap the lesson's set-up (worker_server.start_ahead)
-    worker_server.start_ahead()
-
 _POLL_SECONDS = 0.01
 _GRACE_SECONDS = 2.0  # after a rank fails, the most we wait for its peers to exit with their errors
 _RENDEZVOUS_ATTEMPTS = 3  # tries to form the process group, each on a newly picked port

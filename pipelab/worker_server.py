@@ -4,7 +4,8 @@ A rank started as a fresh Python process first pays its imports: torch alone cos
 CPU on a small machine, more than most of a lesson's runs, and a course makes thousands of them.
 So on Linux without CUDA GPUs, `spawn` starts one server per caller (a notebook kernel, a test
 run) the first time it runs ranks (a notebook kernel starts it ahead, without waiting, when it
-imports pipelab.launch); the server imports once and forks each rank in milliseconds.
+imports the lessons' harness, pipelab.experiments); the server imports once and forks each rank
+in milliseconds.
 Forking the caller itself would copy a notebook kernel's threads half-way; the server is a fresh
 process that starts no threads, so its forks are clean. (On a CUDA machine every rank stays a
 fresh process: a fork must never inherit an initialised CUDA context, and fresh processes are
@@ -316,11 +317,21 @@ def _start_server() -> None:
 def start_ahead() -> None:
     """Start this caller's server now, without waiting for it, where ranks will be forked from one.
 
-    A notebook kernel calls this when it imports pipelab.launch: the server's imports (about 3 s
-    of CPU) then overlap the lesson's own set-up instead of delaying its first run of ranks."""
+    A notebook kernel calls this when it imports pipelab.experiments: the server's imports (about
+    3 s of CPU) then overlap the rest of the lesson's imports and set-up instead of delaying its
+    first run of ranks."""
     with _server_lock:
         if _server is None and not _cannot_serve and usable():
             _start_server()
+
+
+def start_ahead_in_a_notebook_kernel() -> None:
+    """`start_ahead` where this process is a Jupyter kernel: a lesson that imports the lessons'
+    harness runs ranks soon (a script or a test run starts its server at its first call)."""
+    ipython = sys.modules.get("IPython")
+    shell = ipython.get_ipython() if ipython is not None else None
+    if getattr(shell, "kernel", None) is not None:
+        start_ahead()
 
 
 def server_pid() -> int | None:
