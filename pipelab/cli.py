@@ -223,7 +223,7 @@ def exit_code(runs: list[NotebookRun]) -> int:
 
 def cmd_profiles(ns: argparse.Namespace) -> int:
     for path in select_notebooks(ns.notebooks, ns.folder):
-        profiles, needs = _read_parameters(path)[1], _read_needs(path)
+        profiles, needs = _read_profiles(path), _read_needs(path)
         print(path + ("" if profiles else ": no profiles"))
         width = max(map(len, profiles), default=0)
         for name, params in profiles.items():
@@ -231,6 +231,14 @@ def cmd_profiles(ns: argparse.Namespace) -> int:
             if name in needs:
                 print(f"  {' ' * width}  {needs[name]}")
     return 0
+
+
+def _read_profiles(path: str) -> dict[str, dict]:
+    """The notebook's profiles, read from its metadata alone (no papermill: listing them is quick)."""
+    try:
+        return notebook_profiles(path)
+    except Exception as e:  # noqa: BLE001 - any unreadable notebook is a usage error here
+        raise PlanError(f"cannot read the profiles of {path}: {e}") from e
 
 
 def cmd_doctor(ns: argparse.Namespace) -> int:
@@ -328,6 +336,16 @@ def calibrate_help() -> str:
     return HELP
 
 
+class _CalibrateParser(argparse.ArgumentParser):
+    """`pipelab calibrate`'s parser: its long help comes from pipelab.emulate, which imports torch,
+    so it is read only when shown; every other command (`--version`, `profiles`, `run`) starts
+    without torch."""
+
+    def format_help(self) -> str:
+        self.description = calibrate_help()
+        return super().format_help()
+
+
 def parser() -> argparse.ArgumentParser:
     from pipelab import __version__
 
@@ -360,9 +378,11 @@ def parser() -> argparse.ArgumentParser:
     doctor.add_argument("--world-size", type=int, default=2)
     doctor.set_defaults(func=cmd_doctor)
 
+    sub._parser_class = _CalibrateParser  # argparse has no per-subcommand class argument
     calibrate = sub.add_parser(
         "calibrate", help="measure this GPU and write the emulated device's spec as JSON",
-        formatter_class=argparse.RawDescriptionHelpFormatter, description=calibrate_help())
+        formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub._parser_class = argparse.ArgumentParser
     calibrate.add_argument("--out", metavar="FILE", help="where the JSON goes (default: $PIPELAB_CALIBRATION, "
                            "else ~/.cache/pipelab/calibration.json)")
     calibrate.set_defaults(func=cmd_calibrate)

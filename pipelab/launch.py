@@ -327,7 +327,9 @@ def _end_all(procs: list[RankProcess], pumps: list[_Pump]) -> None:
         try:
             os.killpg(p.pid, signal.SIGKILL)  # pid = process group id: started in a new session
         except (ProcessLookupError, PermissionError):
-            pass  # the group is empty already
+            # The group is empty already, or not formed yet: a rank the worker server forked an
+            # instant ago may not have called setsid. It is still ours (unreaped): kill it by pid.
+            p.kill()
     for p in procs:
         _reap(p)
     for pump in pumps:  # the ranks are gone: print what they left in the pipes, then stop

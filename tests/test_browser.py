@@ -74,9 +74,11 @@ def page():
         browser.close()
 
 
-def run_all_cells(page, url: str, notebook: str, shots, timeout_s: float = 180, until=None) -> None:
-    """Open a notebook in JupyterLab, run every cell, wait until the headline is shown (or the
-    locator `until(page)` is attached, and the kernel is idle again)."""
+def run_all_cells(page, url: str, notebook: str, shots, timeout_s: float = 180, until=None,
+                  through: str | None = None) -> None:
+    """Open a notebook in JupyterLab, run every cell (or, with `through`, the cells up to the last
+    one whose source contains it), wait until the headline is shown (or the locator `until(page)`
+    is attached, and the kernel is idle again)."""
     page.goto(f"{url}/lab/tree/{notebook}?reset")  # ?reset: a fresh workspace, only this notebook open
     page.wait_for_function("window.jupyterapp !== undefined", timeout=60_000)
     page.wait_for_function("([name]) => window.jupyterapp.shell.currentWidget?.context?.path === name",
@@ -85,7 +87,19 @@ def run_all_cells(page, url: str, notebook: str, shots, timeout_s: float = 180, 
     page.wait_for_function(
         "window.jupyterapp.shell.currentWidget?.sessionContext?.session?.kernel?.status === 'idle'",
         timeout=60_000)
-    page.evaluate("window.jupyterapp.commands.execute('notebook:run-all-cells')")
+    if through is None:
+        page.evaluate("window.jupyterapp.commands.execute('notebook:run-all-cells')")
+    else:  # select the cell after it, then "Run All Above Selected Cell"
+        found = page.evaluate("""([text]) => {
+            const notebook = window.jupyterapp.shell.currentWidget.content;
+            const sources = notebook.widgets.map(cell => cell.model.sharedModel.getSource());
+            const last = sources.map(s => s.includes(text)).lastIndexOf(true);
+            if (last < 0 || last + 1 >= sources.length) return false;
+            notebook.activeCellIndex = last + 1;
+            window.jupyterapp.commands.execute('notebook:run-all-above');
+            return true;
+        }""", [through])
+        assert found, f"{notebook} has no cell with {through!r} followed by another cell"
     try:
         if until is None:
             page.get_by_text("Headline:").wait_for(state="attached", timeout=timeout_s * 1000)
@@ -123,12 +137,13 @@ def test_split_size_slider_redraws_when_moved_with_the_keyboard(jupyterlab, page
     """Lesson 03's explorer: focus the split-size slider, press an arrow key; its label shows the
     next split size and the pipelined forward re-runs, so the timeline image changes.
 
-    It waits for the explorer, not the headline: the rest of the lesson after it is
-    tests/test_notebooks.py's to check. Each move re-runs three timed rounds."""
+    It runs the lesson up to the explorer and waits for it, not the headline: the rest of the lesson
+    after it is tests/test_notebooks.py's to check. Each move re-runs three timed rounds."""
     def explorers(p):
         return p.locator(".widget-vbox").filter(has=p.locator(".widget-hslider"))
 
-    run_all_cells(page, jupyterlab, "03_split_pipelining.ipynb", tmp_path, until=lambda p: explorers(p).first)
+    run_all_cells(page, jupyterlab, "03_split_pipelining.ipynb", tmp_path, until=lambda p: explorers(p).first,
+                  through="widgets.split_size_explorer(")
     explorer = explorers(page).last
     explorer.scroll_into_view_if_needed()
     image, label = explorer.locator("img"), explorer.locator(".widget-readout").first
@@ -149,9 +164,16 @@ def test_split_size_slider_redraws_when_moved_with_the_keyboard(jupyterlab, page
 
 
 def test_schedule_explorer_redraws_when_the_schedule_changes(jupyterlab, page, tmp_path):
-    """Lesson 07's explorer is a live ipywidget: picking another schedule redraws the timeline."""
-    run_all_cells(page, jupyterlab, "07_schedules_1f1b_interleaved_zero_bubble.ipynb", tmp_path, timeout_s=300)
-    explorer = page.locator(".widget-vbox").filter(has=page.locator("select")).last
+    """Lesson 07's explorer is a live ipywidget: picking another schedule redraws the timeline.
+
+    The lesson runs up to the explorer (the rest, torch's engine and the exercises, is
+    tests/test_notebooks.py's to check), so the kernel is free to answer the widget."""
+    def explorers(p):
+        return p.locator(".widget-vbox").filter(has=p.locator("select"))
+
+    run_all_cells(page, jupyterlab, "07_schedules_1f1b_interleaved_zero_bubble.ipynb", tmp_path, timeout_s=300,
+                  until=lambda p: explorers(p).first, through="widgets.schedule_explorer(")
+    explorer = explorers(page).last
     explorer.scroll_into_view_if_needed()
     image = explorer.locator("img")
     image.first.wait_for(state="visible", timeout=60_000)

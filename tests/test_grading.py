@@ -70,10 +70,12 @@ def test_a_class_with_a_broken_and_an_empty_notebook(tmp_path, monkeypatch, caps
 
 def test_a_hanging_notebook_is_stopped_and_named(tmp_path):
     notebook(tmp_path / "eve.ipynb", {"10_perplexity": "def my_perplexity(mb_losses, mb_tokens):\n    while True:\n        pass"})
-    results, problem = grading.grade_notebook(str(tmp_path / "eve.ipynb"), timeout=15)
+    # 5 s: past the grading process's start (torch's import) on a 2-core machine; a limit that is
+    # not enforced hangs here until pytest's timeout, one not named fails the message check
+    results, problem = grading.grade_notebook(str(tmp_path / "eve.ipynb"), timeout=5)
     assert problem is None
     passed, message = results["10_perplexity"]
-    assert not passed and "eve.ipynb did not finish within 15 s" in message
+    assert not passed and "eve.ipynb did not finish within 5 s" in message
 
 
 def test_an_answer_uses_a_helper_from_another_cell():

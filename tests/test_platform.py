@@ -9,7 +9,6 @@ import subprocess
 import sys
 import time
 
-import nbformat
 import pytest
 
 from pipelab import cli, hardware, launch
@@ -126,21 +125,30 @@ def test_a_full_tmpdir_is_named():
         spawn(full_disk, 2)
 
 
-def print_unfinished_and_detach(ctx):
+# The helper prints 3 s after it starts, when spawn has returned, then leaves its stamp (also when
+# the print fails on the closed pipe, as it should).
+LATE_HELPER = "import sys, time\ntime.sleep(3)\ntry:\n    print('late', flush=True)\nfinally:\n    open(sys.argv[1], 'w').close()"
+
+
+def print_unfinished_and_detach(ctx, stamp):
     print("z" * 5, end="", flush=True)  # no end of line
     if ctx.rank == 0:  # a helper that leaves the rank's process group but keeps its stdout
-        subprocess.Popen([sys.executable, "-c", "import time; time.sleep(6); print('late')"],
-                         start_new_session=True)
+        subprocess.Popen([sys.executable, "-c", LATE_HELPER, stamp], start_new_session=True)
     return ctx.rank
 
 
-def test_a_detached_helper_neither_delays_nor_prints_later_and_lines_stay_apart(capfd):
+def test_a_detached_helper_neither_delays_nor_prints_later_and_lines_stay_apart(capfd, tmp_path):
     import threading
 
     before = threading.active_count()
-    assert spawn(print_unfinished_and_detach, 2) == [0, 1]
+    stamp = tmp_path / "helper-done"
+    assert spawn(print_unfinished_and_detach, 2, str(stamp)) == [0, 1]
     assert threading.active_count() == before  # no output thread left behind
-    time.sleep(7)  # the helper has printed by now, into a closed pipe
+    deadline = time.monotonic() + 60
+    while not stamp.exists() and time.monotonic() < deadline:  # the helper has printed, into a closed pipe
+        time.sleep(0.05)
+    assert stamp.exists(), "the helper never finished"
+    time.sleep(0.2)  # where a reader still held the pipe, its line would be out by now
     out = capfd.readouterr().out
     assert "late" not in out
     lines = out.splitlines()
@@ -148,6 +156,8 @@ def test_a_detached_helper_neither_delays_nor_prints_later_and_lines_stay_apart(
 
 
 def write_notebook(path, cells, metadata=None):
+    import nbformat  # here, not above: every rank of this file's spawn() calls imports this file
+
     nb = nbformat.v4.new_notebook()
     nb.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3", "language": "python"}
     nb.metadata.update(metadata or {})

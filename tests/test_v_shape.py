@@ -7,7 +7,6 @@ import copy
 import pytest
 import torch
 from torch import nn
-from torch.distributed.pipelining import schedules as torch_schedules
 
 from pipelab.launch import spawn
 from pipelab.pipeline.actions import validate
@@ -16,6 +15,14 @@ from pipelab.pipeline.runtime import run_step
 from pipelab.pipeline.v_shape import Overlap, ScheduleDualPipeV, ScheduleLoopedBFS, ScheduleZBV, VSchedule
 
 SIZES = [(p, m) for p in (2, 3, 4) for m in range(1, 13)]
+
+
+def torch_schedules():
+    """torch's pipelining schedules, imported when a test compares with them: the ranks of
+    step_worker import this file, and would pay about 1.5 s of CPU each for them."""
+    from torch.distributed.pipelining import schedules
+
+    return schedules
 
 
 def torch_order(cls, p: int, m: int, v: int = 2) -> dict[int, list[str]]:
@@ -42,7 +49,7 @@ def flat(schedule):
 @pytest.mark.parametrize("p,m", SIZES)
 def test_zbv_plans_torchs_order_and_is_valid(p, m):
     ours = ScheduleZBV(p, m)
-    assert our_order(ours) == torch_order(torch_schedules.ScheduleZBVZeroBubble, p, m)
+    assert our_order(ours) == torch_order(torch_schedules().ScheduleZBVZeroBubble, p, m)
     validate(flat(ours))
 
 
@@ -53,7 +60,7 @@ def test_dualpipev_plans_torchs_order_or_refuses_as_torch_does(p, m):
             ScheduleDualPipeV(p, m)
         return
     ours = ScheduleDualPipeV(p, m)
-    assert our_order(ours) == torch_order(torch_schedules.ScheduleDualPipeV, p, m)
+    assert our_order(ours) == torch_order(torch_schedules().ScheduleDualPipeV, p, m)
     assert any(isinstance(a, Overlap) for acts in ours.actions for a in acts)
     validate(flat(ours))
 
@@ -62,7 +69,7 @@ def test_dualpipev_plans_torchs_order_or_refuses_as_torch_does(p, m):
 @pytest.mark.parametrize("p,m", SIZES)
 def test_looped_bfs_plans_torchs_order_and_is_valid(p, m, v):
     ours = ScheduleLoopedBFS(p, m, v)
-    assert our_order(ours) == torch_order(torch_schedules.ScheduleLoopedBFS, p, m, v)
+    assert our_order(ours) == torch_order(torch_schedules().ScheduleLoopedBFS, p, m, v)
     validate(ours)
 
 
