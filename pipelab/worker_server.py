@@ -3,9 +3,7 @@
 A rank started as a fresh Python process first pays its imports: torch alone costs about 3 s of
 CPU on a small machine, more than most of a lesson's runs, and a course makes thousands of them.
 So on Linux without CUDA GPUs, `spawn` starts one server per caller (a notebook kernel, a test
-run) the first time it runs ranks (a notebook kernel starts it ahead, without waiting, when it
-imports the lessons' harness, pipelab.experiments); the server imports once and forks each rank
-in milliseconds.
+run) the first time it runs ranks; the server imports once and forks each rank in milliseconds.
 Forking the caller itself would copy a notebook kernel's threads half-way; the server is a fresh
 process that starts no threads, so its forks are clean. (On a CUDA machine every rank stays a
 fresh process: a fork must never inherit an initialised CUDA context, and fresh processes are
@@ -209,14 +207,7 @@ class Server:
             stderr=subprocess.DEVNULL, start_new_session=True)
         theirs.close()
         self.sock, self.lock = ours, threading.Lock()
-        self._ready: bool | None = None  # said by the server once its imports are done
-
-    @property
-    def ready(self) -> bool:
-        """Whether it can fork ranks (no CUDA context after its imports); waits for its imports."""
-        if self._ready is None:
-            self._ready = self._receive().get("ready", False)
-        return self._ready
+        self.ready = self._receive().get("ready", False)
 
     def _receive(self) -> dict:
         data = self.sock.recv(_BUFSIZE)
@@ -298,40 +289,15 @@ def server() -> Server | None:
             _server.close()
             _server = None
         if _server is None:
-            _start_server()
-        if not _server.ready:  # waits for a server started ahead (start_ahead) to finish its imports
-            _cannot_serve = True
-            _server.close()
-            _server = None
+            import atexit
+
+            _server = Server()
+            atexit.register(_close_server)
+            if not _server.ready:
+                _cannot_serve = True
+                _server.close()
+                _server = None
         return _server
-
-
-def _start_server() -> None:
-    global _server
-    import atexit
-
-    _server = Server()
-    atexit.register(_close_server)
-
-
-def start_ahead() -> None:
-    """Start this caller's server now, without waiting for it, where ranks will be forked from one.
-
-    A notebook kernel calls this when it imports pipelab.experiments: the server's imports (about
-    3 s of CPU) then overlap the rest of the lesson's imports and set-up instead of delaying its
-    first run of ranks."""
-    with _server_lock:
-        if _server is None and not _cannot_serve and usable():
-            _start_server()
-
-
-def start_ahead_in_a_notebook_kernel() -> None:
-    """`start_ahead` where this process is a Jupyter kernel: a lesson that imports the lessons'
-    harness runs ranks soon (a script or a test run starts its server at its first call)."""
-    ipython = sys.modules.get("IPython")
-    shell = ipython.get_ipython() if ipython is not None else None
-    if getattr(shell, "kernel", None) is not None:
-        start_ahead()
 
 
 def server_pid() -> int | None:

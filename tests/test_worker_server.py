@@ -75,26 +75,3 @@ def test_one_server_starts_every_rank_of_a_call(monkeypatch):
     monkeypatch.setattr(worker_server, "server", counted)
     assert spawn(rank_of, 3) == [0, 1, 2]
     assert len(asked) == 1
-
-
-def test_a_notebook_kernel_starts_its_server_when_it_imports_the_lessons_harness(tmp_path):
-    """In a kernel, importing pipelab.experiments starts the server without waiting for it: its
-    imports overlap the lesson's set-up, and the first ranks are forked from that same server."""
-    if os.environ.get("PIPELAB_FRESH_WORKERS") == "1":
-        pytest.skip("PIPELAB_FRESH_WORKERS=1 turns the server off")
-    import nbformat
-
-    from pipelab.batch import run_notebook
-
-    nb = nbformat.v4.new_notebook()
-    nb.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3", "language": "python"}
-    nb.cells = [nbformat.v4.new_code_cell(src) for src in [
-        "x = 1",
-        "import pipelab\nfrom pipelab import worker_server\nimport pipelab.experiments\n"
-        "ahead = worker_server.server_pid()\nassert ahead is not None, 'no server started on import'",
-        "import os\nfrom pipelab.launch import spawn\nassert spawn(lambda ctx: os.getppid(), 2) == [ahead, ahead]\n"
-        "pipelab.headline('forked from the server started ahead', 1)"]]
-    nb.cells[0].metadata["tags"] = ["parameters"]
-    nbformat.write(nb, str(tmp_path / "ahead.ipynb"))
-    run = run_notebook(str(tmp_path / "ahead.ipynb"), str(tmp_path / "build"))
-    assert run.status == "ok", run.error + run.traceback

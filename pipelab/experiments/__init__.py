@@ -17,13 +17,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Callable, ClassVar, Mapping, Sequence, TypeVar
 
-from pipelab import worker_server
 from pipelab.checks import positive_number, ranks_fit
 from pipelab.emulate import Emulated, node_name, node_of, size_of
-
-# A notebook kernel that imports the lessons' harness runs ranks soon: start their server now, so
-# that its imports overlap the lesson's own (worker_server.start_ahead).
-worker_server.start_ahead_in_a_notebook_kernel()
 
 R = TypeVar("R")
 
