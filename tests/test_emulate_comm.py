@@ -242,3 +242,24 @@ def test_messages_last_their_emulated_size():
 
     one_way = message_seconds(1e6, parse_node(NODE).link)
     assert spawn(scaled_ping_pong, 2, emulate=NODE) == pytest.approx([2 * one_way] * 2, rel=1e-12)
+
+
+def test_a_receive_broken_by_a_peer_that_left_after_reporting_the_deadlock_raises_that_report():
+    """The peer that found the deadlock first raises it and exits, closing its connections: this rank's
+    receive then fails with gloo's "Connection closed by peer" before its own watchdog has read the
+    report. The rank must raise the report (the cause), not the transport error (its echo)."""
+    from pipelab.emulate.comm import Rule
+    from pipelab.emulate.queues import Op
+
+    store = dist.HashStore()
+    rule = Rule(0, 2, clock=None, store=store)
+    op = Op("recv", torch.empty(4), 0.0, 1, "channel 0<->1", peer=1)
+    op.error = RuntimeError("Connection closed by peer [127.0.0.1]:54940")
+    op.done.set()
+    with pytest.raises(RuntimeError, match="Connection closed by peer") as plain:
+        rule.wait(op)  # no rank reported a deadlock: the transport error is the story
+    assert not isinstance(plain.value, DeadlockError)
+    store.set(deadlock._FOUND, "rank 0 waits for its receive from rank 1 (op 1 on channel 0<->1)")
+    with pytest.raises(DeadlockError, match="rank 0 waits for its receive from rank 1"):
+        rule.wait(op)
+    rule.watchdog.finish()

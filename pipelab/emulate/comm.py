@@ -142,6 +142,8 @@ class Rule:
                         raise self.deadlock
             finally:
                 self.watchdog.wait_ends()
+        if op.error is not None and self.deadlock is None:  # a peer that found the deadlock may have left
+            self.deadlock = self.watchdog.found_elsewhere()
         if op.error is not None and self.deadlock is not None:  # the deadlock is the cause, not its echo
             raise self.deadlock
         if op.error is not None:

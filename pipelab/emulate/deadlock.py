@@ -64,6 +64,16 @@ class Watchdog:
         if self.store is not None:
             self.publish()
 
+    def found_elsewhere(self) -> DeadlockError | None:
+        """The deadlock another rank reported, if one did. A rank that raised it may already have
+        left, closing its connections: its peers' operations then fail, and this says why."""
+        try:
+            if self.store is not None and self.store.check([_FOUND]):
+                return DeadlockError(self.store.get(_FOUND).decode())
+        except Exception:  # noqa: BLE001 - the store is gone with the rank that hosted it
+            pass
+        return None
+
     def state(self) -> dict:
         if self.finished:
             return {"state": "finished"}
